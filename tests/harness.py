@@ -1,0 +1,258 @@
+"""The one multi-process test harness: run a function on N ranks over gloo, never hang.
+
+    from tests.harness import run_distributed
+
+    def body(rank: int, world_size: int, scale: float) -> float:   # module level: it is pickled by name
+        t = torch.ones(1) * rank * scale
+        dist.all_reduce(t)
+        return t.item()
+
+    def test_sum():
+        assert run_distributed(body, world_size=2, args=(2.0,)) == [2.0, 2.0]
+
+Workers are spawned once per world size and reused by every test (spawning costs seconds); each call
+gets a fresh default process group on a free loopback port, torn down afterwards. A failing rank fails
+the test with every rank's traceback; a rank that does not finish within ``timeout`` seconds fails it
+with the stacks of the hanging ranks (dumped through faulthandler), and the pool is replaced.
+"""
+
+from __future__ import annotations
+
+import atexit
+import contextlib
+import datetime
+import faulthandler
+import io
+import multiprocessing as mp
+import os
+import queue
+import signal
+import socket
+import sys
+import tempfile
+import time
+import traceback
+from collections.abc import Callable, Iterator
+from dataclasses import dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+DEFAULT_TIMEOUT = float(os.environ.get("DS_TEST_TIMEOUT", "120"))
+FAILURE_GRACE = 5.0  # seconds the other ranks get to finish once one rank has failed
+
+
+class DistributedTestError(AssertionError):
+    """One or more ranks raised, died or hung; the message holds every rank's story."""
+
+
+def free_port() -> int:
+    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.bind(("127.0.0.1", 0))
+        return int(s.getsockname()[1])
+
+
+@dataclass
+class _Task:
+    task_id: int
+    fn: Callable[..., Any]
+    args: tuple[Any, ...]
+    kwargs: dict[str, Any]
+    port: int
+    timeout: float
+    init_process_group: bool
+    env: dict[str, str]
+
+
+def _dumps(value: Any) -> bytes:
+    buf = io.BytesIO()
+    torch.save(value, buf)
+    return buf.getvalue()
+
+
+@contextlib.contextmanager
+def _patched_env(env: dict[str, str]) -> Iterator[None]:
+    saved = {k: os.environ.get(k) for k in env}
+    os.environ.update(env)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
+def _worker_main(rank: int, world_size: int, tasks: Any, results: Any, sys_path: list[str], stack_file: str) -> None:
+    sys.path[:] = sys_path
+    # The parent sends SIGUSR1 to a rank that hangs; faulthandler writes every thread's stack here.
+    stack_out = open(stack_file, "w")  # noqa: SIM115 - lives as long as the worker
+    faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
+    torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    while True:
+        task = tasks.get()
+        if task is None:
+            return
+        env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
+               "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(task.port)}
+        env.update(task.env)
+        with _patched_env(env):
+            try:
+                if task.init_process_group:
+                    dist.init_process_group(
+                        "gloo",
+                        init_method=f"tcp://127.0.0.1:{task.port}",
+                        rank=rank,
+                        world_size=world_size,
+                        timeout=datetime.timedelta(seconds=task.timeout),
+                    )
+                value = task.fn(rank, world_size, *task.args, **task.kwargs)
+                results.put((task.task_id, rank, True, _dumps(value)))
+            except BaseException:
+                results.put((task.task_id, rank, False, traceback.format_exc()))
+            finally:
+                if dist.is_initialized():
+                    dist.destroy_process_group()
+
+
+class WorkerPool:
+    """``world_size`` spawned processes that run tasks until closed."""
+
+    def __init__(self, world_size: int) -> None:
+        ctx = mp.get_context("spawn")
+        self.world_size = world_size
+        self._stack_dir = tempfile.mkdtemp(prefix="ds_harness_")
+        self._tasks = [ctx.Queue() for _ in range(world_size)]
+        self._results = ctx.Queue()
+        self._next_id = 0
+        self.procs = [
+            ctx.Process(
+                target=_worker_main,
+                args=(r, world_size, self._tasks[r], self._results, list(sys.path), self._stack_path(r)),
+                daemon=True,
+                name=f"ds-test-rank{r}",
+            )
+            for r in range(world_size)
+        ]
+        for p in self.procs:
+            p.start()
+
+    def _stack_path(self, rank: int) -> str:
+        return str(Path(self._stack_dir) / f"rank{rank}.stack")
+
+    def alive(self) -> bool:
+        return all(p.is_alive() for p in self.procs)
+
+    def run(
+        self,
+        fn: Callable[..., Any],
+        args: tuple[Any, ...],
+        kwargs: dict[str, Any],
+        timeout: float,
+        init_process_group: bool,
+        env: dict[str, str],
+    ) -> tuple[list[Any], bool]:
+        """Return (per-rank results, pool still usable)."""
+        self._next_id += 1
+        task = _Task(self._next_id, fn, args, kwargs, free_port(), timeout, init_process_group, env)
+        for q in self._tasks:
+            q.put(task)
+        done: dict[int, tuple[bool, Any]] = {}
+        deadline = time.monotonic() + timeout
+        while len(done) < self.world_size and time.monotonic() < deadline:
+            try:
+                task_id, rank, ok, payload = self._results.get(timeout=0.2)
+            except queue.Empty:
+                dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in done]
+                for r in dead:
+                    done[r] = (False, f"rank {r} died with exit code {self.procs[r].exitcode}")
+                continue
+            if task_id != task.task_id:
+                continue  # a late answer from a task that already failed
+            done[rank] = (ok, payload)
+            if not ok:
+                deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
+        hanging = [r for r in range(self.world_size) if r not in done]
+        failed = {r: payload for r, (ok, payload) in sorted(done.items()) if not ok}
+        if not hanging and not failed:
+            return [torch.load(io.BytesIO(done[r][1]), weights_only=False) for r in range(self.world_size)], True
+        raise DistributedTestError(self._report(fn, failed, hanging, timeout))
+
+    def _report(self, fn: Callable[..., Any], failed: dict[int, str], hanging: list[int], timeout: float) -> str:
+        lines = [f"{getattr(fn, '__qualname__', fn)} on {self.world_size} ranks:"]
+        for r, tb in failed.items():
+            lines.append(f"--- rank {r} raised ---\n{tb}")
+        if hanging:
+            for r in hanging:
+                with contextlib.suppress(ProcessLookupError):
+                    if self.procs[r].pid is not None:
+                        os.kill(self.procs[r].pid, signal.SIGUSR1)
+            time.sleep(1.0)
+            reason = "after another rank failed" if failed else f"within the {timeout:.0f}s timeout"
+            lines.append(f"--- ranks {hanging} did not finish {reason} (hanging); their stacks: ---")
+            for r in hanging:
+                stack = Path(self._stack_path(r)).read_text(errors="replace")[-4000:]
+                lines.append(f"[rank {r}]\n{stack}")
+        return "\n".join(lines)
+
+    def close(self) -> None:
+        for q in self._tasks:
+            with contextlib.suppress(Exception):
+                q.put(None)
+        for p in self.procs:
+            p.join(timeout=2)
+            if p.is_alive():
+                p.kill()
+                p.join(timeout=5)
+
+    def kill(self) -> None:
+        for p in self.procs:
+            if p.is_alive():
+                p.kill()
+        for p in self.procs:
+            p.join(timeout=5)
+
+
+_pools: dict[int, WorkerPool] = {}
+
+
+def run_distributed(
+    fn: Callable[..., Any],
+    world_size: int = 2,
+    args: tuple[Any, ...] = (),
+    kwargs: dict[str, Any] | None = None,
+    timeout: float = DEFAULT_TIMEOUT,
+    init_process_group: bool = True,
+    env: dict[str, str] | None = None,
+) -> list[Any]:
+    """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the per-rank results.
+
+    ``fn`` must be importable by name (module level). With ``init_process_group`` the default gloo group
+    is ready when ``fn`` starts; otherwise RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are set in the
+    environment for ``fn`` to use. ``env`` adds variables for this call only.
+    """
+    pool = _pools.get(world_size)
+    if pool is None or not pool.alive():
+        if pool is not None:
+            pool.kill()
+        pool = _pools[world_size] = WorkerPool(world_size)
+    try:
+        results, _ = pool.run(fn, args, kwargs or {}, timeout, init_process_group, env or {})
+    except DistributedTestError:
+        # Ranks may be stuck in a collective: replace the whole pool rather than reuse it.
+        pool.kill()
+        _pools.pop(world_size, None)
+        raise
+    return results
+
+
+def shutdown_pools() -> None:
+    for pool in _pools.values():
+        pool.close()
+    _pools.clear()
+
+
+atexit.register(shutdown_pools)
