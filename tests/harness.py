@@ -96,8 +96,14 @@ def _worker_main(rank: int, world_size: int, tasks: Any, results: Any, sys_path:
         task = tasks.get()
         if task is None:
             return
-        env = {"RANK": str(rank), "WORLD_SIZE": str(world_size), "LOCAL_RANK": str(rank),
-               "LOCAL_WORLD_SIZE": str(world_size), "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": str(task.port)}
+        env = {
+            "RANK": str(rank),
+            "WORLD_SIZE": str(world_size),
+            "LOCAL_RANK": str(rank),
+            "LOCAL_WORLD_SIZE": str(world_size),
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(task.port),
+        }
         env.update(task.env)
         with _patched_env(env):
             try:

@@ -10,7 +10,7 @@ import time
 import torch
 
 from ds_strategy.ops import builder
-from ds_strategy.ops.isa import ISAS, ISA_ENV
+from ds_strategy.ops.isa import ISA_ENV, ISAS
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -25,8 +25,10 @@ def main(argv: list[str] | None = None) -> int:
         print(builder.cache_root())
         return 0
     if builder.compiler() is None:
-        print(f"error: no C++ compiler found (CXX={os.environ.get('CXX', 'c++')}); install g++ or clang++",
-              file=sys.stderr)
+        print(
+            f"error: no C++ compiler found (CXX={os.environ.get('CXX', 'c++')}); install g++ or clang++",
+            file=sys.stderr,
+        )
         return 1
     specs = [builder.cpu_spec(args.isa)]
     if torch.version.cuda is not None and torch.cuda.is_available():

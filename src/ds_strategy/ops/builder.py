@@ -26,6 +26,7 @@ import warnings
 from dataclasses import dataclass, field
 from functools import cache
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -167,8 +168,14 @@ def build_library(spec: LibrarySpec, root: Path | None = None, verbose: bool = F
         try:
             _compile(spec, tmp, verbose)
             seconds = time.monotonic() - start
-            info = {"name": spec.name, "isa": spec.isa, "torch": torch.__version__, "seconds": round(seconds, 2),
-                    "sources": [str(p.relative_to(spec.root)) for p in spec.sources], "pid": os.getpid()}
+            info = {
+                "name": spec.name,
+                "isa": spec.isa,
+                "torch": torch.__version__,
+                "seconds": round(seconds, 2),
+                "sources": [str(p.relative_to(spec.root)) for p in spec.sources],
+                "pid": os.getpid(),
+            }
             (tmp / "build_info.json").write_text(json.dumps(info, indent=2), encoding="utf-8")
             shutil.rmtree(final_dir, ignore_errors=True)
             os.replace(tmp, final_dir)
@@ -188,19 +195,19 @@ def _compile(spec: LibrarySpec, build_dir: Path, verbose: bool) -> None:
         raise KernelBuildError(f"no sources for {spec.name} under {spec.root}")
     build = cpp_extension._write_ninja_file_and_build_library
     accepted = inspect.signature(build).parameters
-    kwargs: dict[str, object] = dict(
-            name=spec.name,
-            sources=[str(s) for s in spec.sources],
-            extra_cflags=list(spec.cflags),
-            extra_cuda_cflags=list(spec.cuda_cflags),
-            extra_sycl_cflags=[],
-            extra_ldflags=list(spec.ldflags),
-            extra_include_paths=[str(spec.root)],
-            build_directory=str(build_dir),
-            verbose=verbose,
-            with_cuda=spec.with_cuda,
-            with_sycl=False,
-            is_standalone=False,
+    kwargs: dict[str, Any] = dict(
+        name=spec.name,
+        sources=[str(s) for s in spec.sources],
+        extra_cflags=list(spec.cflags),
+        extra_cuda_cflags=list(spec.cuda_cflags),
+        extra_sycl_cflags=[],
+        extra_ldflags=list(spec.ldflags),
+        extra_include_paths=[str(spec.root)],
+        build_directory=str(build_dir),
+        verbose=verbose,
+        with_cuda=spec.with_cuda,
+        with_sycl=False,
+        is_standalone=False,
     )
     try:
         build(**{k: v for k, v in kwargs.items() if k in accepted})

@@ -1,0 +1,1 @@
+"""Benchmarks against peers (torch DDP / FSDP2 / fused optimizers, DeepSpeed when installed)."""

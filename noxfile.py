@@ -1,0 +1,62 @@
+"""Sessions for ds_strategy: `nox -l` lists them, `nox -s tests` runs the whole suite.
+
+Every session installs torch==2.13.0 (a CPU build where the index has one) so that an unpinned torch
+does not pull a multi-GB CUDA build. Ask for another build with DS_STRATEGY_TORCH, e.g.
+``DS_STRATEGY_TORCH="torch==2.5.1" nox -s tests`` or, for CUDA wheels,
+``DS_STRATEGY_TORCH="torch==2.13.0 --index-url https://download.pytorch.org/whl/cu128"``.
+"""
+
+from __future__ import annotations
+
+import os
+import shlex
+
+import nox
+
+nox.options.sessions = ["tests"]
+nox.options.reuse_venv = "yes"
+
+TORCH = shlex.split(os.environ.get("DS_STRATEGY_TORCH", "torch==2.13.0"))
+SOURCES = ["src", "tests", "benchmarks", "noxfile.py", "setup.py"]
+
+
+def _install(session: nox.Session, extras: str = "") -> None:
+    session.install(*TORCH)
+    session.install(f".{extras}")
+
+
+@nox.session
+def tests(session: nox.Session) -> None:
+    """Run the whole test suite (unit, kernels, multi-process, Lightning) on this machine's CPU."""
+    _install(session, "[test]")
+    session.run("python", "-m", "ds_strategy.ops", "build")  # one warm kernel cache for every test process
+    session.run("python", "-m", "pytest", "tests", "-q", *session.posargs, env={"DS_STRATEGY_REQUIRE_KERNELS": "1"})
+
+
+@nox.session
+def demo(session: nox.Session) -> None:
+    """The main job: a small GPT trained on 2 CPU processes, with a summary table at the end."""
+    _install(session, "[docs]")
+    session.run("python", "-m", "ds_strategy.demo", *session.posargs)
+
+
+@nox.session
+def bench(session: nox.Session) -> None:
+    """Every benchmark beside its peers in one run; results in benchmarks/results/ (JSON, markdown, PNG)."""
+    _install(session, "[bench]")
+    session.run("python", "-m", "benchmarks.run_all", *session.posargs)
+
+
+@nox.session
+def lint(session: nox.Session) -> None:
+    """ruff over the sources, tests, benchmarks and build files."""
+    session.install("ruff>=0.6")
+    session.run("ruff", "check", *SOURCES)
+    session.run("ruff", "format", "--check", *SOURCES)
+
+
+@nox.session
+def typecheck(session: nox.Session) -> None:
+    """mypy (strict about untyped defs) on src/ds_strategy."""
+    _install(session, "[lint]")
+    session.run("mypy", "src/ds_strategy")
