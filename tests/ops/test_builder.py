@@ -144,3 +144,18 @@ def test_cli_build_reports_cached_library(cpu_kernels: bool) -> None:
     )
     assert result.returncode == 0, result.stderr
     assert "ds_strategy_cpu" in result.stdout and "cached" in result.stdout
+
+
+def test_key_does_not_depend_on_where_the_sources_live(tmp_path: Path) -> None:
+    # The repository's csrc/ and an installed wheel's ds_strategy/_csrc/ must share one cache entry.
+    a = _tiny_spec(tmp_path / "a")
+    b = _tiny_spec(tmp_path / "b")
+    assert a.key() == b.key()
+
+
+def test_warm_load_is_fast(cpu_kernels: bool) -> None:
+    code = "import time; t = time.perf_counter(); from ds_strategy.ops import load_cpu_kernels; "
+    code += "assert load_cpu_kernels(); print(time.perf_counter() - t)"
+    result = _run(code, {})
+    assert result.returncode == 0, result.stderr
+    assert float(result.stdout) < 1.0

@@ -97,7 +97,9 @@ class LibrarySpec:
         for path in sorted(p for p in self.root.rglob("*") if p.suffix in _SOURCE_SUFFIXES):
             h.update(str(path.relative_to(self.root)).encode())
             h.update(path.read_bytes())
-        for part in (self.name, *map(str, self.sources), *self.cflags, *self.ldflags, *self.cuda_cflags):
+        # Relative paths only: the repository's csrc/ and a wheel's _csrc/ must share one cache entry.
+        sources = [str(p.relative_to(self.root)) for p in self.sources]
+        for part in (self.name, *sources, *self.cflags, *self.ldflags, *self.cuda_cflags):
             h.update(part.encode())
         for part in self.extra_hash_inputs:
             h.update(part.encode())
