@@ -1,0 +1,126 @@
+"""Cross-field rules the schema cannot express, plus the advisory warnings about a config.
+
+Runs on the resolved, default-filled dict, defensively: values of the wrong type were already reported
+by the schema, so a rule whose inputs are malformed is skipped rather than reported twice.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+from .errors import ConfigProblem, format_value
+from .schema import Schema, child_schema, resolve
+
+IMPLEMENTED_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "Lion", "SGD")
+
+
+def _section(parent: Any, key: str) -> dict[str, Any]:
+    value = parent.get(key) if isinstance(parent, dict) else None
+    return value if isinstance(value, dict) else {}
+
+
+def cross_checks(config: dict[str, Any]) -> list[ConfigProblem]:
+    problems: list[ConfigProblem] = []
+    if _section(config, "fp16").get("enabled") is True and _section(config, "bf16").get("enabled") is True:
+        problems.append(
+            ConfigProblem("bf16.enabled", "fp16.enabled and bf16.enabled are both true; enable at most one")
+        )
+
+    zero = _section(config, "zero_optimization")
+    stage = zero.get("stage") if zero.get("stage") in (0, 1, 2, 3) else None
+    param = _section(zero, "offload_param")
+    optim = _section(zero, "offload_optimizer")
+    param_device, optim_device = param.get("device"), optim.get("device")
+    if stage is not None and param_device in ("cpu", "nvme") and stage != 3:
+        problems.append(
+            ConfigProblem(
+                "zero_optimization.offload_param.device",
+                f"parameter offload ({format_value(param_device)}) needs ZeRO stage 3, but zero_optimization.stage is "
+                f"{stage}; use offload_optimizer for stages 1-2",
+            )
+        )
+    if stage is not None and optim_device in ("cpu", "nvme"):
+        if stage == 0:
+            problems.append(
+                ConfigProblem(
+                    "zero_optimization.offload_optimizer.device",
+                    f"optimizer offload ({format_value(optim_device)}) needs ZeRO stage 1, 2 or 3, but "
+                    "zero_optimization.stage is 0",
+                )
+            )
+        elif optim_device == "nvme" and stage != 3:
+            problems.append(
+                ConfigProblem(
+                    "zero_optimization.offload_optimizer.device",
+                    f'"nvme" optimizer offload needs ZeRO stage 3, but zero_optimization.stage is {stage}; use "cpu"',
+                )
+            )
+        ratio = optim.get("ratio")
+        if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and ratio < 1 and stage != 3:
+            problems.append(
+                ConfigProblem(
+                    "zero_optimization.offload_optimizer.ratio",
+                    f"partial optimizer offload (ratio {ratio}) needs ZeRO stage 3, "
+                    f"but zero_optimization.stage is {stage}",
+                )
+            )
+    for name, section in (("offload_param", param), ("offload_optimizer", optim)):
+        if section.get("device") == "nvme" and not section.get("nvme_path"):
+            problems.append(ConfigProblem(f"zero_optimization.{name}.nvme_path", 'is required when device is "nvme"'))
+    return problems
+
+
+def advisories(config: dict[str, Any]) -> list[str]:
+    """Loadable but worth a warning: optimizer types ds_strategy cannot build, clipping in the wrong place."""
+    notes: list[str] = []
+    optimizer = _section(config, "optimizer")
+    kind = optimizer.get("type")
+    if isinstance(kind, str) and kind not in IMPLEMENTED_OPTIMIZERS:
+        notes.append(
+            f"optimizer.type {kind!r} is a DeepSpeed optimizer that ds_strategy does not implement; pass your own "
+            f"optimizer (Lightning: configure_optimizers; initialize(optimizer=...)) or use one of "
+            f"{', '.join(IMPLEMENTED_OPTIMIZERS)}"
+        )
+    params = _section(optimizer, "params")
+    if "max_grad_norm" in params:
+        notes.append(
+            f"optimizer.params.max_grad_norm ({format_value(params['max_grad_norm'])}) is not applied; "
+            "set the top-level gradient_clipping instead"
+        )
+    return notes
+
+
+def split_ignored(config: dict[str, Any], node: Schema, path: str = "") -> dict[str, tuple[Any, bool]]:
+    """Remove ``x-ignored`` keys from ``config`` (in place); return path -> (value, active).
+
+    ``active`` means the value asks for something: it differs from the schema default and is not a
+    disabled section (``{"enabled": false}``). Only active ones deserve a warning.
+    """
+    node = resolve(node)
+    out: dict[str, tuple[Any, bool]] = {}
+    for key in list(config):
+        child = child_schema(node, key, config)
+        if child is None:
+            continue
+        full = f"{path}.{key}" if path else key
+        value = config[key]
+        if child.get("x-ignored"):
+            out[full] = (config.pop(key), _is_active(value, child))
+        elif isinstance(value, dict) and full not in ("optimizer.params", "scheduler.params"):
+            out.update(split_ignored(value, child, full))
+    return out
+
+
+def _is_active(value: Any, node: Mapping[str, Any]) -> bool:
+    if "default" in node and value == node["default"]:
+        return False
+    return _asks_for_something(value)
+
+
+def _asks_for_something(value: Any) -> bool:
+    if isinstance(value, dict):
+        if "enabled" in value:
+            return value["enabled"] not in (False, None, "false", "False")
+        return any(_asks_for_something(v) for v in value.values())
+    return value not in (None, False, "", []) and value != "false"

@@ -1,0 +1,187 @@
+"""Generate docs/config.md from the schema: ``python -m ds_strategy.config.docgen > docs/config.md``.
+
+A test regenerates the text and fails when the committed file is stale, so the reference can never
+drift from what ``load_config`` accepts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from pathlib import Path
+from typing import Any
+
+from .batch import EQUATION
+from .checks import IMPLEMENTED_OPTIMIZERS
+from .normalize import LEGACY_FORMS
+from .schema import describe, load_schema, resolve, walk_properties
+
+REGENERATE = "python -m ds_strategy.config.docgen > docs/config.md"
+
+
+def _cell(text: str) -> str:
+    return text.replace("|", "\\|").replace("\n", " ")
+
+
+def _default(node: dict[str, Any]) -> str:
+    if "default" not in node:
+        return ""
+    value = node["default"]
+    text = f"`{json.dumps(value)}`"
+    if isinstance(value, int) and not isinstance(value, bool) and value >= 10**6:
+        mantissa, exponent = f"{value:e}".split("e")
+        mantissa = mantissa.rstrip("0").rstrip(".")
+        if float(mantissa) * 10 ** int(exponent) == value:
+            text += f" ({mantissa}e{int(exponent)})"
+    return text
+
+
+def _table(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
+    lines = ["| key | accepts | default | description |", "| --- | --- | --- | --- |"]
+    for key, node in rows:
+        description = node.get("description", "")
+        if node.get("x-ignored"):
+            description = f"*Accepted, ignored.* {description}"
+        if "x-auto" in node:
+            description += f' "auto": {node["x-auto"]}'
+        accepts = "an object" if "properties" in node else describe(node)
+        lines.append(f"| `{key}` | {_cell(accepts)} | {_cell(_default(node))} | {_cell(description.strip())} |")
+    return lines
+
+
+def _section(title: str, node: dict[str, Any], intro: str | None = None) -> list[str]:
+    lines = [f"## `{title}`", ""]
+    text = intro or node.get("description")
+    if text:
+        lines += [text, ""]
+    rows = [(key, resolve(prop)) for key, prop in node.get("properties", {}).items()]
+    lines += _table(rows)
+    lines.append("")
+    return lines
+
+
+def _params_sections(owner: str, node: dict[str, Any]) -> list[str]:
+    lines: list[str] = []
+    for clause in node.get("allOf", []):
+        condition = clause["if"]["properties"]["type"]
+        names = condition.get("enum", [condition.get("const")])
+        params = resolve(clause["then"]["properties"]["params"])
+        required = params.get("required", [])
+        lines += [f"### `{owner}.params` for {', '.join(f'`{n}`' for n in names)}", ""]
+        if required:
+            lines += ["Required: " + ", ".join(f"`{r}`" for r in required) + ".", ""]
+        lines += _table([(key, resolve(prop)) for key, prop in params.get("properties", {}).items()])
+        lines.append("")
+    return lines
+
+
+def render_markdown() -> str:
+    schema = load_schema()
+    top = resolve(schema)
+    lines = [
+        "# DeepSpeed config reference",
+        "",
+        "<!-- Generated from src/ds_strategy/config/ds_config.schema.json; do not edit. Regenerate with:",
+        f"     {REGENERATE} -->",
+        "",
+        "`ds_strategy.config.load_config(config, *, world_size=None, context=None)` accepts a dict, a path to a JSON "
+        "file (or JSON text) or a `DeepSpeedConfig`, validates it once against the JSON Schema shipped in the "
+        "package, and returns frozen dataclasses whose field names are the keys below. Every problem of a config "
+        "is reported together, each naming its JSON path, the value and what would be valid; unknown keys get a "
+        "did-you-mean suggestion.",
+        "",
+        "Defaults follow DeepSpeed's code where its documentation differs (`overlap_comm`, `gradient_clipping`, "
+        "`steps_per_print`, `stage3_prefetch_bucket_size`).",
+        "",
+        "## Batch size arithmetic",
+        "",
+        f"`{EQUATION}`, with `world_size` the data-parallel world size. Any two of the three batch values "
+        "determine the third. Only `train_batch_size`: `gradient_accumulation_steps` is 1. Only the micro batch: "
+        "`gradient_accumulation_steps` is 1. A contradiction, or a derived value that is not a positive integer, "
+        "is an error that prints the equation with the numbers. Without a world size the triple stays unresolved "
+        "(`DeepSpeedConfig.batch` raises) until `load_config(cfg, world_size=...)` or `cfg.resolve(...)`.",
+        "",
+        '## "auto" values and the context',
+        "",
+        '`"auto"` is resolved from a `ConfigContext` (filled by the Lightning strategy from the Trainer, or by '
+        "`initialize()` from its arguments): `micro_batch_size`, `gradient_accumulation_steps`, `gradient_clipping`, "
+        "`precision`, `world_size`, `hidden_size`, `optimizer_params`, `scheduler_params`. An absent value counts "
+        'as `"auto"`. When the config gives a value explicitly and the context disagrees, `context.on_conflict` '
+        'decides: `"error"` (default) raises, `"prefer_config"` / `"prefer_context"` keep one and emit a '
+        '`ConfigConflictWarning` naming the winner. Other `"auto"` values fall back to the default, except in '
+        '`optimizer.params` and `scheduler.params`, which stay `"auto"` (see `OptimizerConfig.unresolved`).',
+        "",
+        "| key | resolved from |",
+        "| --- | --- |",
+    ]
+    for path, _key, node in walk_properties(schema):
+        if "x-auto" in node:
+            lines.append(f"| `{path}` | {_cell(node['x-auto'])} |")
+    lines += ["", "## Top level", ""]
+    scalars = [(k, resolve(p)) for k, p in top["properties"].items()]
+    lines += _table(
+        [(k, n) for k, n in scalars if "properties" not in n and not (n.get("x-ignored") and n.get("type") == "object")]
+    )
+    lines.append("")
+
+    for key, prop in top["properties"].items():
+        node = resolve(prop)
+        if "properties" not in node:
+            continue
+        lines += _section(key, node)
+        for sub_key, sub_prop in node["properties"].items():
+            sub = resolve(sub_prop)
+            if "properties" in sub and not sub.get("x-ignored"):
+                lines += _section(f"{key}.{sub_key}", sub)
+        if key == "optimizer":
+            implemented = ", ".join(f"`{n}`" for n in IMPLEMENTED_OPTIMIZERS)
+            lines += [f"ds_strategy builds {implemented}; other DeepSpeed optimizer names load with a warning.", ""]
+            lines += _params_sections(key, node)
+        if key == "scheduler":
+            lines += _params_sections(key, node)
+
+    ignored_sections = [
+        (k, resolve(p))
+        for k, p in top["properties"].items()
+        if resolve(p).get("x-ignored") and resolve(p).get("type") == "object"
+    ]
+    lines += [
+        "## Accepted, ignored sections",
+        "",
+        "Well-known DeepSpeed sections ds_strategy does not implement. They load (so existing files keep working) "
+        "and an `IgnoredConfigWarning` lists the ones that are enabled; their content is not validated.",
+        "",
+        "| key | what it configures in DeepSpeed |",
+        "| --- | --- |",
+    ]
+    lines += [f"| `{k}` | {_cell(n.get('description', ''))} |" for k, n in ignored_sections]
+    lines += [
+        "",
+        "## Tolerated legacy forms",
+        "",
+        "Rewritten before validation; structural rewrites emit a `ConfigDeprecationWarning` (a `FutureWarning`). "
+        "Giving both the legacy and the current spelling with different values is an error.",
+        "",
+        "| legacy form | current form |",
+        "| --- | --- |",
+    ]
+    lines += [f"| {_cell(form.old)} | {_cell(form.new)} |" for form in LEGACY_FORMS]
+    lines.append("")
+    return "\n".join(lines)
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description="Render the DeepSpeed config reference (markdown) from the schema.")
+    parser.add_argument("--output", "-o", type=Path, help="write here instead of stdout")
+    args = parser.parse_args(argv)
+    text = render_markdown()
+    if args.output is None:
+        sys.stdout.write(text)
+    else:
+        args.output.write_text(text, encoding="utf-8")
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())

@@ -1,0 +1,377 @@
+"""Typed, frozen config objects: what the rest of ds_strategy reads instead of raw dict keys.
+
+Field names are the DeepSpeed JSON keys, so docs/config.md describes both. Field defaults mirror the
+schema defaults (a test keeps them in sync); ``load_config`` always passes every value explicitly, the
+defaults only serve direct construction (``ZeroConfig(stage=3)``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import sys
+from collections.abc import Mapping
+from dataclasses import dataclass, field
+from typing import TYPE_CHECKING, Any, Literal, cast
+
+from .batch import BatchSizes, resolve_batch_sizes
+from .checks import IMPLEMENTED_OPTIMIZERS
+from .context import ConfigContext
+from .errors import ConfigError, ConfigProblem, format_value
+from .frozen import FrozenDict, freeze, thaw
+from .schema import Schema, child_schema, load_schema, resolve
+
+if TYPE_CHECKING:
+    import torch
+
+DType = Literal["fp16", "bf16", "fp32"]
+OffloadDevice = Literal["none", "cpu", "nvme"]
+TagValidation = Literal["Ignore", "Warn", "Fail"]
+AUTO = "auto"
+
+# Fields that are ds_strategy bookkeeping rather than DeepSpeed JSON keys.
+_NOT_JSON = {"json": False}
+
+
+@dataclass(frozen=True, kw_only=True)
+class OffloadConfig:
+    """``zero_optimization.offload_optimizer`` or ``zero_optimization.offload_param``.
+
+    One class for both; keys that only exist for one kind keep their default on the other.
+    ``buffer_count`` defaults to 4 for the optimizer and 5 for parameters (DeepSpeed's values).
+    """
+
+    device: OffloadDevice = "none"
+    nvme_path: str | None = None
+    pin_memory: bool = False
+    buffer_count: int = 4
+    buffer_size: int = 100_000_000
+    max_in_cpu: int = 1_000_000_000
+    ratio: float = 1.0
+    fast_init: bool = False
+    pipeline_read: bool = False
+    pipeline_write: bool = False
+
+    def __post_init__(self) -> None:
+        if self.device not in ("none", "cpu", "nvme"):
+            raise ConfigError(
+                [ConfigProblem("device", f'got {format_value(self.device)}; expected one of "none", "cpu", "nvme"')]
+            )
+
+    @property
+    def enabled(self) -> bool:
+        return self.device != "none"
+
+
+@dataclass(frozen=True, kw_only=True)
+class ZeroConfig:
+    """``zero_optimization``: which ZeRO stage and how it buckets, overlaps and offloads."""
+
+    stage: int = 0
+    contiguous_gradients: bool = True
+    # None (the default) resolves to ``stage == 3`` in __post_init__, as in DeepSpeed's code.
+    overlap_comm: bool = cast(bool, None)
+    reduce_scatter: bool = True
+    reduce_bucket_size: int = 500_000_000
+    allgather_partitions: bool = True
+    allgather_bucket_size: int = 500_000_000
+    round_robin_gradients: bool = False
+    offload_optimizer: OffloadConfig = field(default_factory=OffloadConfig)
+    offload_param: OffloadConfig = field(default_factory=lambda: OffloadConfig(buffer_count=5))
+    sub_group_size: int = 1_000_000_000
+    stage3_prefetch_bucket_size: int = 50_000_000
+    stage3_param_persistence_threshold: int = 100_000
+    stage3_model_persistence_threshold: int = sys.maxsize
+    stage3_max_live_parameters: int = 1_000_000_000
+    stage3_max_reuse_distance: int = 1_000_000_000
+    stage3_gather_16bit_weights_on_model_save: bool = False
+    load_from_fp32_weights: bool = True
+    ignore_unused_parameters: bool = True
+
+    def __post_init__(self) -> None:
+        if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "zero_optimization.stage", f"got {format_value(self.stage)}; expected one of 0, 1, 2, 3"
+                    )
+                ]
+            )
+        if self.overlap_comm is None:
+            object.__setattr__(self, "overlap_comm", self.stage == 3)
+
+    @property
+    def enabled(self) -> bool:
+        return self.stage > 0
+
+
+@dataclass(frozen=True, kw_only=True)
+class FP16Config:
+    """``fp16``: mixed precision with (static or dynamic) loss scaling."""
+
+    enabled: bool = False
+    auto_cast: bool = False
+    loss_scale: float = 0.0
+    initial_scale_power: int = 16
+    loss_scale_window: int = 1000
+    hysteresis: int = 2
+    consecutive_hysteresis: bool = False
+    min_loss_scale: float = 1.0
+
+    @property
+    def dynamic_loss_scale(self) -> bool:
+        """``loss_scale == 0`` selects dynamic loss scaling."""
+        return self.loss_scale == 0
+
+    @property
+    def initial_scale(self) -> float:
+        """The first loss scale: ``loss_scale`` if static, else ``2 ** initial_scale_power``."""
+        return float(2**self.initial_scale_power) if self.dynamic_loss_scale else self.loss_scale
+
+
+@dataclass(frozen=True, kw_only=True)
+class BF16Config:
+    """``bf16`` (old name ``bfloat16``): mixed precision without loss scaling."""
+
+    enabled: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class _CallableConfig:
+    type: str
+    params: FrozenDict = field(default_factory=FrozenDict)
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.params, FrozenDict):
+            object.__setattr__(self, "params", freeze(self.params))
+
+    @property
+    def unresolved(self) -> tuple[str, ...]:
+        """Names of params still set to "auto" (no context supplied them)."""
+        return tuple(k for k, v in self.params.items() if v == AUTO)
+
+    def kwargs(self) -> dict[str, Any]:
+        """Params as constructor keyword arguments; raises if any is still "auto"."""
+        section = "optimizer" if isinstance(self, OptimizerConfig) else "scheduler"
+        if self.unresolved:
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        f"{section}.params.{name}",
+                        f'is "auto" and nothing resolved it; give a value in the config or pass '
+                        f"{section}_params={{{name!r}: ...}} in the context",
+                    )
+                    for name in self.unresolved
+                ]
+            )
+        return {k: thaw(v) for k, v in self.params.items()}
+
+
+@dataclass(frozen=True, kw_only=True)
+class OptimizerConfig(_CallableConfig):
+    """``optimizer``: canonical type name (``"AdamW"``) and its keyword arguments (frozen)."""
+
+    @property
+    def implemented(self) -> bool:
+        """Whether ds_strategy can build this optimizer (the others need a client optimizer)."""
+        return self.type in IMPLEMENTED_OPTIMIZERS
+
+
+@dataclass(frozen=True, kw_only=True)
+class SchedulerConfig(_CallableConfig):
+    """``scheduler``: canonical type name (``"WarmupLR"``) and its keyword arguments, defaults filled."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class ActivationCheckpointingConfig:
+    """``activation_checkpointing``."""
+
+    partition_activations: bool = False
+    cpu_checkpointing: bool = False
+    contiguous_memory_optimization: bool = False
+    number_checkpoints: int | None = None
+    synchronize_checkpoint_boundary: bool = False
+    profile: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
+class CommsLoggerConfig:
+    """``comms_logger``."""
+
+    enabled: bool = False
+    verbose: bool = False
+    prof_all: bool = True
+    debug: bool = False
+    prof_ops: tuple[str, ...] = ()
+
+
+@dataclass(frozen=True, kw_only=True)
+class CheckpointConfig:
+    """``checkpoint``."""
+
+    tag_validation: TagValidation = "Warn"
+    load_universal: bool = False
+    use_node_local_storage: bool = False
+
+    @property
+    def tag_validation_enabled(self) -> bool:
+        return self.tag_validation != "Ignore"
+
+    @property
+    def tag_validation_fail(self) -> bool:
+        return self.tag_validation == "Fail"
+
+
+@dataclass(frozen=True, kw_only=True)
+class DataTypesConfig:
+    """``data_types``."""
+
+    grad_accum_dtype: DType | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
+class DeepSpeedConfig:
+    """A validated DeepSpeed config with "auto" values resolved. Build it with ``load_config``.
+
+    The batch triple is None until it can be resolved (it needs a world size and a micro batch size or
+    train_batch_size); ``batch`` raises a ``ConfigError`` that says what is missing.
+    """
+
+    train_batch_size: int | None = None
+    train_micro_batch_size_per_gpu: int | None = None
+    gradient_accumulation_steps: int | None = None
+    world_size: int | None = field(default=None, metadata=_NOT_JSON)
+    steps_per_print: int | None = None
+    wall_clock_breakdown: bool = False
+    gradient_clipping: float = 0.0
+    prescale_gradients: bool = False
+    gradient_predivide_factor: float = 1.0
+    gradient_allreduce_op: Literal["mean", "sum"] = "mean"
+    communication_data_type: DType | None = None
+    seq_parallel_comm_data_type: DType = "fp32"
+    data_types: DataTypesConfig = field(default_factory=DataTypesConfig)
+    zero_allow_untested_optimizer: bool = False
+    zero_force_ds_cpu_optimizer: bool = True
+    optimizer: OptimizerConfig | None = None
+    scheduler: SchedulerConfig | None = None
+    fp16: FP16Config = field(default_factory=FP16Config)
+    bf16: BF16Config = field(default_factory=BF16Config)
+    zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
+    activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
+    comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
+    checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    # Accepted-but-ignored DeepSpeed settings by dotted path, kept so ``to_dict`` round-trips.
+    ignored: FrozenDict = field(default_factory=FrozenDict, metadata=_NOT_JSON)
+    # The validated input before "auto" resolution, and the context used: what re-resolution starts from.
+    input_config: FrozenDict | None = field(default=None, repr=False, compare=False, metadata=_NOT_JSON)
+    context: ConfigContext | None = field(default=None, repr=False, compare=False, metadata=_NOT_JSON)
+
+    def __post_init__(self) -> None:
+        if self.fp16.enabled and self.bf16.enabled:
+            raise ConfigError(
+                [ConfigProblem("bf16.enabled", "fp16.enabled and bf16.enabled are both true; enable at most one")]
+            )
+        triple = (self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps)
+        if self.world_size is not None and None not in triple:
+            resolve_batch_sizes(*triple, self.world_size)
+
+    @property
+    def zero_enabled(self) -> bool:
+        return self.zero_optimization.stage > 0
+
+    @property
+    def zero_stage(self) -> int:
+        return self.zero_optimization.stage
+
+    @property
+    def fp16_enabled(self) -> bool:
+        return self.fp16.enabled
+
+    @property
+    def bf16_enabled(self) -> bool:
+        return self.bf16.enabled
+
+    @property
+    def precision_dtype(self) -> torch.dtype:
+        """torch.float16, torch.bfloat16 or torch.float32 (imports torch on first use)."""
+        import torch
+
+        if self.fp16.enabled:
+            return torch.float16
+        if self.bf16.enabled:
+            return torch.bfloat16
+        return torch.float32
+
+    @property
+    def batch_resolved(self) -> bool:
+        return None not in (
+            self.train_batch_size,
+            self.train_micro_batch_size_per_gpu,
+            self.gradient_accumulation_steps,
+        )
+
+    @property
+    def batch(self) -> BatchSizes:
+        """The resolved batch triple; raises ``ConfigError`` saying what is missing when unresolved."""
+        tb, mb, gas = self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
+        if tb is None or mb is None or gas is None or self.world_size is None:
+            missing = "the data-parallel world size" if self.world_size is None else "a micro batch size"
+            raise ConfigError(
+                [
+                    ConfigProblem(
+                        "train_batch_size",
+                        f"the batch sizes are not resolved yet (train_batch_size={format_value(tb)}, "
+                        f"train_micro_batch_size_per_gpu={format_value(mb)}, gradient_accumulation_steps="
+                        f"{format_value(gas)}): {missing} is needed; pass it with load_config(..., world_size=..., "
+                        "context=ConfigContext(micro_batch_size=...)) or config.resolve(...)",
+                    )
+                ]
+            )
+        return BatchSizes(
+            train_batch_size=tb,
+            train_micro_batch_size_per_gpu=mb,
+            gradient_accumulation_steps=gas,
+            world_size=self.world_size,
+        )
+
+    def resolve(
+        self, *, world_size: int | None = None, context: ConfigContext | Mapping[str, Any] | None = None
+    ) -> DeepSpeedConfig:
+        """Re-resolve "auto" values from the original input with a new world size and/or context."""
+        from .loader import load_config
+
+        return load_config(self, world_size=world_size, context=context)
+
+    def to_dict(self) -> dict[str, Any]:
+        """The resolved config as DeepSpeed JSON (ignored settings included), e.g. for checkpoints."""
+        out = _to_json(self, load_schema())
+        assert isinstance(out, dict)
+        for path, value in self.ignored.items():
+            *parents, leaf = path.split(".")
+            target = out
+            for part in parents:
+                target = target.setdefault(part, {})
+            target[leaf] = thaw(value)
+        return out
+
+
+def _to_json(value: Any, node: Schema) -> Any:
+    if dataclasses.is_dataclass(value) and not isinstance(value, type):
+        node = resolve(node)
+        known = node.get("properties", {})
+        out: dict[str, Any] = {}
+        for f in dataclasses.fields(value):
+            item = getattr(value, f.name)
+            if f.metadata.get("json", True) is False or f.name not in known:
+                continue
+            if item is None and f.name in (
+                "train_batch_size",
+                "train_micro_batch_size_per_gpu",
+                "gradient_accumulation_steps",
+                "optimizer",
+                "scheduler",
+            ):
+                continue
+            child = child_schema(node, f.name, out) or {}
+            out[f.name] = _to_json(item, child)
+        return out
+    return thaw(value)
