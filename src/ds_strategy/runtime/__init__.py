@@ -1,0 +1,34 @@
+"""The training engine: ZeRO stages 0-2 on the flat partition, precision, loss scaling, lr schedules.
+
+Knows nothing of Lightning; the Lightning adapter and plain PyTorch loops drive the same ``ZeroEngine``.
+"""
+
+from __future__ import annotations
+
+from .engine import ZeroEngine
+from .initialize import build_dataloader, init_distributed, initialize
+from .layout import FlatLayout
+from .loss_scaler import LossScaleError, LossScaler
+from .lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
+from .memory import MemoryEstimate, estimate_memory
+from .optimizers import Lion, build_optimizer
+
+__all__ = [
+    "FlatLayout",
+    "LRRangeTest",
+    "Lion",
+    "LossScaleError",
+    "LossScaler",
+    "MemoryEstimate",
+    "OneCycle",
+    "WarmupCosineLR",
+    "WarmupDecayLR",
+    "WarmupLR",
+    "ZeroEngine",
+    "build_dataloader",
+    "build_optimizer",
+    "build_scheduler",
+    "estimate_memory",
+    "init_distributed",
+    "initialize",
+]

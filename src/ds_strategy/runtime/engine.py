@@ -1,0 +1,355 @@
+"""``ZeroEngine``: DeepSpeed's training-engine API over the ZeRO stages of ``runtime.zero``.
+
+    loss = engine(batch)      # forward (floating inputs cast to the compute dtype)
+    engine.backward(loss)     # loss x loss_scale / gradient_accumulation_steps, gradient hooks reduce
+    engine.step()             # at the accumulation boundary: norm, overflow, clip, optimizer, gather
+
+One engine serves the Lightning strategy and plain PyTorch loops. It never branches on the stage number
+beyond choosing the stage class; precision is decided once (``Precision``), the loss scale by
+``LossScaler``.
+"""
+
+from __future__ import annotations
+
+import logging
+import os
+from collections.abc import Iterator
+from contextlib import contextmanager
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+
+from ds_strategy.config import DeepSpeedConfig, load_config
+
+from .params import (
+    OptimizerArg,
+    ParamsArg,
+    attach_optimizer,
+    check_client_optimizer,
+    named_trainable_groups,
+    param_groups,
+)
+from .precision import Precision, make_loss_scaler
+from .timers import Throughput, Timers
+from .zero import STAGES, Collectives, StageOptions
+
+log = logging.getLogger("ds_strategy.runtime")
+
+SchedulerArg = Any  # an object with step() (torch LRScheduler or ours), or a callable(optimizer) -> that
+
+
+class ZeroEngine(nn.Module):
+    """Wraps ``module`` for ZeRO data-parallel training (see the module docstring)."""
+
+    def __init__(
+        self,
+        module: nn.Module,
+        config: DeepSpeedConfig,
+        *,
+        optimizer: OptimizerArg = None,
+        model_parameters: ParamsArg = None,
+        lr_scheduler: SchedulerArg = None,
+        process_group: dist.ProcessGroup | None = None,
+    ) -> None:
+        super().__init__()
+        self.coll = Collectives(process_group)
+        if config.world_size != self.coll.world_size:
+            config = load_config(config, world_size=self.coll.world_size)
+        self.config = config
+        self.batch = config.batch  # raises a ConfigError naming what is missing
+        self.precision = Precision.from_config(config)
+        self.module = module
+        self.device = _place(module)
+        zero = config.zero_optimization
+        offload = zero.offload_optimizer.device == "cpu"
+        master_device = torch.device("cpu") if offload else self.device
+        if isinstance(optimizer, Optimizer):  # fail before the parameters are moved into flat buffers
+            check_client_optimizer(optimizer, stage=config.zero_stage, offload=offload, config=config)
+        groups = param_groups(module, optimizer, model_parameters)
+        named, registration = named_trainable_groups(module, groups)
+        pre, post = _averaging(config, self.coll.world_size)
+        options = StageOptions(
+            bucket_numel=int(zero.allgather_bucket_size if config.zero_stage == 1 else zero.reduce_bucket_size),
+            compute_dtype=self.precision.compute_dtype,
+            accum_dtype=self.precision.accum_dtype,
+            comm_dtype=self.precision.comm_dtype,
+            master_device=master_device,
+            async_comm=zero.overlap_comm or config.zero_stage == 0,
+            pre_scale=pre,
+            post_scale=post,
+            pin_memory=offload and self.device.type == "cuda",
+        )
+        stage_cls = STAGES.get(config.zero_stage)
+        if stage_cls is None:
+            raise ValueError(f"ZeRO stage {config.zero_stage} is not implemented by this engine (stages 0, 1, 2)")
+        self.stage = stage_cls(named, registration, coll=self.coll, options=options)
+        self._cast_and_sync_the_rest(registration)
+        self.optimizer: Optimizer | None = attach_optimizer(
+            optimizer, groups, self.stage.masters, config, master_device=master_device
+        )
+        self.lr_scheduler = self._scheduler(lr_scheduler)
+        self.loss_scaler = make_loss_scaler(config)
+        self.stage.attach()
+
+        self.micro_steps = 0
+        self.global_steps = 0
+        self.global_samples = 0
+        self.skipped_steps = 0
+        self.training_dataloader: Any = None
+        self._step_applied = False
+        self._global_grad_norm: float | None = None
+        self._boundary_override: bool | None = None
+        self._no_sync = False
+        self._loss_sum: torch.Tensor | None = None
+        self.last_loss: torch.Tensor | None = None
+        self.timers = Timers(config.wall_clock_breakdown, self.device)
+        self._throughput = Throughput()
+        self._print_every = config.steps_per_print or (10 if config.wall_clock_breakdown else None)
+
+    # ------------------------------------------------------------------ set-up helpers
+    @torch.no_grad()
+    def _cast_and_sync_the_rest(self, registration: dict[nn.Parameter, int]) -> None:
+        """Frozen parameters and floating buffers: cast to the compute dtype, then rank 0's values win."""
+        flat_owned = {id(p) for gs in self.stage.groups for p in gs.params}
+        dtype = self.precision.compute_dtype
+        for p in registration:
+            if id(p) not in flat_owned:
+                if p.is_floating_point() and p.dtype != dtype:
+                    p.data = p.data.to(dtype)
+                self.coll.broadcast(p.data)
+        for mod in self.module.modules():
+            for name, buf in mod._buffers.items():
+                if buf is None:
+                    continue
+                if buf.is_floating_point() and buf.dtype != dtype:
+                    mod._buffers[name] = buf = buf.to(dtype)
+                self.coll.broadcast(buf)
+
+    def _scheduler(self, lr_scheduler: SchedulerArg) -> Any:
+        if lr_scheduler is not None:
+            return (
+                lr_scheduler(self.optimizer)
+                if callable(lr_scheduler) and not hasattr(lr_scheduler, "step")
+                else lr_scheduler
+            )
+        if self.config.scheduler is not None and self.optimizer is not None:
+            from .lr_schedules import build_scheduler
+
+            return build_scheduler(self.config.scheduler, self.optimizer)
+        return None
+
+    # ------------------------------------------------------------------ DeepSpeed's engine API
+    def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        with self.timers("forward"):
+            return self.module(*self.precision.cast_inputs(inputs), **self.precision.cast_inputs(kwargs))
+
+    def backward(self, loss: torch.Tensor, *, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
+        """Backward of ``loss`` x loss scale (/ gradient_accumulation_steps); reduces at the boundary."""
+        gas = self.batch.gradient_accumulation_steps
+        factor = self.loss_scaler.loss_scale / (gas if scale_wrt_gas else 1)
+        detached = loss.detach().float()
+        self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
+        scaled = loss.float() * factor if factor != 1.0 else loss
+        boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
+        with self.timers("backward"):
+            self.stage.begin_backward(reduce=boundary)
+            try:
+                scaled.backward(retain_graph=retain_graph)
+            finally:
+                self.stage.end_backward()
+        return loss
+
+    def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
+        """Call after every ``backward``; the optimizer steps only at the accumulation boundary."""
+        if self.is_gradient_accumulation_boundary():
+            with self.timers("step"):
+                self._take_model_step(lr_kwargs or {})
+        self.micro_steps += 1
+        self._boundary_override = None
+
+    def _take_model_step(self, lr_kwargs: dict[str, Any]) -> None:
+        if self.optimizer is None:
+            raise RuntimeError(
+                'engine.step() needs an optimizer: pass optimizer=... or add an "optimizer" block to the config'
+            )
+        self.stage.prepare_step()
+        raw_norm, overflow = self.stage.grad_norm()
+        scale = self.loss_scaler.loss_scale
+        multiplier = self.stage.options.post_scale / scale
+        self._global_grad_norm = raw_norm * multiplier
+        if overflow:
+            self.stage.zero_grad()
+            self.loss_scaler.update(True)
+            self.skipped_steps += 1
+            self._step_applied = False
+            if self.coll.rank == 0:
+                log.info(
+                    "step %d: inf/nan in the gradients, step skipped; loss scale %g -> %g",
+                    self.global_steps + 1,
+                    scale,
+                    self.loss_scaler.loss_scale,
+                )
+        else:
+            clip = self.config.gradient_clipping
+            coef = min(1.0, clip / (self._global_grad_norm + 1e-6)) if clip > 0 else 1.0
+            self.stage.apply_step(self.optimizer, multiplier * coef)
+            self.stage.zero_grad()
+            self.loss_scaler.update(False)
+            self._step_applied = True
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**lr_kwargs)
+        self.global_steps += 1
+        self.global_samples += self.batch.train_batch_size
+        if self._loss_sum is not None:
+            self.last_loss = self._loss_sum / self.batch.gradient_accumulation_steps
+            self._loss_sum = None
+        if self._print_every and self.global_steps % self._print_every == 0:
+            self._report()
+
+    def _report(self) -> None:
+        rate = self._throughput.rate(self.global_samples)
+        breakdown = self.timers.mean_ms()
+        if self.coll.rank != 0:
+            return
+        loss = float(self.last_loss) if self.last_loss is not None else float("nan")
+        lrs = ", ".join(f"{lr:.4g}" for lr in self.get_lr())
+        log.info(
+            "step=%d skipped=%d lr=[%s] loss=%.5g grad_norm=%.4g loss_scale=%g samples/sec=%.2f",
+            self.global_steps,
+            self.skipped_steps,
+            lrs,
+            loss,
+            self._global_grad_norm or 0.0,
+            self.loss_scaler.loss_scale,
+            rate,
+        )
+        if breakdown:
+            log.info("time (ms) | %s", " | ".join(f"{k}: {v:.2f}" for k, v in breakdown.items()))
+
+    def is_gradient_accumulation_boundary(self) -> bool:
+        if self._boundary_override is not None:
+            return self._boundary_override
+        return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
+
+    def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
+        """Override the boundary for the current micro-step (Lightning decides it); None restores counting."""
+        self._boundary_override = is_boundary
+
+    @contextmanager
+    def no_sync(self) -> Iterator[None]:
+        """Backward passes inside accumulate locally without reducing (stages 0 and 1)."""
+        if self.stage.reduces_every_backward:
+            raise RuntimeError(
+                f"no_sync() is not available with ZeRO stage {self.stage.stage}: gradients are "
+                "partitioned across ranks while backward runs"
+            )
+        previous, self._no_sync = self._no_sync, True
+        try:
+            yield
+        finally:
+            self._no_sync = previous
+
+    def zero_grad(self, set_to_none: bool = True) -> None:
+        """Discard the gradients accumulated since the last optimizer step (``set_to_none`` is moot:
+        the engine's gradients live in its own buffers)."""
+        self.stage.zero_grad()
+
+    def get_lr(self) -> list[float]:
+        return [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer is not None else []
+
+    def get_global_grad_norm(self) -> float | None:
+        """L2 norm of the averaged, unscaled gradients at the last boundary (before clipping)."""
+        return self._global_grad_norm
+
+    def was_step_applied(self) -> bool:
+        return self._step_applied
+
+    @property
+    def loss_scale(self) -> float:
+        return self.loss_scaler.loss_scale
+
+    def train_batch_size(self) -> int:
+        return self.batch.train_batch_size
+
+    def train_micro_batch_size_per_gpu(self) -> int:
+        return self.batch.train_micro_batch_size_per_gpu
+
+    def gradient_accumulation_steps(self) -> int:
+        return self.batch.gradient_accumulation_steps
+
+    def zero_optimization_stage(self) -> int:
+        return self.stage.stage
+
+    @property
+    def dp_rank(self) -> int:
+        """This rank's index in the data-parallel group."""
+        return self.coll.rank
+
+    @property
+    def dp_world_size(self) -> int:
+        return self.coll.world_size
+
+    @property
+    def world_size(self) -> int:
+        return self.coll.world_size
+
+    @property
+    def global_rank(self) -> int:
+        return dist.get_rank()
+
+    @property
+    def local_rank(self) -> int:
+        return int(os.environ.get("LOCAL_RANK", "0"))
+
+    def memory_breakdown(self) -> dict[str, int]:
+        """Bytes this rank holds: params (flat + frozen), grads, master (separate fp32 copies), optimizer_state."""
+        out = self.stage.memory_bytes()
+        flat_owned = {id(p) for gs in self.stage.groups for p in gs.params}
+        out["params"] += sum(p.numel() * p.element_size() for p in self.module.parameters() if id(p) not in flat_owned)
+        state = 0
+        if self.optimizer is not None:
+            for s in self.optimizer.state.values():
+                state += sum(t.numel() * t.element_size() for t in s.values() if isinstance(t, torch.Tensor))
+        out["optimizer_state"] = state
+        return out
+
+    def destroy(self) -> None:
+        """Remove the gradient hooks (the module keeps its flat-buffer parameters)."""
+        self.stage.detach()
+
+    def __getattr__(self, name: str) -> Any:
+        # Like DeepSpeedEngine: attributes the engine lacks come from the wrapped module.
+        try:
+            return super().__getattr__(name)
+        except AttributeError:
+            module = self.__dict__.get("_modules", {}).get("module")
+            if module is not None and hasattr(module, name):
+                return getattr(module, name)
+            raise
+
+
+def _averaging(config: DeepSpeedConfig, world_size: int) -> tuple[float, float]:
+    """(factor before, factor after) the gradient sum across ranks (DeepSpeed's allreduce_bucket):
+    prescale_gradients divides by W before; otherwise by gradient_predivide_factor f before and by W/f
+    after. gradient_allreduce_op "sum" skips the averaging."""
+    f = config.gradient_predivide_factor
+    if config.gradient_allreduce_op == "sum":
+        return 1.0 / f, f
+    if config.prescale_gradients:
+        return 1.0 / world_size, 1.0
+    return 1.0 / f, f / world_size
+
+
+def _place(module: nn.Module) -> torch.device:
+    """The device the module trains on: where its parameters are, or this rank's GPU when it has one."""
+    first = next(module.parameters(), None)
+    if first is not None and first.device.type != "cpu":
+        return first.device
+    if torch.cuda.is_available():
+        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
+        module.to(device)
+        return device
+    return torch.device("cpu")

@@ -1,0 +1,113 @@
+"""``ds_strategy.initialize``: DeepSpeed's entry point for plain PyTorch loops.
+
+engine, optimizer, loader, scheduler = ds_strategy.initialize(model=m, model_parameters=m.parameters(),
+                                                              training_data=ds, config="ds_config.json")
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.optim import Optimizer
+from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
+
+from ds_strategy.config import DeepSpeedConfig, load_config
+from ds_strategy.config.loader import ConfigInput
+
+from .engine import SchedulerArg, ZeroEngine
+from .params import OptimizerArg, ParamsArg
+
+
+def init_distributed(dist_init_required: bool | None = None) -> None:
+    """Make sure torch.distributed is initialised (the one place; ``ds_strategy.comm.init_distributed``
+    will replace it): reuse an existing group; else env:// when RANK/WORLD_SIZE are set (torchrun,
+    ds-launch, Lightning); else a single-process group, so the same script also runs alone."""
+    if dist.is_initialized():
+        return
+    if dist_init_required is False:
+        raise RuntimeError(
+            "dist_init_required=False but torch.distributed is not initialised; initialise it "
+            "first or leave dist_init_required unset"
+        )
+    backend = "nccl" if torch.cuda.is_available() else "gloo"
+    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
+        dist.init_process_group(backend, init_method="env://")
+    else:
+        store = dist.HashStore()
+        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=datetime.timedelta(minutes=30))
+
+
+def initialize(
+    args: Any = None,
+    *,
+    model: nn.Module,
+    optimizer: OptimizerArg = None,
+    model_parameters: ParamsArg = None,
+    training_data: Dataset[Any] | None = None,
+    lr_scheduler: SchedulerArg = None,
+    config: ConfigInput | None = None,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    dist_init_required: bool | None = None,
+    config_params: ConfigInput | None = None,
+    process_group: dist.ProcessGroup | None = None,
+) -> tuple[ZeroEngine, Optimizer | None, DataLoader[Any] | None, Any]:
+    """Build the engine; return ``(engine, optimizer, training_dataloader, lr_scheduler)``.
+
+    ``optimizer``: a torch optimizer over the model's parameters (its param groups are rewired to the
+    flat fp32 masters; don't call its ``step`` yourself, ``engine.step()`` does), a callable taking
+    param groups, or None for the config's ``optimizer`` block. ``lr_scheduler``: a scheduler, a callable
+    taking the optimizer, or None for the config's ``scheduler`` block; the engine steps it after every
+    applied optimizer step. ``config`` (or the legacy ``config_params``, or ``args.deepspeed_config``):
+    a dict, a JSON path or a ``DeepSpeedConfig``. ``training_data`` becomes a DataLoader with a
+    DistributedSampler and the micro batch size.
+    """
+    if config is not None and config_params is not None:
+        raise ValueError("pass the DeepSpeed config once: config= or config_params=, not both")
+    config = config if config is not None else config_params
+    if config is None and args is not None:
+        config = getattr(args, "deepspeed_config", None)
+    if config is None:
+        raise ValueError("initialize() needs a config: config=dict, a JSON file path or a DeepSpeedConfig")
+    init_distributed(dist_init_required)
+    world = dist.get_world_size(process_group)
+    resolved: DeepSpeedConfig = load_config(config, world_size=world)
+    engine = ZeroEngine(
+        model,
+        resolved,
+        optimizer=optimizer,
+        model_parameters=model_parameters,
+        lr_scheduler=lr_scheduler,
+        process_group=process_group,
+    )
+    loader = None
+    if training_data is not None:
+        loader = build_dataloader(training_data, engine, collate_fn=collate_fn)
+        engine.training_dataloader = loader
+    return engine, engine.optimizer, loader, engine.lr_scheduler
+
+
+def build_dataloader(
+    dataset: Dataset[Any],
+    engine: ZeroEngine,
+    *,
+    collate_fn: Callable[[list[Any]], Any] | None = None,
+    shuffle: bool = True,
+    seed: int = 0,
+) -> DataLoader[Any]:
+    """Micro batches of this rank's share of ``dataset`` (DistributedSampler; iterable datasets as is).
+
+    Call ``loader.sampler.set_epoch(epoch)`` each epoch for a new shuffle, as with any DistributedSampler.
+    """
+    micro = engine.train_micro_batch_size_per_gpu()
+    if isinstance(dataset, IterableDataset):
+        return DataLoader(dataset, batch_size=micro, collate_fn=collate_fn)
+    sampler: DistributedSampler[Any] = DistributedSampler(
+        dataset, num_replicas=engine.dp_world_size, rank=engine.dp_rank, shuffle=shuffle, seed=seed
+    )
+    return DataLoader(dataset, batch_size=micro, sampler=sampler, collate_fn=collate_fn)

@@ -1,0 +1,132 @@
+"""Turning what the user passed (module, parameters, param-group dicts, a client optimizer) into the
+engine's param groups, and wiring an optimizer to the flat fp32 masters."""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable, Sequence
+from typing import Any
+
+import torch
+from torch import nn
+from torch.optim import Optimizer
+
+from ds_strategy.config import DeepSpeedConfig
+
+from .optimizers import build_optimizer, is_cpu_kernel_optimizer, tested_optimizer_types
+
+log = logging.getLogger(__name__)
+
+ParamsArg = Iterable[torch.Tensor] | Iterable[dict[str, Any]] | None
+OptimizerArg = Optimizer | Callable[..., Optimizer] | None
+
+
+def param_groups(module: nn.Module, optimizer: OptimizerArg, model_parameters: ParamsArg) -> list[dict[str, Any]]:
+    """Param-group dicts (``params`` + hyperparameters): a client optimizer's groups, else
+    ``model_parameters`` (tensors or group dicts), else all of ``module.parameters()``."""
+    if isinstance(optimizer, Optimizer):
+        groups = [dict(g) for g in optimizer.param_groups]
+    elif model_parameters is not None:
+        items = list(model_parameters)
+        if items and all(isinstance(i, dict) for i in items):
+            groups = [dict(i) for i in items if isinstance(i, dict)]
+        elif all(isinstance(i, torch.Tensor) for i in items):
+            groups = [{"params": items}]
+        else:
+            raise TypeError("model_parameters must be an iterable of tensors or of param-group dicts")
+    else:
+        groups = [{"params": list(module.parameters())}]
+    for g in groups:
+        g["params"] = list(g["params"]) if not isinstance(g["params"], torch.Tensor) else [g["params"]]
+    return groups
+
+
+def named_trainable_groups(
+    module: nn.Module, groups: Sequence[dict[str, Any]]
+) -> tuple[list[list[tuple[str, nn.Parameter]]], dict[nn.Parameter, int]]:
+    """Per group, its trainable ``(name, param)`` pairs in reverse registration order (backward order,
+    see [Note: the flat layout]); plus every module parameter's registration index."""
+    names: dict[nn.Parameter, str] = {}
+    registration: dict[nn.Parameter, int] = {}
+    for i, (name, p) in enumerate(module.named_parameters()):
+        names[p] = name
+        registration[p] = i
+    seen: set[nn.Parameter] = set()
+    out: list[list[tuple[str, nn.Parameter]]] = []
+    for gi, group in enumerate(groups):
+        named = []
+        for p in group["params"]:
+            if p not in names:
+                raise ValueError(
+                    f"param group {gi} holds a tensor of shape {tuple(p.shape)} that is not a parameter of the "
+                    "model; pass the model's own parameters (model.parameters() or named groups of them)"
+                )
+            if p in seen:
+                raise ValueError(f"parameter {names[p]!r} appears in more than one param group")
+            seen.add(p)
+            if p.requires_grad:
+                if not p.is_floating_point():
+                    raise ValueError(f"parameter {names[p]!r} is {p.dtype}; only floating-point parameters train")
+                named.append((names[p], p))
+        named.sort(key=lambda item: -registration[item[1]])
+        out.append(named)
+    left_out = [n for p, n in names.items() if p.requires_grad and p not in seen]
+    if left_out:
+        log.warning(
+            "%d trainable parameters are in no optimizer param group and will not be updated: %s",
+            len(left_out),
+            ", ".join(left_out[:8]) + (" ..." if len(left_out) > 8 else ""),
+        )
+    return out, registration
+
+
+def attach_optimizer(
+    optimizer: OptimizerArg,
+    groups: Sequence[dict[str, Any]],
+    masters: Sequence[Sequence[nn.Parameter]],
+    config: DeepSpeedConfig,
+    *,
+    master_device: torch.device,
+) -> Optimizer | None:
+    """The optimizer, stepping ``masters``: a client optimizer rewired (its group dicts, hence its
+    hyperparameters and any scheduler built on them, are kept), a client factory called, or the
+    config's ``optimizer`` block built. None when there is neither (an engine for evaluation)."""
+    stage = config.zero_stage
+    offload = config.zero_optimization.offload_optimizer.device == "cpu"
+    rewired = [
+        {**{k: v for k, v in g.items() if k != "params"}, "params": list(m)}
+        for g, m in zip(groups, masters, strict=True)
+    ]
+    if isinstance(optimizer, Optimizer):  # checked by the engine before the model was touched
+        for group, params in zip(optimizer.param_groups, masters, strict=True):
+            group["params"] = list(params)
+        return optimizer
+    if optimizer is not None:
+        built = optimizer(rewired)
+        check_client_optimizer(built, stage=stage, offload=offload, config=config)
+        return built
+    if config.optimizer is None:
+        return None
+    return build_optimizer(config.optimizer, rewired, offload=offload, device=master_device)
+
+
+def check_client_optimizer(optimizer: Optimizer, *, stage: int, offload: bool, config: DeepSpeedConfig) -> None:
+    name = type(optimizer).__name__
+    if any(len(s) for s in optimizer.state.values()):
+        raise ValueError(
+            f"the client optimizer {name} already holds state; pass a freshly constructed optimizer "
+            "(its state would not match the flat fp32 master weights the engine steps)"
+        )
+    if stage > 0 and not isinstance(optimizer, tested_optimizer_types()) and not config.zero_allow_untested_optimizer:
+        raise ValueError(
+            f"ZeRO stage {stage} steps flat partitions of the parameters, which is only verified for "
+            f"{', '.join(t.__name__ for t in tested_optimizer_types())}; {name} is untested. Set "
+            '"zero_allow_untested_optimizer": true in the config to use it anyway (its step must treat each '
+            "element independently)."
+        )
+    if offload and config.zero_force_ds_cpu_optimizer and not is_cpu_kernel_optimizer(optimizer):
+        raise ValueError(
+            f"optimizer offload with the client optimizer {name} would step the CPU masters with a generic "
+            'implementation. Put the optimizer in the config\'s "optimizer" block (ds_strategy builds its CPU '
+            'optimizer), or set "zero_force_ds_cpu_optimizer": false to keep yours.'
+        )

@@ -1,0 +1,312 @@
+"""The interface every ZeRO stage implements, and the machinery they share.
+
+[Note: gradient hooks and bucket order]
+``Tensor.register_post_accumulate_grad_hook`` fires once per backward for every trainable parameter,
+after autograd has summed all its contributions (tied weights included). The hook moves ``p.grad`` into
+the stage's buffer (the full accumulation buffer of stages 0-1, or a bucket staging buffer in stage 2)
+and sets ``p.grad = None``, so autograd's gradient is freed at once.
+
+During a *reducing pass* (stage 2: every backward; stages 0-1: the backward of the accumulation
+boundary) each completed bucket is reduced while backward goes on. Collectives must be issued in the
+same order on every rank, whatever order gradients arrive in, so buckets are launched strictly in one
+agreed order: a pointer walks that order and, whenever the bucket under it is complete, launches it and
+every consecutive complete bucket after it. ``end_backward`` launches what is left (buckets holding
+parameters that got no gradient this time, zero-filled) and waits for all of them. The agreed order
+sorts buckets by the registration index of their earliest-registered parameter, descending: the order
+in which backward completes them.
+
+A step needs the whole window's gradients reduced. If the boundary backward did not reduce (inside
+``no_sync``, or ``loss.backward()`` called directly instead of ``engine.backward``), ``prepare_step``
+runs one reducing pass over everything before the optimizer looks at gradients.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Callable, Sequence
+from dataclasses import dataclass
+
+import torch
+from torch import nn
+from torch.utils.hooks import RemovableHandle
+
+from ds_strategy.ops import multi_tensor_l2norm
+
+from .buffers import GroupState
+from .collectives import Collectives, Handle
+
+BucketKey = tuple[int, int]  # (group index, bucket index)
+
+
+@dataclass(frozen=True)
+class StageOptions:
+    """What a stage needs to know beyond its parameters; built by the engine from the config."""
+
+    bucket_numel: int
+    compute_dtype: torch.dtype = torch.float32
+    accum_dtype: torch.dtype = torch.float32
+    comm_dtype: torch.dtype = torch.float32
+    master_device: torch.device | None = None  # None: the parameters' device
+    async_comm: bool = True
+    pre_scale: float = 1.0  # gradients are multiplied by this before the collective ...
+    post_scale: float = 1.0  # ... and by this after it (folded into the step's unscale)
+    pin_memory: bool = False
+
+
+class ZeroStage:
+    """A ZeRO stage: owns the flat buffers, the gradient hooks, the reductions and the post-step gather."""
+
+    stage: int = -1
+    partitioned: bool = False  # masters/optimizer state hold only this rank's shards
+    reduces_every_backward: bool = False  # stage 2: gradients leave for their owner every micro-step
+
+    def __init__(
+        self,
+        groups: Sequence[Sequence[tuple[str, nn.Parameter]]],
+        registration: dict[nn.Parameter, int],
+        *,
+        coll: Collectives,
+        options: StageOptions,
+    ) -> None:
+        self.coll = coll
+        self.options = options
+        self.groups: list[GroupState] = []
+        for g, named in enumerate(groups):
+            device = named[0][1].device if named else torch.device("cpu")
+            self.groups.append(
+                GroupState(
+                    g,
+                    named,
+                    coll=coll,
+                    bucket_numel=options.bucket_numel,
+                    compute_dtype=options.compute_dtype,
+                    master_device=options.master_device or device,
+                    partitioned=self.partitioned,
+                    pin_memory=options.pin_memory,
+                )
+            )
+        # Per parameter: (group, index in layout); per bucket: its parameter count.
+        self._where: list[tuple[int, int]] = [(g, i) for g, gs in enumerate(self.groups) for i in range(len(gs.params))]
+        self._first_pid = [sum(len(gs.params) for gs in self.groups[:g]) for g in range(len(self.groups))]
+        self._params: list[nn.Parameter] = [self.groups[g].params[i] for g, i in self._where]
+        self._bucket_size = {(g, b.index): len(b.params) for g, gs in enumerate(self.groups) for b in gs.layout.buckets}
+        first = {
+            (g, b.index): min(registration[gs.params[i]] for i in b.params)
+            for g, gs in enumerate(self.groups)
+            for b in gs.layout.buckets
+        }
+        self.bucket_order: list[BucketKey] = sorted(first, key=lambda k: (-first[k], k))
+        self._written = [False] * len(self._params)
+        self._hooks: list[RemovableHandle] = []
+        self._in_backward = False
+        self._unmanaged = False  # a hook fired outside engine.backward since the last pass
+        self._window_reduced = False  # the current accumulation window went through a reducing pass
+        self._pass = False
+        self._pending: dict[BucketKey, int] = {}
+        self._ptr = 0
+        self._inflight: list[Handle] = []
+        self._host_grad_buffers: dict[int, list[torch.Tensor]] = {}
+
+    # ------------------------------------------------------------------ stage-specific parts
+    def _target(self, group: int, index: int) -> torch.Tensor:
+        """Where parameter ``index`` of ``group`` accumulates its gradient."""
+        raise NotImplementedError
+
+    def _launch(self, key: BucketKey) -> Handle:
+        """Issue the collective of one bucket; return a handle whose wait() lands the result."""
+        raise NotImplementedError
+
+    def _grad_pieces(self, group: int) -> list[torch.Tensor]:
+        """The reduced (still scaled) gradient lined up with ``groups[group].masters``."""
+        raise NotImplementedError
+
+    def _reset_window(self) -> None:
+        """Forget the accumulated gradients (after a step or zero_grad)."""
+
+    def memory_bytes(self) -> dict[str, int]:
+        """Bytes this rank holds per kind: params, grads, master (optimizer state is the engine's)."""
+        params = sum(gs.numel_bytes()["params"] for gs in self.groups)
+        master = sum(gs.numel_bytes()["master"] for gs in self.groups)
+        host = sum(t.numel() * t.element_size() for views in self._host_grad_buffers.values() for t in views)
+        return {"params": params, "grads": host, "master": master}
+
+    # ------------------------------------------------------------------ hooks
+    def attach(self) -> None:
+        for pid, p in enumerate(self._params):
+            self._hooks.append(p.register_post_accumulate_grad_hook(self._hook_for(pid)))
+
+    def detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _hook_for(self, pid: int) -> Callable[[torch.Tensor], None]:
+        def hook(param: torch.Tensor) -> None:
+            self._on_grad(pid, param)
+
+        return hook
+
+    @torch.no_grad()
+    def _on_grad(self, pid: int, param: torch.Tensor) -> None:
+        grad = param.grad
+        param.grad = None
+        if grad is None:
+            return
+        g, i = self._where[pid]
+        if self._window_reduced and not self.reduces_every_backward:
+            raise RuntimeError(
+                f"a gradient for {self.groups[g].names[i]!r} arrived after this step's gradients were already "
+                "reduced; call engine.step() after the boundary backward before running another backward"
+            )
+        if not self._in_backward:
+            self._unmanaged = True
+        target = self._target(g, i)
+        if self._written[pid]:
+            target.add_(grad.view_as(target))
+        else:
+            target.copy_(grad.view_as(target))
+            self._written[pid] = True
+        if self._pass:
+            key = (g, self.groups[g].layout.params[i].bucket)
+            self._pending[key] -= 1
+            if self._pending[key] == 0:
+                self._launch_ready()
+
+    # ------------------------------------------------------------------ reducing passes
+    def begin_backward(self, *, reduce: bool) -> None:
+        """Called by the engine before ``loss.backward()``; ``reduce``: this backward ends the window."""
+        self._in_backward = True
+        if reduce or self.reduces_every_backward:
+            self._start_pass()
+
+    def end_backward(self) -> None:
+        """Called by the engine after ``loss.backward()``: finish the reducing pass, if any."""
+        self._in_backward = False
+        if self._pass:
+            self._finish_pass()
+
+    def _start_pass(self) -> None:
+        self._pass = True
+        self._ptr = 0
+        self._pending = dict(self._bucket_size)
+
+    def _launch_ready(self) -> None:
+        while self._ptr < len(self.bucket_order) and self._pending[self.bucket_order[self._ptr]] == 0:
+            self._inflight.append(self._launch(self.bucket_order[self._ptr]))
+            self._ptr += 1
+
+    def _finish_pass(self) -> None:
+        for key in self.bucket_order[self._ptr :]:
+            self._inflight.append(self._launch(key))
+        self._ptr = len(self.bucket_order)
+        for handle in self._inflight:
+            handle.wait()
+        self._inflight.clear()
+        self._pass = False
+        self._unmanaged = False
+        self._window_reduced = True
+
+    def _zero_unwritten(self, key: BucketKey, buffer: torch.Tensor) -> None:
+        """Zero the parts of a bucket-shaped buffer whose parameters got no gradient in this window."""
+        g, b = key
+        layout = self.groups[g].layout
+        start = layout.buckets[b].start
+        for i in layout.buckets[b].params:
+            pid = self._pid(g, i)
+            if not self._written[pid]:
+                slot = layout.params[i]
+                buffer[slot.offset - start : slot.end - start].zero_()
+
+    def _pid(self, group: int, index: int) -> int:
+        return self._first_pid[group] + index
+
+    # ------------------------------------------------------------------ the optimizer step
+    @property
+    def masters(self) -> list[list[nn.Parameter]]:
+        """Per param group, the fp32 tensors the optimizer steps (one per bucket)."""
+        return [gs.masters for gs in self.groups]
+
+    def prepare_step(self) -> None:
+        """Make sure the window's gradients are fully reduced (see [Note: gradient hooks and bucket order])."""
+        if self._pass:
+            self._finish_pass()
+        if not self._window_reduced or self._unmanaged:
+            self._start_pass()
+            self._finish_pass()
+
+    def _reduced_grads(self) -> list[torch.Tensor]:
+        """This rank's reduced (still scaled) gradients, on the parameters' device, all groups."""
+        return [t for g in range(len(self.groups)) for t in self._grad_pieces(g)]
+
+    def grad_norm(self) -> tuple[float, bool]:
+        """(L2 norm, any inf/nan) of the reduced gradients of every rank, agreed by all ranks.
+
+        Still scaled: the engine divides by the loss scale and averaging factor. Stages 1-2 combine the
+        per-rank squares with one all-reduce of ``[norm**2, found_inf]``.
+        """
+        pieces = self._reduced_grads()
+        norm, found_inf = multi_tensor_l2norm(pieces)
+        if self.partitioned and self.coll.world_size > 1:
+            both = torch.stack([norm.float() ** 2, found_inf.float()]).to(self.groups[0].device)
+            self.coll.all_reduce(both)
+            sq, inf = both.tolist()
+            return math.sqrt(sq) if sq >= 0 else math.nan, inf > 0 or not math.isfinite(sq)
+        value = float(norm)
+        return value, bool(found_inf) or not math.isfinite(value)
+
+    @torch.no_grad()
+    def apply_step(self, optimizer: torch.optim.Optimizer, factor: float) -> None:
+        """Multiply the gradients by ``factor`` (unscale x average x clip), step the masters, publish."""
+        pieces = self._reduced_grads()
+        if factor != 1.0 and pieces:
+            torch._foreach_mul_(pieces, factor)
+        for g, gs in enumerate(self.groups):
+            grads = self._grad_pieces(g)
+            if grads and (grads[0].dtype != torch.float32 or grads[0].device != gs.masters[0].device):
+                host = self._host_grads(g)  # offload / non-fp32 accumulation: fp32 copies on the master device
+                for dst, src in zip(host, grads, strict=True):
+                    dst.copy_(src)  # blocking: the host optimizer reads it next
+                grads = host
+            for master, grad in zip(gs.masters, grads, strict=True):
+                master.grad = grad
+        optimizer.step()
+        for gs in self.groups:
+            for master in gs.masters:
+                master.grad = None
+        self.publish()
+
+    def _host_grads(self, group: int) -> list[torch.Tensor]:
+        buffers = self._host_grad_buffers
+        if group not in buffers:
+            gs = self.groups[group]
+            numel = sum(m.numel() for m in gs.masters)
+            buf = torch.empty(
+                numel, dtype=torch.float32, device=gs.masters[0].device, pin_memory=self.options.pin_memory
+            )
+            buffers[group] = gs.master_shaped(buf)
+        return buffers[group]
+
+    @torch.no_grad()
+    def publish(self) -> None:
+        """Masters -> compute-dtype parameters, then (partitioned stages) all-gather every bucket."""
+        for gs in self.groups:
+            gs.copy_masters_to_params()
+        if not self.partitioned:
+            return
+        handles = []
+        for g, b in self.bucket_order:
+            gs = self.groups[g]
+            bucket = gs.layout.bucket_view(gs.flat, b)
+            mine = gs.layout.shard_view(gs.flat, b, self.coll.rank)
+            handles.append(self.coll.all_gather(bucket, mine, async_op=self.options.async_comm))
+        for h in handles:
+            h.wait()
+
+    def zero_grad(self) -> None:
+        """Drop the accumulated gradients: the next backward starts a new window."""
+        if self._pass:
+            self._finish_pass()  # keep ranks in step: a started pass is always completed
+        self._written = [False] * len(self._params)
+        self._window_reduced = False
+        self._unmanaged = False
+        self._reset_window()

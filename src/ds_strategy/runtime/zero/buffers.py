@@ -1,0 +1,104 @@
+"""One param group's flat buffers: the compute-dtype parameters and the fp32 master weights.
+
+[Note: parameters are views]
+Every trainable parameter's ``.data`` becomes a view into its group's flat buffer in the compute dtype
+(``param.data = flat[offset:offset + numel].view(shape)``): the module keeps its ``nn.Parameter``
+objects (so references held by the user or a client optimizer stay valid) while an all-gather of a
+bucket writes updated weights straight into the model.
+
+[Note: master weights]
+The optimizer steps fp32 *master* tensors, one ``nn.Parameter`` per bucket: this rank's shard of the
+bucket (stages 1-2) or the whole bucket (stage 0). When the compute dtype is fp32 and the masters stay
+on the parameters' device, a master *is* the shard of the flat parameter buffer (a view, no copy): the
+optimizer updates the model in place. Otherwise (bf16/fp16, or optimizer offload to another device) the
+masters are a separate contiguous fp32 buffer on the master device, copied back (with the cast) after
+each step. Masters are initialised from the original fp32 parameters before any cast to 16 bits.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from ..layout import FlatLayout
+from .collectives import Collectives
+
+
+class GroupState:
+    """Flat parameter buffer, masters and layout of one optimizer param group."""
+
+    def __init__(
+        self,
+        index: int,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        *,
+        coll: Collectives,
+        bucket_numel: int,
+        compute_dtype: torch.dtype,
+        master_device: torch.device,
+        partitioned: bool,
+        pin_memory: bool = False,
+    ) -> None:
+        self.index = index
+        self.params = [p for _, p in named_params]
+        self.names = [n for n, _ in named_params]
+        self.partitioned = partitioned
+        self.rank = coll.rank
+        self.layout = FlatLayout.build(
+            [(n, p.shape, p.dtype) for n, p in named_params], world_size=coll.world_size, bucket_numel=bucket_numel
+        )
+        device = self.params[0].device if self.params else torch.device("cpu")
+        self.device = device
+        with torch.no_grad():
+            # Gather the originals in fp32 (exact for fp32/bf16/fp16 inputs); rank 0's values win, like
+            # DeepSpeed's start-up broadcast, so every rank begins from identical weights.
+            full32 = torch.zeros(self.layout.total, dtype=torch.float32, device=device)
+            for i, p in enumerate(self.params):
+                self.layout.param_view(full32, i).copy_(p.detach())
+            coll.broadcast(full32)
+            self.aliased = compute_dtype == torch.float32 and master_device == device
+            self.flat = full32 if compute_dtype == torch.float32 else full32.to(compute_dtype)
+            if self.aliased:
+                self.master_flat: torch.Tensor | None = None
+                pieces = [self._own(self.flat, b) for b in range(len(self.layout.buckets))]
+            else:
+                numel = self.layout.partition_numel if partitioned else self.layout.total
+                self.master_flat = torch.empty(numel, dtype=torch.float32, device=master_device, pin_memory=pin_memory)
+                pieces = self._master_pieces(self.master_flat)
+                for b, piece in enumerate(pieces):
+                    piece.copy_(self._own(full32, b))
+            del full32
+            for i, p in enumerate(self.params):
+                p.data = self.layout.param_view(self.flat, i)
+        # One leaf per bucket for the optimizer; it aliases the storage above (see the notes).
+        self.masters = [nn.Parameter(piece) for piece in pieces]
+
+    def _own(self, flat: torch.Tensor, bucket: int) -> torch.Tensor:
+        """What this rank's master covers of ``bucket`` in a flat-layout tensor: its shard or all of it."""
+        if self.partitioned:
+            return self.layout.shard_view(flat, bucket, self.rank)
+        return self.layout.bucket_view(flat, bucket)
+
+    def _master_pieces(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Per-bucket views of a master-shaped buffer (a partition, or a full flat copy for stage 0)."""
+        if self.partitioned:
+            return self.layout.partition_views(buffer)
+        return [self.layout.bucket_view(buffer, b) for b in range(len(self.layout.buckets))]
+
+    def master_shaped(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Per-bucket views of ``buffer`` (partition-sized or flat-sized) lined up with ``masters``."""
+        return self._master_pieces(buffer)
+
+    @torch.no_grad()
+    def copy_masters_to_params(self) -> None:
+        """Write the updated masters into this rank's part of the flat parameter buffer (cast + device copy)."""
+        if self.aliased:
+            return
+        for b, master in enumerate(self.masters):
+            self._own(self.flat, b).copy_(master.detach(), non_blocking=True)
+
+    def numel_bytes(self) -> dict[str, int]:
+        master = 0 if self.master_flat is None else self.master_flat.numel() * self.master_flat.element_size()
+        return {"params": self.flat.numel() * self.flat.element_size(), "master": master}

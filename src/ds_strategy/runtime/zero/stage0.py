@@ -1,0 +1,73 @@
+"""Stage 0: replicated weights, optimizer and gradients; a bucketed all-reduce that overlaps backward.
+
+Gradients accumulate over the window in one full flat buffer per param group (``accum_dtype``). In the
+boundary backward each bucket is all-reduced asynchronously as soon as it is complete, so communication
+runs while autograd computes the earlier layers. Every rank then steps the same full fp32 masters (the
+flat parameter buffer itself in fp32) and no gather is needed.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .base import BucketKey, StageOptions, ZeroStage
+from .collectives import Collectives, Handle
+
+
+class Stage0(ZeroStage):
+    stage = 0
+    partitioned = False
+
+    def __init__(
+        self,
+        groups: Sequence[Sequence[tuple[str, nn.Parameter]]],
+        registration: dict[nn.Parameter, int],
+        *,
+        coll: Collectives,
+        options: StageOptions,
+    ) -> None:
+        super().__init__(groups, registration, coll=coll, options=options)
+        # Zero-initialised so bucket padding (never written) reduces as zeros.
+        self.accum = [torch.zeros(gs.layout.total, dtype=options.accum_dtype, device=gs.device) for gs in self.groups]
+
+    def _target(self, group: int, index: int) -> torch.Tensor:
+        return self.groups[group].layout.param_view(self.accum[group], index)
+
+    def _comm_input(self, key: BucketKey) -> tuple[torch.Tensor, torch.Tensor]:
+        """(the bucket of the accumulation buffer, the tensor to communicate: it, or a cast copy), pre-scaled."""
+        g, b = key
+        bucket = self.groups[g].layout.bucket_view(self.accum[g], b)
+        self._zero_unwritten(key, bucket)
+        send = bucket if self.options.comm_dtype == bucket.dtype else bucket.to(self.options.comm_dtype)
+        if self.options.pre_scale != 1.0:
+            send.mul_(self.options.pre_scale)
+        return bucket, send
+
+    def _launch(self, key: BucketKey) -> Handle:
+        bucket, send = self._comm_input(key)
+        handle = self.coll.all_reduce(send, async_op=self.options.async_comm)
+        if send is bucket:
+            return handle
+        return _CopyBack(handle, bucket, send)
+
+    def _grad_pieces(self, group: int) -> list[torch.Tensor]:
+        return self.groups[group].master_shaped(self.accum[group])
+
+    def memory_bytes(self) -> dict[str, int]:
+        out = super().memory_bytes()
+        out["grads"] += sum(a.numel() * a.element_size() for a in self.accum)
+        return out
+
+
+class _CopyBack:
+    """Wait for a collective on a cast copy, then write the result back into the original buffer."""
+
+    def __init__(self, handle: Handle, dst: torch.Tensor, src: torch.Tensor) -> None:
+        self._handle, self._dst, self._src = handle, dst, src
+
+    def wait(self) -> None:
+        self._handle.wait()
+        self._dst.copy_(self._src)

@@ -1,0 +1,53 @@
+"""Stage 1: fp32 master weights and optimizer state partitioned 1/N.
+
+Gradients accumulate over the window in a full flat buffer, exactly as in stage 0. In the boundary
+backward each completed bucket is reduce-scattered (asynchronously with ``overlap_comm``) straight into
+this rank's fp32 partition gradient; the rank steps only its shards, then every bucket is all-gathered
+back into the flat parameter buffer (``publish``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .base import BucketKey, StageOptions
+from .collectives import Collectives, Handle
+from .stage0 import Stage0, _CopyBack
+
+
+class Stage1(Stage0):
+    stage = 1
+    partitioned = True
+
+    def __init__(
+        self,
+        groups: Sequence[Sequence[tuple[str, nn.Parameter]]],
+        registration: dict[nn.Parameter, int],
+        *,
+        coll: Collectives,
+        options: StageOptions,
+    ) -> None:
+        super().__init__(groups, registration, coll=coll, options=options)
+        self.partition_grads = [
+            torch.zeros(gs.layout.partition_numel, dtype=torch.float32, device=gs.device) for gs in self.groups
+        ]
+
+    def _launch(self, key: BucketKey) -> Handle:
+        g, b = key
+        _, send = self._comm_input(key)
+        out = self.groups[g].layout.partition_views(self.partition_grads[g])[b]
+        if send.dtype == out.dtype:
+            return self.coll.reduce_scatter(out, send, async_op=self.options.async_comm)
+        temp = torch.empty(out.numel(), dtype=send.dtype, device=out.device)
+        return _CopyBack(self.coll.reduce_scatter(temp, send, async_op=self.options.async_comm), out, temp)
+
+    def _grad_pieces(self, group: int) -> list[torch.Tensor]:
+        return self.groups[group].master_shaped(self.partition_grads[group])
+
+    def memory_bytes(self) -> dict[str, int]:
+        out = super().memory_bytes()
+        out["grads"] += sum(t.numel() * t.element_size() for t in self.partition_grads)
+        return out

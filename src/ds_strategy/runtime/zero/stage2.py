@@ -1,0 +1,108 @@
+"""Stage 2: gradients are partitioned too; no rank ever holds the full gradient.
+
+In *every* backward, gradients are copied into a staging buffer of their bucket (``comm_dtype``,
+allocated when the bucket's first gradient arrives). A completed bucket is reduce-scattered
+(asynchronously with ``overlap_comm``) and its result added into this rank's fp32 partition gradient,
+which accumulates the window; the staging buffer is dropped as soon as its collective is done. So a
+rank holds its 1/N fp32 partition gradient plus the buckets in flight (``reduce_bucket_size`` bounds
+them). The partition gradient is always contiguous (``contiguous_gradients`` is implied).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+import torch
+from torch import nn
+
+from .base import BucketKey, StageOptions, ZeroStage
+from .collectives import Collectives, Handle
+
+
+class Stage2(ZeroStage):
+    stage = 2
+    partitioned = True
+    reduces_every_backward = True
+
+    def __init__(
+        self,
+        groups: Sequence[Sequence[tuple[str, nn.Parameter]]],
+        registration: dict[nn.Parameter, int],
+        *,
+        coll: Collectives,
+        options: StageOptions,
+    ) -> None:
+        super().__init__(groups, registration, coll=coll, options=options)
+        self.partition_grads = [
+            torch.zeros(gs.layout.partition_numel, dtype=torch.float32, device=gs.device) for gs in self.groups
+        ]
+        self._staging: dict[BucketKey, torch.Tensor] = {}
+        # Buckets whose partition gradient holds nothing of this window yet: the first result is copied
+        # in (or reduce-scattered straight into place), later ones are added.
+        self._fresh = {key: True for key in self.bucket_order}
+
+    def _staging_for(self, key: BucketKey) -> torch.Tensor:
+        buf = self._staging.get(key)
+        if buf is None:
+            g, b = key
+            bucket = self.groups[g].layout.buckets[b]
+            buf = torch.empty(bucket.padded, dtype=self.options.comm_dtype, device=self.groups[g].device)
+            buf[bucket.numel :].zero_()
+            self._staging[key] = buf
+        return buf
+
+    def _target(self, group: int, index: int) -> torch.Tensor:
+        slot = self.groups[group].layout.params[index]
+        bucket = self.groups[group].layout.buckets[slot.bucket]
+        staging = self._staging_for((group, slot.bucket))
+        return staging[slot.offset - bucket.start : slot.end - bucket.start]
+
+    def _launch(self, key: BucketKey) -> Handle:
+        g, b = key
+        gs = self.groups[g]
+        staging = self._staging_for(key)
+        self._zero_unwritten(key, staging)
+        for i in gs.layout.buckets[b].params:
+            self._written[self._pid(g, i)] = False  # the staging buffer is consumed by this launch
+        if self.options.pre_scale != 1.0:
+            staging.mul_(self.options.pre_scale)
+        out = gs.layout.partition_views(self.partition_grads[g])[b]
+        fresh = self._fresh[key]
+        self._fresh[key] = False
+        direct = fresh and staging.dtype == out.dtype
+        result = out if direct else torch.empty(out.numel(), dtype=staging.dtype, device=out.device)
+        handle = self.coll.reduce_scatter(result, staging, async_op=self.options.async_comm)
+        return _Land(self, key, handle, None if direct else (out, result, fresh))
+
+    def _grad_pieces(self, group: int) -> list[torch.Tensor]:
+        return self.groups[group].master_shaped(self.partition_grads[group])
+
+    def _reset_window(self) -> None:
+        self._fresh = dict.fromkeys(self.bucket_order, True)
+        self._staging.clear()
+
+    def memory_bytes(self) -> dict[str, int]:
+        out = super().memory_bytes()
+        out["grads"] += sum(t.numel() * t.element_size() for t in self.partition_grads)
+        out["grads"] += sum(t.numel() * t.element_size() for t in self._staging.values())
+        return out
+
+
+class _Land:
+    """Finish one bucket: wait, fold the shard into the partition gradient, free the staging buffer."""
+
+    def __init__(
+        self, stage: Stage2, key: BucketKey, handle: Handle, fold: tuple[torch.Tensor, torch.Tensor, bool] | None
+    ) -> None:
+        self._stage, self._key, self._handle, self._fold = stage, key, handle, fold
+
+    def wait(self) -> None:
+        self._handle.wait()
+        if self._fold is not None:
+            out, result, fresh = self._fold
+            if fresh:
+                out.copy_(result)
+            else:
+                out.add_(result)
+            self._fold = None
+        self._stage._staging.pop(self._key, None)
