@@ -11,7 +11,6 @@ beyond choosing the stage class; precision is decided once (``Precision``), the 
 
 from __future__ import annotations
 
-import logging
 import os
 from collections.abc import Iterator
 from contextlib import contextmanager
@@ -23,6 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ds_strategy.config import DeepSpeedConfig, load_config
+from ds_strategy.log import get_logger
 
 from .params import (
     OptimizerArg,
@@ -36,7 +36,7 @@ from .precision import Precision, make_loss_scaler
 from .timers import Throughput, Timers
 from .zero import STAGES, Collectives, StageOptions
 
-log = logging.getLogger("ds_strategy.runtime")
+log = get_logger("ds_strategy.runtime")
 
 SchedulerArg = Any  # an object with step() (torch LRScheduler or ours), or a callable(optimizer) -> that
 

@@ -12,7 +12,6 @@ formulas. Deliberate differences, each a fix of something that cannot be intende
 
 from __future__ import annotations
 
-import logging
 import math
 from collections.abc import Sequence
 from typing import Any
@@ -20,8 +19,9 @@ from typing import Any
 from torch.optim import Optimizer
 
 from ds_strategy.config import SchedulerConfig
+from ds_strategy.log import get_logger
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 WARMUP_LOG_RATE = "log"
 WARMUP_LINEAR_RATE = "linear"

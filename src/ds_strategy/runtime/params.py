@@ -3,7 +3,6 @@ engine's param groups, and wiring an optimizer to the flat fp32 masters."""
 
 from __future__ import annotations
 
-import logging
 from collections.abc import Callable, Iterable, Sequence
 from typing import Any
 
@@ -12,10 +11,11 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ds_strategy.config import DeepSpeedConfig
+from ds_strategy.log import get_logger
 
 from .optimizers import build_optimizer, is_cpu_kernel_optimizer, tested_optimizer_types
 
-log = logging.getLogger(__name__)
+log = get_logger(__name__)
 
 ParamsArg = Iterable[torch.Tensor] | Iterable[dict[str, Any]] | None
 OptimizerArg = Optimizer | Callable[..., Optimizer] | None
