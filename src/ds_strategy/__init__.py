@@ -20,8 +20,8 @@ _LAZY: dict[str, str] = {
 __all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:
-    from ds_strategy.accelerator import get_accelerator
-    from ds_strategy.comm import init_distributed
+    from ds_strategy.accelerator import get_accelerator as get_accelerator
+    from ds_strategy.comm import init_distributed as init_distributed
 
 
 def __getattr__(name: str) -> Any:

@@ -9,7 +9,7 @@ import os
 import sys
 import types
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -112,7 +112,7 @@ def _ops_body(rank: int, world: int) -> None:
     i = torch.arange(5, dtype=torch.int64) * (rank + 1)
     comm.all_reduce(i, "sum")
     assert torch.equal(i, torch.arange(5) * sum(range(1, world + 1)))
-    with pytest.raises(ValueError, match="avg of a torch.int64"):
+    with pytest.raises(ValueError, match=r"avg of a torch\.int64"):
         comm.all_reduce(i, "avg")
     with pytest.raises(ValueError, match="unknown reduce op 'median'"):
         comm.all_reduce(i, "median")
@@ -146,7 +146,10 @@ def test_ops_broadcast_barrier_and_errors(world_size: int) -> None:
 
 def _emulation_body(rank: int, world: int) -> list[str]:
     logger = CommsLogger()
-    emulated, native = Communicator(fast_path=False, logger=logger), Communicator(fast_path=False, emulate_gloo=False, logger=logger)
+    emulated, native = (
+        Communicator(fast_path=False, logger=logger),
+        Communicator(fast_path=False, emulate_gloo=False, logger=logger),
+    )
     # Special values survive the integer-sum all_gather bit for bit: -0.0, inf, NaN payloads.
     shard = torch.tensor([-0.0, float("inf"), float("nan"), 1e-45, -3.5], dtype=torch.float32) * (rank + 1)
     for comm in (emulated, native):
@@ -292,7 +295,7 @@ def test_explicit_subgroups() -> None:
 class FakeShm:
     """A ShmCommunicator double: correct results (through torch.distributed), every call recorded."""
 
-    instances: list[FakeShm] = []
+    instances: ClassVar[list[FakeShm]] = []
 
     def __init__(self, group: dist.ProcessGroup | None = None) -> None:
         self.group = group

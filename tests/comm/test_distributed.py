@@ -96,10 +96,10 @@ class FileComm:
         self.calls: list[str] = []
         self._n = 0
 
-    def Get_rank(self) -> int:  # noqa: N802 - mpi4py's names
+    def Get_rank(self) -> int:
         return self.rank
 
-    def Get_size(self) -> int:  # noqa: N802
+    def Get_size(self) -> int:
         return self.size
 
     def _put(self, name: str, value: Any) -> None:
@@ -138,10 +138,10 @@ class ScriptedComm:
         self.rank, self.size, self.hosts, self.bcast_answer = rank, size, hosts, bcast_answer
         self.bcast_proposals: list[Any] = []
 
-    def Get_rank(self) -> int:  # noqa: N802
+    def Get_rank(self) -> int:
         return self.rank
 
-    def Get_size(self) -> int:  # noqa: N802
+    def Get_size(self) -> int:
         return self.size
 
     def allgather(self, obj: Any) -> list[Any]:
@@ -429,7 +429,7 @@ def test_launcher_variables_without_mpi4py(kind: str) -> None:
 
 def test_launcher_without_master_address_says_how_to_fix(clean_env: pytest.MonkeyPatch) -> None:
     env = {"OMPI_COMM_WORLD_RANK": "1", "OMPI_COMM_WORLD_SIZE": "8", "OMPI_COMM_WORLD_LOCAL_SIZE": "4"}
-    with module_stub("mpi4py", None), pytest.raises(ValueError, match="MASTER_ADDR.*mpi4py"):
+    with module_stub("mpi4py", None), pytest.raises(ValueError, match=r"MASTER_ADDR.*mpi4py"):
         discover_mpi(env)
 
 
@@ -467,7 +467,11 @@ def test_real_mpirun(tmp_path: Path) -> None:
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"), env.get("PYTHONPATH", "")])
     env["MASTER_PORT"] = str(free_port())
     proc = subprocess.run(
-        ["mpirun", *flags, "-np", "2", sys.executable, str(script)], env=env, capture_output=True, text=True, timeout=120
+        ["mpirun", *flags, "-np", "2", sys.executable, str(script)],
+        env=env,
+        capture_output=True,
+        text=True,
+        timeout=120,
     )
     assert proc.returncode == 0, proc.stderr
     lines = sorted(line.split() for line in proc.stdout.splitlines() if line.strip())

@@ -56,7 +56,7 @@ def get_accelerator(name: str | None = None) -> Accelerator:
 
 
 def detect_accelerator() -> str:
-    """"cuda" when torch sees a CUDA device (counted through NVML: no CUDA context), then "mps", then "cpu"."""
+    """ "cuda" when torch sees a CUDA device (counted through NVML: no CUDA context), then "mps", then "cpu"."""
     import torch
 
     if torch.cuda.device_count() > 0:

@@ -64,7 +64,7 @@ class Accelerator(ABC):
     def device(self, device_index: int | None = None) -> torch.device:
         import torch
 
-        return torch.device(self.device_type, device_index)
+        return torch.device(self.device_type) if device_index is None else torch.device(self.device_type, device_index)
 
     def current_device_name(self) -> str:
         return self.device_name(self.current_device())
@@ -88,6 +88,7 @@ class Accelerator(ABC):
 
     def set_device(self, device_index: int) -> None:
         """Make ``device_index`` current (a no-op for kinds with one device)."""
+        return None
 
     @abstractmethod
     def synchronize(self, device_index: int | None = None) -> None:
@@ -121,6 +122,7 @@ class Accelerator(ABC):
 
     def empty_cache(self) -> None:
         """Return cached, unused device memory to the driver (no-op where there is no cache)."""
+        return None
 
     # ---- host memory -----------------------------------------------------------------------------
     def pin_memory(self, tensor: torch.Tensor) -> torch.Tensor:

@@ -32,7 +32,7 @@ def process_memory() -> tuple[int, int | None]:
     except (ImportError, OSError):
         pass
     try:
-        import psutil  # type: ignore[import-untyped]
+        import psutil
 
         return int(psutil.Process().memory_info().rss), peak
     except ImportError:

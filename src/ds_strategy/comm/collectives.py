@@ -178,7 +178,9 @@ class Communicator:
 
     def __repr__(self) -> str:
         fast = "none" if self.fast_path is None else type(self.fast_path).__name__
-        return f"Communicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, fast_path={fast})"
+        return (
+            f"Communicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, fast_path={fast})"
+        )
 
     # ---- routing -------------------------------------------------------------------------------------
     def path_for(self, op: ReduceOpLike | None, *tensors: torch.Tensor) -> str:
@@ -250,7 +252,11 @@ class Communicator:
             return self._handle([work], keep_shard, timing, async_op)
         torch_op, divide = self._torch_op(name, path)
         work = _reduce_scatter(output, input, op=torch_op, group=self.group, async_op=True)
-        return self._handle([work], (lambda: output.div_(self.world_size)) if divide else None, timing, async_op)
+
+        def average() -> None:
+            output.div_(self.world_size)
+
+        return self._handle([work], average if divide else None, timing, async_op)
 
     def all_gather_into_tensor(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
@@ -296,8 +302,13 @@ class Communicator:
 
     def barrier(self, *, async_op: bool = False) -> CommHandle:
         """Wait until every rank of the group has reached this call."""
-        path = "local" if self.world_size == 1 else self.backend
-        timing = None if self.logger is None else self.logger.start("barrier", nbytes=0, world_size=self.world_size, path=path)
+        devices = self._device_backends
+        path = "local" if self.world_size == 1 else devices.get("cuda") or next(iter(devices.values()), self.backend)
+        timing = (
+            None
+            if self.logger is None
+            else self.logger.start("barrier", nbytes=0, world_size=self.world_size, path=path)
+        )
         if path == "local":
             return self._done(timing)
         work = dist.barrier(group=self.group, async_op=True)
@@ -319,7 +330,9 @@ class Communicator:
             )
         return self._combine(children, async_op)
 
-    def broadcast_coalesced(self, tensors: Iterable[torch.Tensor], src: int = 0, *, async_op: bool = False) -> CommHandle:
+    def broadcast_coalesced(
+        self, tensors: Iterable[torch.Tensor], src: int = 0, *, async_op: bool = False
+    ) -> CommHandle:
         """Broadcast many tensors from group rank ``src`` with one collective per (device, dtype)."""
         children = []
         for bucket in _buckets(tensors):
@@ -396,7 +409,7 @@ class Communicator:
 
 
 def reduce_op_name(op: ReduceOpLike) -> str:
-    """"sum" | "avg" | "max" | "min" | "product" from a name (case-insensitive, "mean" = "avg") or a ReduceOp."""
+    """ "sum" | "avg" | "max" | "min" | "product" from a name (case-insensitive, "mean" = "avg") or a ReduceOp."""
     if isinstance(op, str):
         name = op.strip().lower()
         name = {"mean": "avg", "prod": "product"}.get(name, name)
@@ -422,7 +435,7 @@ def _create_shm(group: dist.ProcessGroup | None) -> FastPath | None:
         if exc.name in ("ds_strategy.comm.shm",):
             return None  # this build has no shared-memory backend
         raise
-    except ImportError as exc:  # pragma: no cover - a broken install, reported once per rank
+    except ImportError as exc:  # e.g. an undefined symbol in the kernel library: report, then do without
         warnings.warn(f"shared-memory collectives unavailable ({exc}); using torch.distributed", stacklevel=3)
         return None
     fast: FastPath | None = ShmCommunicator.create(group)
@@ -430,7 +443,7 @@ def _create_shm(group: dist.ProcessGroup | None) -> FastPath | None:
 
 
 def _parse_backend(backend: str) -> dict[str, str]:
-    """"cpu:gloo,cuda:nccl" -> {"cpu": "gloo", "cuda": "nccl"}; a plain name maps no device specially."""
+    """ "cpu:gloo,cuda:nccl" -> {"cpu": "gloo", "cuda": "nccl"}; a plain name maps no device specially."""
     if ":" not in backend:
         return {}
     pairs = (item.split(":", 1) for item in backend.split(",") if ":" in item)
@@ -444,9 +457,7 @@ def _check_pair(op: str, *, big: torch.Tensor, small: torch.Tensor, world: int) 
             f"{small.numel()} = {world * small.numel()}"
         )
     if big.dtype != small.dtype or big.device != small.device:
-        raise ValueError(
-            f"{op}: buffers differ: {big.dtype} on {big.device} vs {small.dtype} on {small.device}"
-        )
+        raise ValueError(f"{op}: buffers differ: {big.dtype} on {big.device} vs {small.dtype} on {small.device}")
     if not (big.is_contiguous() and small.is_contiguous()):
         raise ValueError(f"{op}: both buffers must be contiguous")
 

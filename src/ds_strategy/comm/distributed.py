@@ -59,7 +59,13 @@ MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_
 
 # (launcher, rank var, size var, local rank var, local size var), tried in order without mpi4py.
 _LAUNCHERS = (
-    ("openmpi", "OMPI_COMM_WORLD_RANK", "OMPI_COMM_WORLD_SIZE", "OMPI_COMM_WORLD_LOCAL_RANK", "OMPI_COMM_WORLD_LOCAL_SIZE"),
+    (
+        "openmpi",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
     ("mvapich", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
     ("pmi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
     # SLURM_STEP_NUM_TASKS is set by srun only: a batch script running one `python` must not wait for peers.
@@ -123,10 +129,9 @@ def init_distributed(
 
     accelerator = get_accelerator()
     backend = dist_backend or _default_backend(accelerator.communication_backend_name())
-    timeout_kw = {} if pg_timeout is None else {"timeout": pg_timeout}
 
     if init_method is not None and not init_method.startswith("env://"):
-        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, **timeout_kw)
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=pg_timeout)
         info = DistributedInfo(
             rank=dist.get_rank(),
             world_size=dist.get_world_size(),
@@ -147,7 +152,7 @@ def init_distributed(
 
     _export(found)
     dist.init_process_group(
-        backend, init_method="env://", rank=found.rank, world_size=found.world_size, **timeout_kw
+        backend, init_method="env://", rank=found.rank, world_size=found.world_size, timeout=pg_timeout
     )
     local_rank = found.local_rank if found.local_rank is not None else _local_rank_after_init(os.environ)
     os.environ["LOCAL_RANK"] = str(local_rank)
@@ -236,7 +241,7 @@ def discover_mpi(env: Mapping[str, str], port: int = DEFAULT_PORT) -> _Found | N
     """
     if any(v in env for v in MPI_LAUNCHER_VARS):
         try:
-            from mpi4py import MPI  # type: ignore[import-not-found]
+            from mpi4py import MPI
         except ImportError:
             pass
         else:
@@ -255,7 +260,7 @@ def _from_mpi4py(comm: object, env: Mapping[str, str], port: int) -> _Found:
             addr = "127.0.0.1" if len(set(hosts)) == 1 else _host_address(host)
         proposal = (addr, _int_env(env, "MASTER_PORT") or port)
     addr, master_port = comm.bcast(proposal, root=0)  # type: ignore[attr-defined]
-    return _Found(rank, size, hosts[:rank].count(host), str(addr), int(master_port), "mpi4py")
+    return _Found(rank, size, hosts[:rank].count(hosts[rank]), str(addr), int(master_port), "mpi4py")
 
 
 def _from_launcher_env(env: Mapping[str, str], port: int) -> _Found | None:
@@ -307,8 +312,7 @@ def _init_single(backend: str, timeout: datetime.timedelta | None, device_type: 
     # A store on an ephemeral port: no race for a "free" port between probing and binding.
     store_timeout = timeout or datetime.timedelta(minutes=5)
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=store_timeout)
-    kwargs = {} if timeout is None else {"timeout": timeout}
-    dist.init_process_group(backend, store=store, rank=0, world_size=1, **kwargs)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     info = DistributedInfo(
         rank=0,
         world_size=1,

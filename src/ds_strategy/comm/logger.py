@@ -91,7 +91,9 @@ class CommsStat:
     busbw_gbps: float
 
     def row(self) -> tuple[str, ...]:
-        size = _human_bytes(self.msg_bytes) if self.msg_bytes is not None else _human_bytes(self.total_bytes // self.count)
+        size = (
+            _human_bytes(self.msg_bytes) if self.msg_bytes is not None else _human_bytes(self.total_bytes // self.count)
+        )
         if self.msg_bytes is None and self.count > 1:
             size = f"~{size}"
         return (
@@ -204,7 +206,9 @@ class CommsLogger:
         for (op, path, world, nbytes), acc in self._stats.items():
             merged.setdefault((op, path, world, nbytes if by_size else None), []).append((nbytes, acc))
         rows = []
-        for (op, path, world, size), parts in sorted(merged.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3] or 0)):
+        for (op, path, world, size), parts in sorted(
+            merged.items(), key=lambda kv: (kv[0][0], kv[0][1], kv[0][2], kv[0][3] or 0)
+        ):
             count = sum(acc.count for _, acc in parts)
             total_bytes = sum(nbytes * acc.count for nbytes, acc in parts)
             total_s = sum(acc.total_s for _, acc in parts)
