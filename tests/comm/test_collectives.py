@@ -350,6 +350,9 @@ def _routing_body(rank: int, world: int) -> dict[str, Any]:
     comm.all_gather_into_tensor(out, torch.full((2,), float(rank), dtype=torch.bfloat16))  # shm
     comm.all_reduce_coalesced([torch.ones(2), torch.ones(3)])  # one shm call on the flat buffer
     comm.broadcast(torch.ones(2))  # never the fast path
+    strided = torch.arange(12.0).view(3, 4).t() * (rank + 1)  # non-contiguous: reduced through a copy
+    comm.all_reduce(strided)
+    assert torch.equal(strided, torch.arange(12.0).view(3, 4).t() * 3)
     paths = {
         "noncontiguous": comm.path_for("sum", torch.ones(3, 4).t()),
         "fp32 sum": comm.path_for("sum", torch.ones(3)),
@@ -377,6 +380,7 @@ def test_routing_to_the_fast_path() -> None:
         ("reduce_scatter", "avg", "torch.float16"),
         ("all_gather", "-", "torch.bfloat16"),
         ("all_reduce", "sum", "torch.float32"),
+        ("all_reduce", "sum", "torch.float32"),
     ]
     assert res["f32"] == [1.0] * 5 and res["shard"] == [1.0, 1.0] and res["out"] == [0.0, 0.0, 1.0, 1.0]
     assert res["closed"]
@@ -384,7 +388,7 @@ def test_routing_to_the_fast_path() -> None:
     assert res["logged"] == [
         ("all_gather", "shm", 1),
         ("all_reduce", "gloo", 3),
-        ("all_reduce", "shm", 3),
+        ("all_reduce", "shm", 4),
         ("all_reduce_coalesced", "shm", 1),
         ("broadcast", "gloo", 1),
         ("reduce_scatter", "shm", 1),
@@ -493,3 +497,26 @@ def test_a_group_of_one_is_local(monkeypatch: pytest.MonkeyPatch) -> None:
         dist.destroy_process_group()
     with pytest.raises(RuntimeError, match="init_distributed"):
         Communicator()
+
+
+def _auto_body(rank: int, world: int) -> tuple[str, str, str, list[float]]:
+    comm = Communicator()
+    x = torch.full((1001,), float(rank), dtype=torch.bfloat16)
+    comm.all_reduce(x, "avg")
+    paths = (type(comm.fast_path).__name__, comm.path_for("sum", x), comm.path_for("max", x))
+    comm.close()
+    return (*paths, x[:2].tolist())
+
+
+@pytest.mark.multiprocess
+@pytest.mark.kernels
+def test_auto_routes_cpu_floats_to_shared_memory(request: pytest.FixtureRequest) -> None:
+    import importlib.util
+
+    if importlib.util.find_spec("ds_strategy.comm.shm") is None:
+        pytest.skip("this build has no ds_strategy.comm.shm (the shared-memory backend)")
+    request.getfixturevalue("cpu_kernels")  # build once here; the ranks then load from the warm cache
+    for world in (2, 4):
+        results = run_distributed(_auto_body, world_size=world)
+        mean = sum(range(world)) / world
+        assert results[0] == ("ShmCommunicator", "shm", "gloo", [mean, mean])

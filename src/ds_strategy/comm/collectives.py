@@ -19,7 +19,9 @@ this node and the compiled kernels load; everything else goes to torch.distribut
 decided once, collectively, in the constructor: ``fast_path=False`` or ``DS_STRATEGY_SHM=0`` disables it,
 ``fast_path=True`` insists on it (an error when unavailable; the argument wins over the variable), and a
 fast-path object may be injected (tests use a double). Fast-path operations complete synchronously; their
-handles are already done.
+handles are already done. The choice depends only on the op, dtype and device, which torch.distributed
+already requires to match across ranks, so every rank of a collective takes the same path (non-contiguous
+all_reduce inputs are reduced through a contiguous copy for the same reason).
 
 [Note: gloo reduce_scatter and all_gather through all_reduce]
 gloo's reduce_scatter and all_gather are much slower than its all_reduce (2 ranks on this machine, 16M
@@ -208,8 +210,16 @@ class Communicator:
 
     # ---- collectives ---------------------------------------------------------------------------------
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpLike = "sum", *, async_op: bool = False) -> CommHandle:
-        """Reduce ``tensor`` across the group, in place."""
-        return self._all_reduce(tensor, reduce_op_name(op), async_op=async_op, label="all_reduce")
+        """Reduce ``tensor`` across the group, in place (a non-contiguous tensor goes through a contiguous copy)."""
+        name = reduce_op_name(op)
+        if tensor.is_contiguous():
+            return self._all_reduce(tensor, name, async_op=async_op, label="all_reduce")
+        buf = tensor.contiguous()
+
+        def copy_back() -> None:
+            tensor.copy_(buf)
+
+        return self._all_reduce(buf, name, async_op=async_op, label="all_reduce", then=copy_back)
 
     def reduce_scatter_tensor(
         self,
