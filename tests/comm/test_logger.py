@@ -69,6 +69,9 @@ def test_prof_ops_from_the_typed_config() -> None:
     assert logger.should_log("all_reduce") and logger.should_log("all_gather")
     assert not logger.should_log("reduce_scatter") and not logger.should_log("broadcast")
     assert logger.start("broadcast", nbytes=4, world_size=2, path="gloo") is None
+    assert CommsLogger.from_config(config.comms_logger) is not None
+    assert CommsLogger.from_config(load_config({}).comms_logger) is None  # disabled by default: no timing at all
+    assert CommsLogger.from_config(None) is None
     disabled = CommsLogger(CommsLoggerConfig(enabled=False))
     assert not disabled.should_log("all_reduce")
     assert disabled.start("all_reduce", nbytes=4, world_size=2, path="gloo") is None

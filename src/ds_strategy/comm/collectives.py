@@ -24,12 +24,14 @@ already requires to match across ranks, so every rank of a collective takes the 
 all_reduce inputs are reduced through a contiguous copy for the same reason).
 
 [Note: gloo reduce_scatter and all_gather through all_reduce]
-gloo's reduce_scatter and all_gather are much slower than its all_reduce (2 ranks on this machine, 16M
-fp32 elements: all_reduce 170 ms, reduce_scatter 380 ms, all_gather 345 ms). On gloo (``emulate_gloo``,
-default on) reduce_scatter reduces a copy of the whole input with one all_reduce and keeps this rank's
-shard; all_gather writes this rank's shard into the zeroed output and sums it bytewise as integers, so the
-gathered values are bit-identical (x + 0 is exact in two's complement, -0.0 and NaN payloads included).
-The copy of the input can be skipped with ``input_is_scratch=True`` when the caller no longer needs it.
+gloo's reduce_scatter and all_gather are slower than its all_reduce for large messages (2 ranks, 64 MB
+fp32, medians over runs on a shared 2-core machine: all_reduce 87-170 ms, reduce_scatter 205-380 ms,
+all_gather 185-345 ms; the emulations below took 190 ms and 113 ms in the same run as the 205 / 185 ms; from
+1 to 16 MB the two are within noise of each other). On gloo (``emulate_gloo``, default on)
+reduce_scatter reduces a copy of the whole input with one all_reduce and keeps this rank's shard; all_gather
+writes this rank's shard into the zeroed output and sums it bytewise as integers, so the gathered values
+are bit-identical (x + 0 is exact in two's complement, -0.0 and NaN payloads included). The copy of the
+input can be skipped with ``input_is_scratch=True`` when the caller no longer needs it.
 
 gloo has no AVG: avg is a sum followed by a division by the group size (on the shard only, for
 reduce_scatter); nccl reduces with AVG natively.

@@ -22,7 +22,7 @@ from __future__ import annotations
 import sys
 import time
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, TextIO
+from typing import TYPE_CHECKING, Any, TextIO
 
 from ds_strategy.config.model import CommsLoggerConfig
 from ds_strategy.table import format_plain
@@ -149,6 +149,11 @@ class CommsLogger:
         self._file = file
         self._prof_ops = frozenset(canonical_op(op) for op in self.config.prof_ops)
         self._stats: dict[_Key, _Accumulator] = {}
+
+    @classmethod
+    def from_config(cls, config: CommsLoggerConfig | None, **kwargs: Any) -> CommsLogger | None:
+        """A logger for an enabled ``comms_logger`` block, else None (communicators then skip all timing)."""
+        return cls(config, **kwargs) if config is not None and config.enabled else None
 
     @property
     def enabled(self) -> bool:
