@@ -104,7 +104,9 @@ def test_cpu_memory_stats_follow_rss() -> None:
     assert during.allocated >= before.allocated + 48 * 2**20
     assert during.peak is not None and during.peak >= during.allocated
     del block
-    assert acc.max_memory_allocated() == acc.memory_stats().peak or acc.max_memory_allocated() is not None
+    peak = acc.max_memory_allocated()
+    # The high-water mark outlives the block (within the kernel's lazily synced per-thread RSS counters).
+    assert peak is not None and peak >= during.allocated - 2**20
     assert "RSS" in during.describe() and "MiB" in during.describe()
 
 

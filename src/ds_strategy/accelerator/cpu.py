@@ -20,7 +20,8 @@ def process_memory() -> tuple[int, int | None]:
     """
     try:
         fields = dict(line.split(":", 1) for line in _STATUS.read_text().splitlines() if ":" in line)
-        return _kib(fields["VmRSS"]), _kib(fields["VmHWM"])
+        rss = _kib(fields["VmRSS"])
+        return rss, max(rss, _kib(fields["VmHWM"]))  # the kernel syncs per-thread RSS counters lazily
     except (OSError, KeyError, ValueError):
         pass
     peak: int | None = None
