@@ -1,0 +1,34 @@
+"""Distributed runtime: process-group setup, the collectives facade, and the comms logger.
+
+- ``init_distributed(...)`` -> ``DistributedInfo``: create or reuse torch.distributed's default group
+  (torchrun / env variables, MPI or SLURM discovery, or a single process). See ``comm.distributed``.
+- ``Communicator(group, *, logger=None, fast_path=None)``: all_reduce, reduce_scatter_tensor,
+  all_gather_into_tensor, broadcast, barrier, coalesced variants; async handles; routing of CPU float
+  reductions to the shared-memory fast path. See ``comm.collectives``.
+- ``CommsLogger(config.comms_logger)``: per-op counts, bytes, latency, algorithm / bus bandwidth and the
+  path taken; ``log_summary()`` prints a table. See ``comm.logger``.
+
+Environment variables: ``DS_STRATEGY_DIST_TIMEOUT`` (seconds, init timeout), ``DS_STRATEGY_SHM=0``
+(disable the shared-memory fast path), plus the launcher variables listed in ``comm.distributed``.
+"""
+
+from __future__ import annotations
+
+from ds_strategy.comm.collectives import SHM_ENV, CommHandle, Communicator, FastPath, reduce_op_name
+from ds_strategy.comm.distributed import TIMEOUT_ENV, DistributedInfo, init_distributed, resolve_timeout
+from ds_strategy.comm.logger import CommsLogger, CommsStat, bus_factor
+
+__all__ = [
+    "SHM_ENV",
+    "TIMEOUT_ENV",
+    "CommHandle",
+    "CommsLogger",
+    "CommsStat",
+    "Communicator",
+    "DistributedInfo",
+    "FastPath",
+    "bus_factor",
+    "init_distributed",
+    "reduce_op_name",
+    "resolve_timeout",
+]

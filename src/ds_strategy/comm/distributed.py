@@ -1,0 +1,435 @@
+"""``init_distributed``: make torch.distributed's default process group exist, the way DeepSpeed does.
+
+    import ds_strategy
+    info = ds_strategy.init_distributed()      # under torchrun, srun, mpirun, or a plain `python`
+    info.rank, info.world_size, info.local_rank, info.backend, info.source
+
+The default torch.distributed group is the real one: torchmetrics, Lightning and our ``Communicator`` all
+communicate through it. The order (DeepSpeed's, extended):
+
+1. ``existing``: torch.distributed is already initialised (by Lightning, torchrun + user code, a test
+   harness): reuse it, change nothing.
+2. ``init_method``: an explicit ``init_method`` other than ``env://`` (``tcp://host:port``, ``file://``)
+   is passed to torch with ``rank`` and ``world_size``.
+3. ``env``: RANK and WORLD_SIZE (or the ``rank`` / ``world_size`` arguments) and MASTER_ADDR are set, as
+   torchrun, Lightning and ``ds-launch`` do. MASTER_PORT defaults to ``distributed_port``; LOCAL_RANK, if
+   unset, comes from the launcher's own variable or from comparing host names across ranks.
+4. ``mpi`` / ``launcher`` (``auto_mpi_discovery=True``): under an MPI launcher (OMPI_COMM_WORLD_*,
+   PMI_*, PMIX_RANK or MV2_COMM_WORLD_* in the environment) with mpi4py importable, rank and size come
+   from ``MPI.COMM_WORLD``, rank 0's address is broadcast and LOCAL_RANK is derived from host names.
+   Without mpi4py the launcher's variables are read directly: OpenMPI (also how Azure ML and SageMaker
+   start MPI jobs; Azure's AZ_BATCH_MASTER_NODE / AZ_BATCHAI_MPI_MASTER_NODE name the master), MVAPICH,
+   MPICH / Intel MPI (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID) and SLURM's ``srun`` (SLURM_PROCID,
+   SLURM_STEP_NUM_TASKS, SLURM_LOCALID, first host of SLURM_STEP_NODELIST). The discovered values are
+   written to RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, then torch initialises from them.
+5. ``single``: none of the above: a one-process group on a free local port, so the same script runs
+   alone. The environment is left untouched (a later Lightning Trainer must not think it was launched).
+
+A partial environment (say RANK without WORLD_SIZE) that discovery cannot complete is an error naming the
+missing variables. The timeout is the ``timeout`` argument (a ``timedelta`` or seconds), else
+``$DS_STRATEGY_DIST_TIMEOUT`` (seconds), else torch's default. The backend is ``dist_backend``, else the
+accelerator's: ``gloo`` on CPU, ``cpu:gloo,cuda:nccl`` on CUDA (so CPU tensors can be reduced too).
+"""
+
+from __future__ import annotations
+
+import datetime
+import logging
+import os
+import socket
+import warnings
+from collections.abc import Mapping
+from dataclasses import dataclass
+from typing import Literal
+
+import torch.distributed as dist
+
+from ds_strategy.accelerator import get_accelerator
+
+log = logging.getLogger(__name__)
+
+TIMEOUT_ENV = "DS_STRATEGY_DIST_TIMEOUT"
+DEFAULT_PORT = 29500
+ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
+
+Source = Literal["existing", "init_method", "env", "mpi", "launcher", "single"]
+
+# Variables whose presence means "started by an MPI launcher" (OpenMPI, MPICH/Intel hydra, PMIx, MVAPICH).
+MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
+
+# (launcher, rank var, size var, local rank var, local size var), tried in order without mpi4py.
+_LAUNCHERS = (
+    (
+        "openmpi",
+        "OMPI_COMM_WORLD_RANK",
+        "OMPI_COMM_WORLD_SIZE",
+        "OMPI_COMM_WORLD_LOCAL_RANK",
+        "OMPI_COMM_WORLD_LOCAL_SIZE",
+    ),
+    ("mvapich", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
+    ("pmi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
+    # SLURM_STEP_NUM_TASKS is set by srun only: a batch script running one `python` must not wait for peers.
+    ("slurm", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE"),
+)
+_LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
+
+
+@dataclass(frozen=True)
+class DistributedInfo:
+    """What ``init_distributed`` found or made. ``group`` is torch.distributed's default group.
+
+    ``source``: which step of the order above produced the group. ``local_rank`` is None only when an
+    existing group was reused and LOCAL_RANK is not set. ``master_addr`` / ``master_port`` are None for
+    reused groups and explicit ``init_method`` URLs.
+    """
+
+    rank: int
+    world_size: int
+    local_rank: int | None
+    backend: str
+    source: Source
+    master_addr: str | None = None
+    master_port: int | None = None
+    timeout: datetime.timedelta | None = None
+
+    @property
+    def group(self) -> dist.ProcessGroup:
+        group = dist.group.WORLD
+        assert group is not None, "torch.distributed was destroyed after init_distributed"
+        return group
+
+    @property
+    def is_distributed(self) -> bool:
+        return self.world_size > 1
+
+
+@dataclass(frozen=True)
+class _Found:
+    rank: int
+    world_size: int
+    local_rank: int | None
+    master_addr: str | None
+    master_port: int
+    how: str
+
+
+def init_distributed(
+    dist_backend: str | None = None,
+    auto_mpi_discovery: bool = True,
+    distributed_port: int = DEFAULT_PORT,
+    timeout: datetime.timedelta | float | None = None,
+    init_method: str | None = None,
+    rank: int = -1,
+    world_size: int = -1,
+) -> DistributedInfo:
+    """Initialise (or reuse) torch.distributed's default process group; see the module docstring."""
+    pg_timeout = resolve_timeout(timeout)
+    if dist.is_initialized():
+        return _reuse(dist_backend, timeout, init_method)
+
+    accelerator = get_accelerator()
+    backend = dist_backend or _default_backend(accelerator.communication_backend_name())
+
+    if init_method is not None and not init_method.startswith("env://"):
+        dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=pg_timeout)
+        info = DistributedInfo(
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            local_rank=_local_rank_after_init(os.environ),
+            backend=str(dist.get_backend()),
+            source="init_method",
+            timeout=pg_timeout,
+        )
+        return _finish(info, accelerator.device_type)
+
+    found, source = _from_env(os.environ, rank, world_size, distributed_port), "env"
+    if found is None and auto_mpi_discovery:
+        found = discover_mpi(os.environ, distributed_port)
+        source = "launcher" if found is not None and found.how != "mpi4py" else "mpi"
+    if found is None:
+        _fail_if_partial(os.environ, rank, world_size, auto_mpi_discovery)
+        return _init_single(backend, pg_timeout, accelerator.device_type)
+
+    _export(found)
+    dist.init_process_group(
+        backend, init_method="env://", rank=found.rank, world_size=found.world_size, timeout=pg_timeout
+    )
+    local_rank = found.local_rank if found.local_rank is not None else _local_rank_after_init(os.environ)
+    os.environ["LOCAL_RANK"] = str(local_rank)
+    info = DistributedInfo(
+        rank=found.rank,
+        world_size=found.world_size,
+        local_rank=local_rank,
+        backend=str(dist.get_backend()),
+        source=source,  # type: ignore[arg-type]
+        master_addr=found.master_addr,
+        master_port=found.master_port,
+        timeout=pg_timeout,
+    )
+    return _finish(info, accelerator.device_type, how=found.how)
+
+
+def resolve_timeout(timeout: datetime.timedelta | float | None) -> datetime.timedelta | None:
+    """The argument (timedelta or seconds), else ``$DS_STRATEGY_DIST_TIMEOUT`` seconds, else None (torch's)."""
+    if timeout is None:
+        raw = os.environ.get(TIMEOUT_ENV, "").strip()
+        if not raw:
+            return None
+        try:
+            seconds = float(raw)
+        except ValueError:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
+        if seconds <= 0:
+            raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
+        return datetime.timedelta(seconds=seconds)
+    if isinstance(timeout, datetime.timedelta):
+        if timeout.total_seconds() <= 0:
+            raise ValueError(f"init_distributed(timeout={timeout!r}): the timeout must be positive")
+        return timeout
+    if isinstance(timeout, bool) or not isinstance(timeout, (int, float)):
+        raise ValueError(f"init_distributed(timeout={timeout!r}): expected a datetime.timedelta or seconds")
+    if timeout <= 0:
+        raise ValueError(f"init_distributed(timeout={timeout!r}): the timeout must be positive")
+    return datetime.timedelta(seconds=float(timeout))
+
+
+# ---- the steps ---------------------------------------------------------------------------------------
+
+
+def _reuse(dist_backend: str | None, timeout: object, init_method: str | None) -> DistributedInfo:
+    backend = str(dist.get_backend())
+    if dist_backend is not None and dist_backend not in backend:
+        warnings.warn(
+            f"init_distributed(dist_backend={dist_backend!r}) ignored: torch.distributed is already "
+            f"initialised with backend {backend!r}",
+            stacklevel=3,
+        )
+    ignored = [name for name, value in (("timeout", timeout), ("init_method", init_method)) if value is not None]
+    if ignored:
+        warnings.warn(
+            f"init_distributed: {', '.join(ignored)} ignored because torch.distributed is already initialised",
+            stacklevel=3,
+        )
+    local = os.environ.get("LOCAL_RANK")
+    return DistributedInfo(
+        rank=dist.get_rank(),
+        world_size=dist.get_world_size(),
+        local_rank=int(local) if local not in (None, "") else (0 if dist.get_world_size() == 1 else None),
+        backend=backend,
+        source="existing",
+    )
+
+
+def _from_env(env: Mapping[str, str], rank: int, world_size: int, port: int) -> _Found | None:
+    """RANK/WORLD_SIZE (or the arguments) + MASTER_ADDR; None unless all of them are known."""
+    r = rank if rank >= 0 else _int_env(env, "RANK")
+    w = world_size if world_size >= 1 else _int_env(env, "WORLD_SIZE")
+    addr = env.get("MASTER_ADDR") or ("127.0.0.1" if w == 1 else None)
+    if r is None or w is None or addr is None:
+        return None
+    if not 0 <= r < w:
+        raise ValueError(f"init_distributed: RANK={r} is outside [0, WORLD_SIZE={w})")
+    master_port = _int_env(env, "MASTER_PORT")
+    return _Found(r, w, _local_rank_from_env(env), addr, master_port or port, "env")
+
+
+def discover_mpi(env: Mapping[str, str], port: int = DEFAULT_PORT) -> _Found | None:
+    """Rank, size, local rank and master address from an MPI / SLURM launcher; None when not launched by one.
+
+    mpi4py is used when an MPI launcher is detected and it imports (it initialises MPI); otherwise the
+    launcher's environment variables are read.
+    """
+    if any(v in env for v in MPI_LAUNCHER_VARS):
+        try:
+            from mpi4py import MPI
+        except ImportError:
+            pass
+        else:
+            return _from_mpi4py(MPI.COMM_WORLD, env, port)
+    return _from_launcher_env(env, port)
+
+
+def _from_mpi4py(comm: object, env: Mapping[str, str], port: int) -> _Found:
+    rank, size = int(comm.Get_rank()), int(comm.Get_size())  # type: ignore[attr-defined]
+    host = socket.gethostname()
+    hosts: list[str] = list(comm.allgather(host))  # type: ignore[attr-defined]
+    proposal = None
+    if rank == 0:
+        addr = env.get("MASTER_ADDR") or _azure_master(env)[0]
+        if addr is None:
+            addr = "127.0.0.1" if len(set(hosts)) == 1 else _host_address(host)
+        proposal = (addr, _int_env(env, "MASTER_PORT") or port)
+    addr, master_port = comm.bcast(proposal, root=0)  # type: ignore[attr-defined]
+    return _Found(rank, size, hosts[:rank].count(hosts[rank]), str(addr), int(master_port), "mpi4py")
+
+
+def _from_launcher_env(env: Mapping[str, str], port: int) -> _Found | None:
+    for name, rank_var, size_var, local_var, local_size_var in _LAUNCHERS:
+        if rank_var not in env or size_var not in env:
+            continue
+        rank, size = _int_env(env, rank_var), _int_env(env, size_var)
+        assert rank is not None and size is not None
+        local_rank = _int_env(env, local_var)
+        master_port = _int_env(env, "MASTER_PORT")
+        addr = env.get("MASTER_ADDR")
+        if addr is None:
+            addr, az_port = _azure_master(env)
+            master_port = master_port or az_port
+        if addr is None and name == "slurm" and env.get("SLURM_STEP_NODELIST"):
+            addr = first_host(env["SLURM_STEP_NODELIST"])
+        if addr is None and (size == 1 or _safe_int(env.get(local_size_var)) == size):
+            addr = "127.0.0.1"  # every rank on this node
+        if addr is None:
+            raise ValueError(
+                f"init_distributed: found {name} launcher variables ({rank_var}={rank}, {size_var}={size}) "
+                "but cannot tell rank 0's address: set MASTER_ADDR (and MASTER_PORT), or install mpi4py so "
+                "rank 0 broadcasts it"
+            )
+        return _Found(rank, size, local_rank, addr, master_port or port, name)
+    return None
+
+
+def _fail_if_partial(env: Mapping[str, str], rank: int, world_size: int, auto_mpi_discovery: bool) -> None:
+    given = {
+        "RANK": rank >= 0 or "RANK" in env,
+        "WORLD_SIZE": world_size >= 1 or "WORLD_SIZE" in env,
+        "MASTER_ADDR": "MASTER_ADDR" in env,
+        "LOCAL_RANK": "LOCAL_RANK" in env,
+    }
+    if not any(given.values()):
+        return
+    present = [k for k, v in given.items() if v]
+    missing = [k for k in ("RANK", "WORLD_SIZE", "MASTER_ADDR") if not given[k]]
+    hint = "" if auto_mpi_discovery else " (auto_mpi_discovery=False, so no MPI/SLURM launcher was consulted)"
+    raise ValueError(
+        f"init_distributed: {', '.join(present)} set but {', '.join(missing)} missing{hint}. Launch with "
+        "torchrun (which sets RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT), set the missing "
+        "variables (MASTER_PORT defaults to distributed_port), or unset them all to run as a single process"
+    )
+
+
+def _init_single(backend: str, timeout: datetime.timedelta | None, device_type: str) -> DistributedInfo:
+    # A store on an ephemeral port: no race for a "free" port between probing and binding.
+    store_timeout = timeout or datetime.timedelta(minutes=5)
+    store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=store_timeout)
+    dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
+    info = DistributedInfo(
+        rank=0,
+        world_size=1,
+        local_rank=0,
+        backend=str(dist.get_backend()),
+        source="single",
+        master_addr="127.0.0.1",
+        master_port=int(store.port),
+        timeout=timeout,
+    )
+    return _finish(info, device_type)
+
+
+def _finish(info: DistributedInfo, device_type: str, how: str | None = None) -> DistributedInfo:
+    if device_type == "cuda" and info.local_rank is not None:
+        accelerator = get_accelerator("cuda")
+        if info.local_rank < accelerator.device_count():
+            accelerator.set_device(info.local_rank)
+    if info.rank == 0:
+        via = info.source if how in (None, "env", "mpi4py") else f"{info.source} ({how})"
+        where = f", master {info.master_addr}:{info.master_port}" if info.master_addr else ""
+        log.info("init_distributed: %d process(es) via %s, backend %s%s", info.world_size, via, info.backend, where)
+    return info
+
+
+# ---- helpers -------------------------------------------------------------------------------------------
+
+
+def _default_backend(accelerator_backend: str) -> str:
+    # NCCL cannot reduce CPU tensors (offloaded state, metrics kept on CPU): pair it with gloo.
+    return "cpu:gloo,cuda:nccl" if accelerator_backend == "nccl" else accelerator_backend
+
+
+def _export(found: _Found) -> None:
+    os.environ["RANK"] = str(found.rank)
+    os.environ["WORLD_SIZE"] = str(found.world_size)
+    os.environ["MASTER_ADDR"] = str(found.master_addr)
+    os.environ["MASTER_PORT"] = str(found.master_port)
+    if found.local_rank is not None:
+        os.environ["LOCAL_RANK"] = str(found.local_rank)
+
+
+def _int_env(env: Mapping[str, str], name: str) -> int | None:
+    raw = env.get(name)
+    if raw is None or raw.strip() == "":
+        return None
+    try:
+        return int(raw)
+    except ValueError:
+        raise ValueError(f"init_distributed: {name}={raw!r} is not an integer") from None
+
+
+def _safe_int(raw: str | None) -> int | None:
+    try:
+        return None if raw is None else int(raw)
+    except ValueError:
+        return None  # e.g. SLURM's "2(x3)" tasks-per-node notation
+
+
+def _local_rank_from_env(env: Mapping[str, str]) -> int | None:
+    for name in ("LOCAL_RANK", *_LOCAL_RANK_VARS):
+        value = _int_env(env, name)
+        if value is not None:
+            return value
+    return None
+
+
+def _local_rank_after_init(env: Mapping[str, str]) -> int:
+    """LOCAL_RANK from the environment, else by comparing host names through the default group's store."""
+    local = _local_rank_from_env(env)
+    if local is not None:
+        return local
+    rank, world = dist.get_rank(), dist.get_world_size()
+    if world == 1:
+        return 0
+    store = dist.distributed_c10d._get_default_store()
+    host = socket.gethostname()
+    store.set(f"ds_strategy/hostname/{rank}", host)
+    hosts = [store.get(f"ds_strategy/hostname/{r}").decode() for r in range(rank)]
+    return hosts.count(host)
+
+
+def _azure_master(env: Mapping[str, str]) -> tuple[str | None, int | None]:
+    """Azure ML's master node: AZ_BATCH_MASTER_NODE ("host:port", multi-node) or AZ_BATCHAI_MPI_MASTER_NODE."""
+    node = env.get("AZ_BATCH_MASTER_NODE")
+    if node:
+        host, _, port = node.partition(":")
+        return host, int(port) if port.isdigit() else None
+    return env.get("AZ_BATCHAI_MPI_MASTER_NODE") or None, None
+
+
+def _host_address(host: str) -> str:
+    """This host's first non-loopback IPv4 address (what ``hostname -I`` lists first), else its name."""
+    try:
+        infos = socket.getaddrinfo(host, None, socket.AF_INET, socket.SOCK_STREAM)
+    except OSError:
+        return host
+    for info in infos:
+        addr = str(info[4][0])
+        if not addr.startswith("127."):
+            return addr
+    return host
+
+
+def first_host(nodelist: str) -> str:
+    """The first host of a SLURM node list: ``"gpu[03-05,9],cpu1"`` -> ``"gpu03"``."""
+    depth, end = 0, len(nodelist)
+    for i, ch in enumerate(nodelist):
+        depth += ch == "["
+        depth -= ch == "]"
+        if ch == "," and depth == 0:
+            end = i
+            break
+    item = nodelist[:end].strip()
+    if "[" not in item:
+        return item
+    prefix, _, rest = item.partition("[")
+    ranges, _, suffix = rest.partition("]")
+    first = ranges.split(",")[0].split("-")[0]
+    return f"{prefix}{first}{suffix}"
