@@ -15,6 +15,9 @@ __version__ = "0.1.0"
 _LAZY: dict[str, str] = {
     "get_accelerator": "ds_strategy.accelerator",
     "init_distributed": "ds_strategy.comm",
+    "initialize": "ds_strategy.runtime",
+    "ZeroEngine": "ds_strategy.runtime",
+    "estimate_memory": "ds_strategy.runtime",
 }
 
 __all__ = ["__version__", *_LAZY]
@@ -22,6 +25,9 @@ __all__ = ["__version__", *_LAZY]
 if TYPE_CHECKING:
     from ds_strategy.accelerator import get_accelerator as get_accelerator
     from ds_strategy.comm import init_distributed as init_distributed
+    from ds_strategy.runtime import ZeroEngine as ZeroEngine
+    from ds_strategy.runtime import estimate_memory as estimate_memory
+    from ds_strategy.runtime import initialize as initialize
 
 
 def __getattr__(name: str) -> Any:

@@ -13,8 +13,9 @@ pytestmark = pytest.mark.multiprocess
 def _compare(rank: int, world: int) -> list[str]:
     from ds_strategy.runtime.zero.collectives import Collectives
 
-    native, emulated = Collectives(emulate_with_all_reduce=False), Collectives(emulate_with_all_reduce=True)
-    assert emulated.emulate and Collectives().emulate  # the default on gloo
+    native = Collectives(fast_path=False, emulate_gloo=False)
+    emulated = Collectives(fast_path=False, emulate_gloo=True)
+    assert emulated.emulate_gloo and Collectives(fast_path=False).emulate_gloo  # the default on gloo
     problems = []
     for dtype in (torch.float32, torch.bfloat16, torch.float16):
         g = torch.Generator().manual_seed(rank)

@@ -6,7 +6,7 @@ Knows nothing of Lightning; the Lightning adapter and plain PyTorch loops drive 
 from __future__ import annotations
 
 from .engine import ZeroEngine
-from .initialize import build_dataloader, init_distributed, initialize
+from .initialize import build_dataloader, initialize
 from .layout import FlatLayout
 from .loss_scaler import LossScaleError, LossScaler
 from .lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
@@ -29,6 +29,5 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "estimate_memory",
-    "init_distributed",
     "initialize",
 ]

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from ds_strategy.comm import CommsLogger
 from ds_strategy.config import DeepSpeedConfig, load_config
 from ds_strategy.log import get_logger
 
@@ -55,7 +56,8 @@ class ZeroEngine(nn.Module):
         process_group: dist.ProcessGroup | None = None,
     ) -> None:
         super().__init__()
-        self.coll = Collectives(process_group)
+        self.comms_logger = CommsLogger.from_config(config.comms_logger)
+        self.coll = Collectives(process_group, logger=self.comms_logger)
         if config.world_size != self.coll.world_size:
             config = load_config(config, world_size=self.coll.world_size)
         self.config = config

@@ -6,17 +6,15 @@ engine, optimizer, loader, scheduler = ds_strategy.initialize(model=m, model_par
 
 from __future__ import annotations
 
-import datetime
-import os
 from collections.abc import Callable
 from typing import Any
 
-import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 from torch.utils.data import DataLoader, Dataset, DistributedSampler, IterableDataset
 
+from ds_strategy.comm import init_distributed
 from ds_strategy.config import DeepSpeedConfig, load_config
 from ds_strategy.config.loader import ConfigInput
 
@@ -24,23 +22,17 @@ from .engine import SchedulerArg, ZeroEngine
 from .params import OptimizerArg, ParamsArg
 
 
-def init_distributed(dist_init_required: bool | None = None) -> None:
-    """Make sure torch.distributed is initialised (the one place; ``ds_strategy.comm.init_distributed``
-    will replace it): reuse an existing group; else env:// when RANK/WORLD_SIZE are set (torchrun,
-    ds-launch, Lightning); else a single-process group, so the same script also runs alone."""
+def _ensure_distributed(dist_init_required: bool | None) -> None:
+    """Use the caller's torch.distributed group, or set one up through ``ds_strategy.init_distributed``
+    (env variables of torchrun / ds-launch / Lightning, MPI or SLURM discovery, else a single process)."""
     if dist.is_initialized():
         return
     if dist_init_required is False:
         raise RuntimeError(
-            "dist_init_required=False but torch.distributed is not initialised; initialise it "
-            "first or leave dist_init_required unset"
+            "dist_init_required=False but torch.distributed is not initialised; call "
+            "ds_strategy.init_distributed() first or leave dist_init_required unset"
         )
-    backend = "nccl" if torch.cuda.is_available() else "gloo"
-    if "RANK" in os.environ and "WORLD_SIZE" in os.environ:
-        dist.init_process_group(backend, init_method="env://")
-    else:
-        store = dist.HashStore()
-        dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=datetime.timedelta(minutes=30))
+    init_distributed()
 
 
 def initialize(
@@ -74,7 +66,7 @@ def initialize(
         config = getattr(args, "deepspeed_config", None)
     if config is None:
         raise ValueError("initialize() needs a config: config=dict, a JSON file path or a DeepSpeedConfig")
-    init_distributed(dist_init_required)
+    _ensure_distributed(dist_init_required)
     world = dist.get_world_size(process_group)
     resolved: DeepSpeedConfig = load_config(config, world_size=world)
     engine = ZeroEngine(
