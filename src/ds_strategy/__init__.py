@@ -27,7 +27,7 @@ if TYPE_CHECKING:
     from ds_strategy.comm import init_distributed as init_distributed
     from ds_strategy.runtime import ZeroEngine as ZeroEngine
     from ds_strategy.runtime import estimate_memory as estimate_memory
-    from ds_strategy.runtime import initialize as initialize
+    from ds_strategy.runtime import initialize as initialize  # type: ignore[no-redef]  # also a submodule name
 
 
 def __getattr__(name: str) -> Any:
