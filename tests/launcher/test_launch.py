@@ -1,0 +1,265 @@
+"""ds-launch end to end on this machine: ZeRO-2 training on 2 local ranks and on two "nodes" meeting on
+loopback, the mpirun path through bootstrap, a failing rank, restarts, and SIGTERM / SIGINT cleanup.
+
+Every process runs under a timeout (subprocess ``timeout=``, or a deadline and a kill in ``finally``),
+so a broken launcher fails these tests instead of hanging them.
+"""
+
+from __future__ import annotations
+
+import json
+import os
+import signal
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+import torch
+
+from tests.launcher.common import LAUNCH, SCRIPTS, alive, env, free_port, wait_files, wait_gone
+
+TRAIN = str(SCRIPTS / "train_zero.py")
+WORKER = str(SCRIPTS / "worker.py")
+TIMEOUT = 120
+
+
+def _reference(world: int) -> list[torch.Tensor]:
+    sys.path.insert(0, str(SCRIPTS))
+    try:
+        import train_zero
+    finally:
+        sys.path.remove(str(SCRIPTS))
+    return train_zero.reference_weights(world)
+
+
+def _check_trained(out: Path, world: int) -> list[dict[str, object]]:
+    """Every rank ended with the same weights, equal to single-process SGD on the same global batches."""
+    weights = [torch.load(out / f"rank{r}.pt") for r in range(world)]
+    for r in range(1, world):
+        for a, b in zip(weights[0], weights[r], strict=True):
+            torch.testing.assert_close(a, b, rtol=0, atol=0, msg=f"rank {r}'s weights differ from rank 0's")
+    for got, want in zip(weights[0], _reference(world), strict=True):
+        # fp32, 4 SGD steps; the only difference is the order of the gradient all-reduce sum.
+        torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+    return [json.loads((out / f"rank{r}.json").read_text()) for r in range(world)]
+
+
+@pytest.mark.slow
+def test_two_local_ranks_train_zero2(tmp_path: Path) -> None:
+    port = free_port()
+    cmd = [
+        *LAUNCH,
+        "--num_gpus",
+        "2",
+        "--master_port",
+        str(port),
+        "--log_dir",
+        str(tmp_path / "logs"),
+        "--env",
+        "DS_TEST_USER_VAR=from --env",
+        TRAIN,
+        "--out",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, env=env(NCCL_P2P_DISABLE="1"), capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    records = _check_trained(tmp_path, 2)
+    for rank, rec in enumerate(records):
+        assert rec["env"] == {
+            "RANK": str(rank),
+            "LOCAL_RANK": str(rank),
+            "WORLD_SIZE": "2",
+            "LOCAL_SIZE": "2",
+            "LOCAL_WORLD_SIZE": "2",
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+        }
+        assert rec["local_rank_arg"] == rank and rec["argv"][-1] == f"--local_rank={rank}"
+        assert rec["forwarded"] == {"NCCL_P2P_DISABLE": "1", "DS_TEST_USER_VAR": "from --env"}
+        # Per-rank log files, and the console copy prefixed with the rank.
+        assert (tmp_path / "logs" / f"rank{rank}.stdout.log").exists()
+        assert (tmp_path / "logs" / f"rank{rank}.stderr.log").exists()
+
+
+@pytest.mark.slow
+def test_two_nodes_on_loopback_train_together(tmp_path: Path) -> None:
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [
+                *LAUNCH,
+                "--num_nodes",
+                "2",
+                "--node_rank",
+                str(node),
+                "--num_procs",
+                "1",
+                "--master_addr",
+                "127.0.0.1",
+                "--master_port",
+                str(port),
+                "--no_local_rank",
+                TRAIN,
+                "--out",
+                str(tmp_path),
+            ],
+            env=env(),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for node in (0, 1)
+    ]
+    try:
+        results = [p.communicate(timeout=TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    for node, (p, (_, err)) in enumerate(zip(procs, results, strict=True)):
+        assert p.returncode == 0, f"node {node}: {err}"
+    records = _check_trained(tmp_path, 2)
+    for rank, rec in enumerate(records):
+        env_ = rec["env"]
+        assert isinstance(env_, dict)
+        assert (env_["RANK"], env_["LOCAL_RANK"], env_["WORLD_SIZE"], env_["LOCAL_SIZE"]) == (str(rank), "0", "2", "1")
+        assert rec["local_rank_arg"] is None  # --no_local_rank
+
+
+@pytest.mark.slow
+def test_mpirun_path_bootstrap_trains_with_openmpi_variables(tmp_path: Path) -> None:
+    """What mpirun starts on each host: bootstrap turns OMPI_COMM_WORLD_* into torch's variables."""
+    port = free_port()
+    procs = [
+        subprocess.Popen(
+            [sys.executable, "-u", "-m", "ds_strategy.launcher.bootstrap", TRAIN, "--out", str(tmp_path)],
+            env=env(
+                OMPI_COMM_WORLD_RANK=str(r),
+                OMPI_COMM_WORLD_SIZE="2",
+                OMPI_COMM_WORLD_LOCAL_RANK=str(r),
+                OMPI_COMM_WORLD_LOCAL_SIZE="2",
+                MASTER_ADDR="127.0.0.1",
+                MASTER_PORT=str(port),
+            ),
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+            start_new_session=True,
+        )
+        for r in (0, 1)
+    ]
+    try:
+        results = [p.communicate(timeout=TIMEOUT) for p in procs]
+    finally:
+        for p in procs:
+            if p.poll() is None:
+                os.killpg(p.pid, signal.SIGKILL)
+    for r, (p, (_, err)) in enumerate(zip(procs, results, strict=True)):
+        assert p.returncode == 0, f"rank {r}: {err}"
+    for rank, rec in enumerate(_check_trained(tmp_path, 2)):
+        assert rec["local_rank_arg"] == rank
+        assert rec["env"]["LOCAL_SIZE"] == "2" and rec["env"]["WORLD_SIZE"] == "2"  # type: ignore[index]
+
+
+def test_failing_rank_ends_the_job_with_its_code_and_log(tmp_path: Path) -> None:
+    start = time.monotonic()
+    proc = subprocess.run(
+        [
+            *LAUNCH,
+            "--num_procs",
+            "2",
+            "--master_port",
+            str(free_port()),
+            WORKER,
+            "--mode",
+            "fail",
+            "--code",
+            "7",
+            "--dir",
+            str(tmp_path),
+        ],
+        env=env(),
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    elapsed = time.monotonic() - start
+    assert proc.returncode == 7, proc.stderr
+    assert "rank 1 (local rank 1" in proc.stderr and "exited with code 7" in proc.stderr
+    # The failed rank's last log lines are repeated in the launcher's message.
+    tail = proc.stderr.split("exited with code 7", 1)[1]
+    assert "last" in tail and "marker-7f3a" in tail
+    # Rank 0 would sleep 120 s: the launcher stopped it instead (promptly, and it is gone).
+    assert elapsed < 60, f"the job took {elapsed:.0f} s to end after rank 1 failed"
+    assert not wait_gone([int((tmp_path / "rank0.pids").read_text())], timeout=5)
+
+
+def test_max_restarts_restarts_the_workers(tmp_path: Path) -> None:
+    cmd = [
+        *LAUNCH,
+        "--num_procs",
+        "2",
+        "--master_port",
+        str(free_port()),
+        "--max_restarts",
+        "1",
+        WORKER,
+        "--mode",
+        "fail_once",
+        "--code",
+        "5",
+        "--dir",
+        str(tmp_path),
+    ]
+    proc = subprocess.run(cmd, env=env(), capture_output=True, text=True, timeout=TIMEOUT)
+    assert proc.returncode == 0, proc.stderr
+    assert sorted(p.name for p in tmp_path.iterdir()) == ["rank0.attempt1", "rank1.attempt1"]
+    # Without restarts the same failure is final.
+    again = subprocess.run(
+        [c if c != "1" else "0" for c in cmd], env=env(), capture_output=True, text=True, timeout=TIMEOUT
+    )
+    assert again.returncode == 5, again.stderr
+
+
+@pytest.mark.parametrize("sig", [signal.SIGTERM, signal.SIGINT], ids=["SIGTERM", "SIGINT"])
+def test_signal_stops_every_worker_and_grandchild(tmp_path: Path, sig: signal.Signals) -> None:
+    launcher = subprocess.Popen(
+        [
+            *LAUNCH,
+            "--num_procs",
+            "2",
+            "--master_port",
+            str(free_port()),
+            WORKER,
+            "--mode",
+            "hang",
+            "--dir",
+            str(tmp_path),
+        ],
+        env=env(),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    pids: list[int] = []
+    try:
+        pid_files = [tmp_path / "rank0.pids", tmp_path / "rank1.pids"]
+        assert wait_files(pid_files, timeout=60), "the workers never started"
+        pids = [int(x) for f in pid_files for x in f.read_text().split()]
+        assert all(alive(p) for p in pids)
+        launcher.send_signal(sig)
+        _, err = launcher.communicate(timeout=30)
+        assert launcher.returncode == 128 + sig, err
+        assert f"received {sig.name}" in err
+        # Workers and the processes they started: none left (zombies count as gone).
+        assert wait_gone(pids, timeout=5) == [], f"left running after {sig.name}: {pids}"
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        for p in pids:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)
