@@ -263,3 +263,78 @@ def test_signal_stops_every_worker_and_grandchild(tmp_path: Path, sig: signal.Si
         for p in pids:
             if alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+FAKE_SSH = """#!/bin/sh
+# ssh stand-in: skip the options and the host, run the remote command line here.
+for last; do :; done
+exec sh -c "$last"
+"""
+FAKE_PDSH = """#!/bin/sh
+# pdsh stand-in: run the command once per host of -w, with %n replaced by the host's position.
+while [ $# -gt 1 ]; do
+  case "$1" in -w) hosts="$2"; shift 2;; -f) shift 2;; *) shift;; esac
+done
+n=0; pids=""
+for h in $(echo "$hosts" | tr , ' '); do
+  sh -c "$(printf '%s' "$1" | sed "s/%n/$n/g")" & pids="$pids $!"; n=$((n+1))
+done
+rc=0; for p in $pids; do wait $p || rc=$?; done; exit $rc
+"""
+
+
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
+def test_multi_host_command_lines_run_end_to_end(tmp_path: Path, launcher: str) -> None:
+    """A hostfile of two "hosts" through ``--launcher ssh|pdsh``, with stand-ins for ssh / pdsh that run the
+    remote command here: the quoting, the exported variables, --world_info and %n all have to work."""
+    bin_dir = tmp_path / "bin"
+    bin_dir.mkdir()
+    for name, text in (("ssh", FAKE_SSH), ("pdsh", FAKE_PDSH)):
+        (bin_dir / name).write_text(text)
+        (bin_dir / name).chmod(0o755)
+    (tmp_path / "hostfile").write_text("node-a slots=2\nnode-b slots=1\n")
+    out = tmp_path / "out dir"
+    out.mkdir()
+    port = free_port()
+    proc = subprocess.run(
+        [
+            *LAUNCH,
+            "-H",
+            str(tmp_path / "hostfile"),
+            "--launcher",
+            launcher,
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(port),
+            "--env",
+            "DS_TEST_USER_VAR=two words; $HOME",
+            WORKER,
+            "--mode",
+            "record",
+            "--dir",
+            str(out),
+        ],
+        env=env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}"),
+        cwd=tmp_path,
+        capture_output=True,
+        text=True,
+        timeout=TIMEOUT,
+    )
+    assert proc.returncode == 0, proc.stderr
+    records = [json.loads((out / f"rank{r}.json").read_text()) for r in range(3)]
+    local = [("0", "2"), ("1", "2"), ("0", "1")]  # node-a runs ranks 0, 1; node-b runs rank 2
+    for rank, rec in enumerate(records):
+        assert rec["env"] == {
+            "RANK": str(rank),
+            "LOCAL_RANK": local[rank][0],
+            "WORLD_SIZE": "3",
+            "LOCAL_SIZE": local[rank][1],
+            "MASTER_ADDR": "127.0.0.1",
+            "MASTER_PORT": str(port),
+            "DS_TEST_USER_VAR": "two words; $HOME",
+        }
+        assert rec["argv"][-1] == f"--local_rank={local[rank][0]}"
+        assert rec["cwd"] == str(tmp_path)
+        # Lightning detects TorchElasticEnvironment from this and uses these processes instead of spawning.
+        assert rec["torchelastic"]

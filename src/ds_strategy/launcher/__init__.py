@@ -5,7 +5,7 @@ from __future__ import annotations
 
 from .cli import LaunchArgs, build_parser, parse_args
 from .hostfile import HostfileError, Node, WorldPlan, parse_filter, parse_hostfile, parse_hostfile_text, resolve_plan
-from .main import decide, main, run
+from .launch import decide, main, run
 
 __all__ = [
     "HostfileError",

@@ -4,7 +4,7 @@
 
 OpenMPI (OMPI_COMM_WORLD_*), MPICH / Intel MPI (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS)
 and SLURM (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_TASKS_PER_NODE, SLURM_NODEID) are translated
-into RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, LOCAL_WORLD_SIZE; MASTER_ADDR comes from the launcher
+into RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK; MASTER_ADDR comes from the launcher
 (``-x`` / the environment) or, under SLURM, the first host of SLURM_JOB_NODELIST. The script then runs in
 this process (``runpy``), so the rank the scheduler signals is the rank that trains.
 """
@@ -60,6 +60,7 @@ def rank_variables(environ: Mapping[str, str]) -> dict[str, str]:
             "WORLD_SIZE": _need(environ, "SLURM_NTASKS", scheme),
             "LOCAL_RANK": _need(environ, "SLURM_LOCALID", scheme),
             "LOCAL_SIZE": str(counts[node_id]),
+            "GROUP_RANK": str(node_id),
         }
     elif "RANK" in environ and "WORLD_SIZE" in environ:
         return {}  # torchrun or a user already set them
@@ -69,6 +70,9 @@ def rank_variables(environ: Mapping[str, str]) -> dict[str, str]:
             "or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
         )
     out["LOCAL_WORLD_SIZE"] = out["LOCAL_SIZE"]
+    # The node index (torchelastic's GROUP_RANK; Lightning reads it when LOCAL_RANK is set). MPI has no such
+    # variable; our mpirun lines fill hosts one after the other, so it is RANK // LOCAL_SIZE.
+    out.setdefault("GROUP_RANK", str(int(out["RANK"]) // max(int(out["LOCAL_SIZE"]), 1)))
     if "MASTER_ADDR" not in environ:
         nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
         if not nodelist:

@@ -4,6 +4,7 @@
                   must stop them).
 --mode hang:      every rank starts a grandchild (``sleep``), writes ``rank<R>.pids`` (its pid and the
                   grandchild's) into --dir, then waits; the test signals the launcher and checks both are gone.
+--mode record:    every rank writes its rank variables and argv to ``rank<R>.json`` in --dir.
 --mode fail_once: rank 1 exits --code on the first attempt (the others wait); on the restart every rank writes
                   ``rank<R>.attempt<k>`` into --dir and exits 0.
 """
@@ -11,6 +12,7 @@
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import subprocess
 import sys
@@ -20,7 +22,7 @@ from pathlib import Path
 
 def main() -> None:
     parser = argparse.ArgumentParser()
-    parser.add_argument("--mode", choices=["fail", "hang", "fail_once"], required=True)
+    parser.add_argument("--mode", choices=["fail", "hang", "fail_once", "record"], required=True)
     parser.add_argument("--dir", default=".")
     parser.add_argument("--fail_rank", type=int, default=1)
     parser.add_argument("--code", type=int, default=3)
@@ -28,7 +30,17 @@ def main() -> None:
     args = parser.parse_args()
     rank = int(os.environ["RANK"])
     out = Path(args.dir)
-    if args.mode == "fail":
+    if args.mode == "record":
+        keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_SIZE", "MASTER_ADDR", "MASTER_PORT", "DS_TEST_USER_VAR")
+        record = {
+            "env": {k: os.environ.get(k) for k in keys},
+            "argv": sys.argv[1:],
+            "cwd": os.getcwd(),
+            # What torch.distributed.is_torchelastic_launched() reads, and so Lightning's TorchElasticEnvironment.
+            "torchelastic": "TORCHELASTIC_RUN_ID" in os.environ,
+        }
+        (out / f"rank{rank}.json").write_text(json.dumps(record))
+    elif args.mode == "fail":
         (out / f"rank{rank}.pids").write_text(str(os.getpid()))
         if rank == args.fail_rank:
             time.sleep(0.5)  # let the other ranks start waiting
