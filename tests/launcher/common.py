@@ -56,5 +56,6 @@ def env(**extra: str) -> dict[str, str]:
     # Workers must import the ds_strategy under test, wherever pytest found it.
     src = str(Path(ds_strategy.__file__).resolve().parents[1])
     out["PYTHONPATH"] = os.pathsep.join(p for p in (src, out.get("PYTHONPATH", "")) if p)
+    out["PYTHONFAULTHANDLER"] = "1"  # a worker dying of a signal prints its Python stack
     out.update(extra)
     return out

@@ -87,7 +87,9 @@ def test_pdsh_substitutes_node_rank() -> None:
     (cmd,) = pdsh_commands(_job(launcher_args=("-R", "ssh")))
     assert cmd.argv[:8] == ("pdsh", "-S", "-f", "1024", "-w", "w0,w1", "-R", "ssh")
     assert shlex.split(cmd.argv[8].split(" && ", 1)[1])[4:] == _node_launcher("%n")
-    assert cmd.env == {"PDSH_RCMD_TYPE": "ssh"}
+    assert cmd.env == {"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": "-tt"}
+    (cmd,) = pdsh_commands(_job(ssh_port=2200))
+    assert cmd.env["PDSH_SSH_ARGS_APPEND"] == "-tt -p 2200"
 
 
 def test_openmpi_command() -> None:

@@ -183,6 +183,10 @@ def run(argv: Sequence[str] | None = None) -> int:
     except (HostfileError, EnvError) as exc:
         print(f"ds-launch: error: {exc}", file=sys.stderr)
         return 2
+    except KeyboardInterrupt:
+        # Ctrl-C before any worker started (during rendezvous): nothing to stop.
+        print("ds-launch: interrupted", file=sys.stderr)
+        return 130
 
 
 def main(argv: Sequence[str] | None = None) -> None:

@@ -95,9 +95,8 @@ def ssh_commands(job: RemoteJob) -> list[Command]:
 
 def pdsh_commands(job: RemoteJob) -> list[Command]:
     """One ``pdsh -w h1,h2 '...'``: pdsh replaces ``%n`` by each host's position in the -w list (its node rank)."""
-    env = {"PDSH_RCMD_TYPE": "ssh"}
-    if job.ssh_port:
-        env["PDSH_SSH_ARGS_APPEND"] = f"-p {job.ssh_port}"
+    # -tt as for ssh: when pdsh is stopped, the remote shell gets a hangup and its launcher stops the workers.
+    env = {"PDSH_RCMD_TYPE": "ssh", "PDSH_SSH_ARGS_APPEND": "-tt" + (f" -p {job.ssh_port}" if job.ssh_port else "")}
     argv = ("pdsh", "-S", "-f", "1024", "-w", ",".join(job.plan.hosts), *job.launcher_args, _remote_shell(job, "%n"))
     return [Command(argv, env)]
 
