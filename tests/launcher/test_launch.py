@@ -279,15 +279,20 @@ rc=0; for p in $pids; do wait $p || rc=$?; done; exit $rc
 """
 
 
-@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
-def test_multi_host_command_lines_run_end_to_end(tmp_path: Path, launcher: str) -> None:
-    """A hostfile of two "hosts" through ``--launcher ssh|pdsh``, with stand-ins for ssh / pdsh that run the
-    remote command here: the quoting, the exported variables, --world_info and %n all have to work."""
+def _fake_remote_shells(tmp_path: Path) -> Path:
     bin_dir = tmp_path / "bin"
     bin_dir.mkdir()
     for name, text in (("ssh", FAKE_SSH), ("pdsh", FAKE_PDSH)):
         (bin_dir / name).write_text(text)
         (bin_dir / name).chmod(0o755)
+    return bin_dir
+
+
+@pytest.mark.parametrize("launcher", ["ssh", "pdsh"])
+def test_multi_host_command_lines_run_end_to_end(tmp_path: Path, launcher: str) -> None:
+    """A hostfile of two "hosts" through ``--launcher ssh|pdsh``, with stand-ins for ssh / pdsh that run the
+    remote command here: the quoting, the exported variables, --world_info and %n all have to work."""
+    bin_dir = _fake_remote_shells(tmp_path)
     (tmp_path / "hostfile").write_text("node-a slots=2\nnode-b slots=1\n")
     out = tmp_path / "out dir"
     out.mkdir()
@@ -334,3 +339,48 @@ def test_multi_host_command_lines_run_end_to_end(tmp_path: Path, launcher: str) 
         assert rec["cwd"] == str(tmp_path)
         # Lightning detects TorchElasticEnvironment from this and uses these processes instead of spawning.
         assert rec["torchelastic"]
+
+
+def test_sigterm_stops_every_host_of_a_multi_host_launch(tmp_path: Path) -> None:
+    """ds-launch -> (ssh) -> one ds-launch per host -> workers -> grandchildren: SIGTERM at the top stops all."""
+    bin_dir = _fake_remote_shells(tmp_path)
+    (tmp_path / "hostfile").write_text("node-a slots=1\nnode-b slots=1\n")
+    launcher = subprocess.Popen(
+        [
+            *LAUNCH,
+            "-H",
+            str(tmp_path / "hostfile"),
+            "--launcher",
+            "ssh",
+            "--master_addr",
+            "127.0.0.1",
+            "--master_port",
+            str(free_port()),
+            WORKER,
+            "--mode",
+            "hang",
+            "--dir",
+            str(tmp_path),
+        ],
+        env=env(PATH=f"{bin_dir}{os.pathsep}{os.environ['PATH']}"),
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        start_new_session=True,
+    )
+    pids: list[int] = []
+    try:
+        pid_files = [tmp_path / "rank0.pids", tmp_path / "rank1.pids"]
+        assert wait_files(pid_files, timeout=60), "the workers never started"
+        pids = [int(x) for f in pid_files for x in f.read_text().split()]
+        launcher.send_signal(signal.SIGTERM)
+        _, err = launcher.communicate(timeout=30)
+        assert launcher.returncode == 128 + signal.SIGTERM, err
+        assert "received SIGTERM; stopping every host" in err
+        assert wait_gone(pids, timeout=10) == [], f"left running after SIGTERM: {pids}"
+    finally:
+        if launcher.poll() is None:
+            os.killpg(launcher.pid, signal.SIGKILL)
+        for p in pids:
+            if alive(p):
+                os.kill(p, signal.SIGKILL)

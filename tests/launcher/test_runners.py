@@ -164,8 +164,8 @@ def test_slurm_command() -> None:
         *BOOT,
     ]
     assert cmd.env == {"MASTER_ADDR": "w0", "MASTER_PORT": "29500", "NCCL_IB_DISABLE": "1", "MSG": "a b;c"}
-    (cmd,) = slurm_commands(_job(), nodelist=False)
-    assert "--nodelist" not in cmd.argv
+    (cmd,) = slurm_commands(_job(master_addr=""), nodelist=False)
+    assert "--nodelist" not in cmd.argv and "MASTER_ADDR" not in cmd.env
 
 
 def test_scheduler_launchers_refuse_device_picks_and_no_python() -> None:
@@ -235,6 +235,7 @@ def test_bootstrap_reads_openmpi_mpich_and_slurm() -> None:
         "MASTER_ADDR": "gpu07",
         "MASTER_PORT": "29500",
     }
+    assert rank_variables({**slurm, "MASTER_ADDR": ""})["MASTER_ADDR"] == "gpu07"  # empty counts as unset
     assert rank_variables({"RANK": "0", "WORLD_SIZE": "1"}) == {}  # torchrun already set them
 
 

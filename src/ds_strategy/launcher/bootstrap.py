@@ -73,7 +73,7 @@ def rank_variables(environ: Mapping[str, str]) -> dict[str, str]:
     # The node index (torchelastic's GROUP_RANK; Lightning reads it when LOCAL_RANK is set). MPI has no such
     # variable; our mpirun lines fill hosts one after the other, so it is RANK // LOCAL_SIZE.
     out.setdefault("GROUP_RANK", str(int(out["RANK"]) // max(int(out["LOCAL_SIZE"]), 1)))
-    if "MASTER_ADDR" not in environ:
+    if not environ.get("MASTER_ADDR"):
         nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
         if not nodelist:
             raise SchedulerEnvError(

@@ -14,8 +14,6 @@ from .environment import EnvError, exported_variables, user_variables
 from .hostfile import HostfileError, Node, WorldPlan, parse_hostfile, resolve_plan
 from .slurm import expand_nodelist
 
-MULTI_HOST = ("ssh", "pdsh", "openmpi", "mpich", "slurm")
-
 
 @dataclass(frozen=True)
 class Decision:
@@ -121,15 +119,7 @@ def _run_local(args: LaunchArgs, decision: Decision, user_vars: Mapping[str, str
 
 
 def _run_multi_host(args: LaunchArgs, decision: Decision, user_vars: Mapping[str, str]) -> int:
-    from .runners import (
-        Command,
-        RemoteJob,
-        mpich_commands,
-        openmpi_commands,
-        pdsh_commands,
-        slurm_commands,
-        ssh_commands,
-    )
+    from .runners import RUNNERS, Command, RemoteJob, slurm_commands
     from .supervise import supervise
 
     job = RemoteJob(
@@ -149,17 +139,14 @@ def _run_multi_host(args: LaunchArgs, decision: Decision, user_vars: Mapping[str
         launcher_args=args.launcher_args,
         ssh_port=args.ssh_port,
     )
-    commands: list[Command]
-    if decision.launcher == "ssh":
-        commands = ssh_commands(job)
-        names = [f"node {i} ({host})" for i, host in enumerate(decision.plan.hosts)]
-    else:
-        build = {"pdsh": pdsh_commands, "openmpi": openmpi_commands, "mpich": mpich_commands}
-        if decision.launcher == "slurm":
-            commands = slurm_commands(job, nodelist=decision.slurm_nodelist)
-        else:
-            commands = build[decision.launcher](job)
-        names = [decision.launcher]
+    commands: list[Command] = (
+        slurm_commands(job, nodelist=decision.slurm_nodelist)
+        if decision.launcher == "slurm"
+        else RUNNERS[decision.launcher](job)
+    )
+    names = [f"node {i} ({host})" for i, host in enumerate(decision.plan.hosts)]
+    if decision.launcher != "ssh":
+        names = [decision.launcher]  # one pdsh / mpirun / srun process for the whole job
     for cmd in commands:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in cmd.env.items())
         print(f"ds-launch: {env + ' ' if env else ''}{shlex.join(cmd.argv)}", file=sys.stderr)

@@ -11,7 +11,7 @@ Every runner only *builds* argv lists (tested by comparing them); ``supervise.py
 from __future__ import annotations
 
 import shlex
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from dataclasses import dataclass, field
 
 from .hostfile import HostfileError, WorldPlan
@@ -189,10 +189,12 @@ def slurm_commands(job: RemoteJob, *, nodelist: bool = True) -> list[Command]:
         *_bootstrap_argv(job),
     )
     env = {"MASTER_ADDR": job.master_addr, "MASTER_PORT": str(job.master_port), **job.exports}
+    if not job.master_addr:
+        del env["MASTER_ADDR"]  # unknown before srun allocates: each rank takes the first host (bootstrap.py)
     return [Command(argv, env)]
 
 
-RUNNERS = {
+RUNNERS: dict[str, Callable[[RemoteJob], list[Command]]] = {
     "ssh": ssh_commands,
     "pdsh": pdsh_commands,
     "openmpi": openmpi_commands,
