@@ -10,6 +10,7 @@ from __future__ import annotations
 import json
 import os
 import signal
+import socket
 import subprocess
 import sys
 import time
@@ -384,3 +385,32 @@ def test_sigterm_stops_every_host_of_a_multi_host_launch(tmp_path: Path) -> None
         for p in pids:
             if alive(p):
                 os.kill(p, signal.SIGKILL)
+
+
+def test_busy_master_port_is_named(tmp_path: Path) -> None:
+    with socket.socket() as busy:
+        busy.bind(("127.0.0.1", 0))
+        busy.listen()
+        port = busy.getsockname()[1]
+        proc = subprocess.run(
+            [
+                *LAUNCH,
+                "--num_procs",
+                "1",
+                "--master_port",
+                str(port),
+                "--rdzv_timeout",
+                "5",
+                WORKER,
+                "--mode",
+                "record",
+            ],
+            env=env(),
+            capture_output=True,
+            text=True,
+            timeout=TIMEOUT,
+            cwd=tmp_path,
+        )
+    assert proc.returncode == 1
+    assert f"node 0 could not serve the rendezvous at 127.0.0.1:{port}" in proc.stderr
+    assert "address already in use" in proc.stderr

@@ -107,11 +107,12 @@ def parse_hostfile_text(text: str, *, source: str = "<hostfile>") -> dict[str, i
         host = fields[0]
         if not _HOST_RE.match(host):
             raise HostfileError(f"{where}: {host!r} is not a host name (line: {raw.strip()!r})")
-        if len(fields) != 2 or not _SLOTS_RE.match(fields[1]):
+        slots = _SLOTS_RE.match(fields[1]) if len(fields) == 2 else None
+        if slots is None:
             raise HostfileError(
                 f"{where}: expected 'HOST slots=N', got {raw.strip()!r} (every host needs its slot count)"
             )
-        value = _SLOTS_RE.match(fields[1]).group(1)  # type: ignore[union-attr]
+        value = slots.group(1)
         if not value.isdigit() or int(value) < 1:
             raise HostfileError(f"{where}: slots must be a positive integer, got {value!r} for host {host!r}")
         if host in pool:

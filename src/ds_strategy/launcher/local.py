@@ -16,8 +16,10 @@ import tempfile
 from dataclasses import dataclass
 from pathlib import Path
 
+from torch.distributed import DistError
 from torch.distributed.elastic.multiprocessing import SignalException
 from torch.distributed.elastic.multiprocessing.errors import ChildFailedError
+from torch.distributed.elastic.rendezvous import RendezvousError
 from torch.distributed.elastic.utils.api import macros
 from torch.distributed.launcher.api import LaunchConfig, launch_agent
 
@@ -99,7 +101,16 @@ def run_local(job: LocalJob) -> int:
     try:
         launch_agent(config, entrypoint, list(args))
     except ChildFailedError as exc:
-        return report_failure(exc, logs, keep_hint=None if own_dir else log_dir)
+        return report_failure(exc, logs, show_paths=not own_dir)
+    except (RendezvousError, DistError) as exc:
+        # Node 0's agent serves the store: an unreachable address, a port in use or a missing node ends here.
+        role = "serve" if job.node_rank == 0 else "reach"
+        print(
+            f"ds-launch: node {job.node_rank} could not {role} the rendezvous at {job.master_addr}:{job.master_port} "
+            f"for {job.num_nodes} node(s) within {job.rdzv_timeout} s: {exc}",
+            file=sys.stderr,
+        )
+        return 1
     except SignalException as exc:
         print(f"ds-launch: received {exc.sigval.name}; stopped every worker of node {job.node_rank}", file=sys.stderr)
         return 128 + int(exc.sigval)
@@ -117,7 +128,7 @@ def root_cause(exc: ChildFailedError) -> int:
     return min(own, key=lambda r: (failures[r].timestamp, r))
 
 
-def report_failure(exc: ChildFailedError, logs: RankLogs, *, keep_hint: Path | None) -> int:
+def report_failure(exc: ChildFailedError, logs: RankLogs, *, show_paths: bool) -> int:
     """Name the failed rank, its exit code and its last log lines; return that exit status for the launcher."""
     rank = root_cause(exc)
     failure = exc.failures[rank]
@@ -128,7 +139,7 @@ def report_failure(exc: ChildFailedError, logs: RankLogs, *, keep_hint: Path | N
     for path, stream in ((err, "stderr"), (out, "stdout")):
         lines = tail(path, TAIL_LINES) if path is not None else []
         if lines:
-            where = f" ({path})" if keep_hint is not None else ""
+            where = f" ({path})" if show_paths else ""  # a temporary log directory is gone by then
             print(f"ds-launch: last {len(lines)} lines of rank {rank}'s {stream}{where}:", file=sys.stderr)
             print("\n".join(f"    {line}" for line in lines), file=sys.stderr)
             break
