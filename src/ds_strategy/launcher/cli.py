@@ -67,6 +67,7 @@ def build_parser(prog: str = "ds-launch") -> argparse.ArgumentParser:
     res.add_argument(
         *_flag("--num_gpus", "--num_procs", "--num_accelerators"),
         dest="num_procs",
+        metavar="N",
         type=int,
         default=-1,
         help="ranks per node (default: the visible GPUs, else 1; with a hostfile: every slot)",
@@ -97,7 +98,7 @@ def build_parser(prog: str = "ds-launch") -> argparse.ArgumentParser:
         "mpich, slurm/srun",
     )
     how.add_argument(
-        *_flag("--launcher_args"), default="", help="extra arguments for pdsh / mpirun / srun (one quoted string)"
+        *_flag("--launcher_args"), default="", help="extra arguments for ssh / pdsh / mpirun / srun (one quoted string)"
     )
     how.add_argument(*_flag("--ssh_port"), type=int, default=None, help="ssh port for the ssh and pdsh launchers")
     how.add_argument(*_flag("--no_local_rank"), action="store_true", help="do not append --local_rank=N")
@@ -106,6 +107,7 @@ def build_parser(prog: str = "ds-launch") -> argparse.ArgumentParser:
     how.add_argument(
         *_flag("--log_dir", "--enable_each_rank_log"),
         dest="log_dir",
+        metavar="DIR",
         default=None,
         help="directory for per-rank log files rank<R>.stdout.log / rank<R>.stderr.log (still shown on console)",
     )
