@@ -15,7 +15,7 @@ import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
 import torchmetrics
-from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.callbacks import Callback, EarlyStopping, LearningRateMonitor, ModelCheckpoint
 from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
@@ -145,6 +145,31 @@ class LrRecorder(Callback):
         self.lrs.append(float(trainer.optimizers[0].param_groups[0]["lr"]))
 
 
+class EngineProbe(Callback):
+    """What the engine looked like at the end of training (the strategy releases it at teardown)."""
+
+    def __init__(self) -> None:
+        self.info: dict[str, Any] = {}
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is None:
+            return
+        self.info = {
+            "loss_scale": engine.loss_scale,
+            "compute_dtype": str(engine.precision.compute_dtype),
+            "param_dtype": str(next(pl_module.parameters()).dtype),
+            "stage": engine.zero_optimization_stage(),
+            "global_steps": engine.global_steps,
+            "skipped_steps": engine.skipped_steps,
+            "gradient_clipping": engine.config.gradient_clipping,
+            "gradient_accumulation_steps": engine.gradient_accumulation_steps(),
+            "micro_batch": engine.train_micro_batch_size_per_gpu(),
+            "precision_plugin": type(trainer.precision_plugin).__name__,
+            "optimizer": type(engine.optimizer).__name__,
+        }
+
+
 def make_strategy(name: str) -> Any:
     """A registered name, or ``ZeroStrategy`` with a config when the name needs one here.
 
@@ -172,14 +197,16 @@ def fit_run(
     model_kwargs: dict[str, Any],
     seed: int = 0,
     then: tuple[str, ...] = (),
+    features_dir: str | None = None,
 ) -> dict[str, Any]:
     """Fit (then validate/test/predict as asked) on this rank; return what the tests compare."""
     import ds_strategy.lightning  # noqa: F401  - registers the names in this worker
 
     pl.seed_everything(seed, verbose=False)
     model = LitNet(**model_kwargs)
-    lr_recorder = LrRecorder()
-    callbacks = [lr_recorder, *trainer_kwargs.pop("callbacks", [])]
+    lr_recorder, probe = LrRecorder(), EngineProbe()
+    trainer_kwargs = dict(trainer_kwargs)
+    callbacks = [lr_recorder, probe, *trainer_kwargs.pop("callbacks", [])]
     kwargs: dict[str, Any] = {
         "accelerator": "cpu",
         "devices": world_size,
@@ -191,6 +218,16 @@ def fit_run(
         "num_sanity_val_steps": 0,
         **trainer_kwargs,
     }
+    if features_dir is not None:
+        # The callbacks users reach for, a logger (LearningRateMonitor needs one) and the progress bar.
+        from lightning.pytorch.loggers import CSVLogger
+
+        callbacks += [
+            ModelCheckpoint(dirpath=os.path.join(features_dir, "ckpt"), monitor="val_loss", save_last=True),
+            EarlyStopping(monitor="val_loss", patience=3),
+            LearningRateMonitor(logging_interval="step"),
+        ]
+        kwargs.update(logger=CSVLogger(features_dir), enable_checkpointing=True, enable_progress_bar=True)
     trainer = pl.Trainer(strategy=make_strategy(strategy) if isinstance(strategy, str) else strategy, callbacks=callbacks, **kwargs)
     trainer.fit(model)
     out: dict[str, Any] = {
@@ -206,7 +243,12 @@ def fit_run(
         "built_in_configure_model": model.built_in_configure_model,
         "epochs": trainer.current_epoch,
         "pid": os.getpid(),
+        "engine": probe.info,
+        "callbacks": {type(c).__name__: _callback_state(c) for c in trainer.callbacks},
     }
+    if features_dir is not None and trainer.is_global_zero:
+        last = torch.load(os.path.join(features_dir, "ckpt", "last.ckpt"), weights_only=False)
+        out["last_ckpt"] = {"global_step": last["global_step"], "state_dict": last["state_dict"]}
     if "validate" in then:
         out["validate"] = trainer.validate(model, verbose=False)
     if "test" in then:
@@ -215,6 +257,16 @@ def fit_run(
         preds = trainer.predict(model)
         out["predict"] = torch.cat([p for p in preds if isinstance(p, torch.Tensor)]) if preds else None
     return out
+
+
+def _callback_state(callback: Callback) -> Any:
+    if isinstance(callback, ModelCheckpoint):
+        return {"best": callback.best_model_path, "last": callback.last_model_path}
+    if isinstance(callback, EarlyStopping):
+        return {"wait": callback.wait_count, "stopped_epoch": callback.stopped_epoch}
+    if isinstance(callback, LearningRateMonitor):
+        return {k: [float(v) for v in vals] for k, vals in callback.lrs.items()}
+    return None
 
 
 def raises_run(rank: int, world_size: int, strategy: Any, trainer_kwargs: dict[str, Any], model_kwargs: dict[str, Any]) -> str:
