@@ -228,7 +228,9 @@ def fit_run(
             LearningRateMonitor(logging_interval="step"),
         ]
         kwargs.update(logger=CSVLogger(features_dir), enable_checkpointing=True, enable_progress_bar=True)
-    trainer = pl.Trainer(strategy=make_strategy(strategy) if isinstance(strategy, str) else strategy, callbacks=callbacks, **kwargs)
+    trainer = pl.Trainer(
+        strategy=make_strategy(strategy) if isinstance(strategy, str) else strategy, callbacks=callbacks, **kwargs
+    )
     trainer.fit(model)
     out: dict[str, Any] = {
         "losses": list(model.train_losses),
@@ -269,7 +271,9 @@ def _callback_state(callback: Callback) -> Any:
     return None
 
 
-def raises_run(rank: int, world_size: int, strategy: Any, trainer_kwargs: dict[str, Any], model_kwargs: dict[str, Any]) -> str:
+def raises_run(
+    rank: int, world_size: int, strategy: Any, trainer_kwargs: dict[str, Any], model_kwargs: dict[str, Any]
+) -> str:
     """Fit and return the error message (empty when it did not raise)."""
     try:
         fit_run(rank, world_size, strategy, trainer_kwargs, model_kwargs)

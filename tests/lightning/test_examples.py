@@ -62,10 +62,20 @@ def test_yaml_builds_the_strategy(name: str, cli_main: Any) -> None:
 @pytest.mark.slow
 def test_cli_script_launch() -> None:
     """A real launch: Lightning's subprocess launcher re-runs the command for rank 1."""
-    env = {**os.environ, "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")])}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
     env.pop("LOCAL_RANK", None)
-    args = [sys.executable, "examples/cli.py", "fit", "--config", "examples/cli_zero_config.yaml",
-            "--trainer.max_epochs=1", "--trainer.enable_progress_bar=false"]
+    args = [
+        sys.executable,
+        "examples/cli.py",
+        "fit",
+        "--config",
+        "examples/cli_zero_config.yaml",
+        "--trainer.max_epochs=1",
+        "--trainer.enable_progress_bar=false",
+    ]
     proc = subprocess.run(args, cwd=ROOT, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     for rank in (0, 1):
@@ -81,7 +91,9 @@ def test_notebook_forks_two_ranks(monkeypatch: pytest.MonkeyPatch) -> None:
     nbclient = pytest.importorskip("nbclient")
     monkeypatch.setenv("PYTHONPATH", os.pathsep.join([str(ROOT / "src"), os.environ.get("PYTHONPATH", "")]))
     nb = nbformat.read(EXAMPLES / "notebook_zero.ipynb", as_version=4)
-    client = nbclient.NotebookClient(nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(ROOT)}})
+    client = nbclient.NotebookClient(
+        nb, kernel_name="python3", timeout=300, resources={"metadata": {"path": str(ROOT)}}
+    )
     client.execute()
     text = "".join(o.get("text", "") for cell in nb.cells for o in cell.get("outputs", []))
     assert "the kernel's model holds the weights trained on 2 ranks" in text

@@ -90,10 +90,16 @@ def test_a_contradicting_keyword_names_both(tmp_path: Path) -> None:
         zl.ZeroStrategy(stage=3, offload_optimizer=True, reduce_bucket_size=1000, config=config)
     message = str(info.value)
     assert "ZeroStrategy(stage=3) contradicts the config's zero_optimization.stage=2" in message
-    assert "ZeroStrategy(offload_optimizer=True) contradicts the config's zero_optimization.offload_optimizer" in message
-    assert "ZeroStrategy(reduce_bucket_size=1000) contradicts the config's zero_optimization.reduce_bucket_size" in message
+    assert (
+        "ZeroStrategy(offload_optimizer=True) contradicts the config's zero_optimization.offload_optimizer" in message
+    )
+    assert (
+        "ZeroStrategy(reduce_bucket_size=1000) contradicts the config's zero_optimization.reduce_bucket_size" in message
+    )
     # Agreeing values (numerically equal, "auto") are fine.
-    apply_keywords({"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}}, _keywords(reduce_bucket_size=500_000_000))
+    apply_keywords(
+        {"zero_optimization": {"stage": 2, "reduce_bucket_size": 5e8}}, _keywords(reduce_bucket_size=500_000_000)
+    )
     apply_keywords({"zero_optimization": {"stage": "auto"}}, _keywords(stage=3))
 
 
@@ -129,8 +135,11 @@ def test_trainer_values_fill_the_config() -> None:
 
 def test_a_contradicting_trainer_value_names_both() -> None:
     with pytest.raises(ConfigError) as info:
-        _resolve({"gradient_accumulation_steps": 4, "gradient_clipping": 1.0}, accumulate_grad_batches=2,
-                 gradient_clip_val=0.5)
+        _resolve(
+            {"gradient_accumulation_steps": 4, "gradient_clipping": 1.0},
+            accumulate_grad_batches=2,
+            gradient_clip_val=0.5,
+        )
     message = str(info.value)
     assert "gradient_accumulation_steps: the config says 4 but the Trainer says 2" in message
     assert "gradient_clipping: the config says 1.0 but the Trainer says 0.5" in message
@@ -139,8 +148,12 @@ def test_a_contradicting_trainer_value_names_both() -> None:
 # ---------------------------------------------------------------------- precision
 @pytest.mark.parametrize(
     ("flag", "dtype"),
-    [("32-true", torch.float32), ("bf16-mixed", torch.bfloat16), ("bf16-true", torch.bfloat16),
-     ("16-true", torch.float16)],
+    [
+        ("32-true", torch.float32),
+        ("bf16-mixed", torch.bfloat16),
+        ("bf16-true", torch.bfloat16),
+        ("16-true", torch.float16),
+    ],
 )
 def test_precision_flags_map_onto_the_engine(flag: str, dtype: torch.dtype) -> None:
     plugin = _trainer(strategy="zero2", precision=flag).strategy.precision_plugin
@@ -167,7 +180,7 @@ def test_no_amp_scaler_and_unsupported_precision() -> None:
         _trainer(strategy="zero2", precision="64-true")
     with pytest.raises(ValueError, match="does not support precision='transformer-engine'"):
         zl.ZeroPrecision("transformer-engine")  # type: ignore[arg-type]
-    with pytest.raises(ValueError, match="config contradicts|bf16.enabled"):
+    with pytest.raises(ValueError, match=r"bf16\.enabled"):
         _resolve({"bf16": {"enabled": True}}, precision="32-true")
 
 

@@ -118,7 +118,10 @@ def test_config_optimizer_and_scheduler() -> None:
     steps that scheduler per optimizer step."""
     config = {
         "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
-        "scheduler": {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.05, "warmup_num_steps": 4}},
+        "scheduler": {
+            "type": "WarmupLR",
+            "params": {"warmup_min_lr": 0.0, "warmup_max_lr": 0.05, "warmup_num_steps": 4},
+        },
     }
     strategy = zl.ZeroStrategy(stage=2, config=config)
     runs = _run(strategy, {"max_epochs": 1}, {"return_optimizer": False})
@@ -153,7 +156,11 @@ def test_precision_maps_onto_the_engine(precision: str, name: str, dtype: str, d
     ("trainer", "model", "message"),
     [
         ({"gradient_clip_val": 1.0, "gradient_clip_algorithm": "value"}, {}, "global norm only"),
-        ({}, {"optimizers": 2, "manual": True}, "ZeroStrategy trains with one optimizer, but configure_optimizers returned 2"),
+        (
+            {},
+            {"optimizers": 2, "manual": True},
+            "ZeroStrategy trains with one optimizer, but configure_optimizers returned 2",
+        ),
         ({}, {"return_optimizer": False}, "ZeroStrategy needs an optimizer to fit"),
     ],
 )

@@ -14,4 +14,11 @@ from .strategy import ZeroStrategy
 
 register_strategies()
 
-__all__ = ["STAGE3_MISSING", "STRATEGY_NAMES", "ZeroPrecision", "ZeroStrategy", "register_strategies", "stage_available"]
+__all__ = [
+    "STAGE3_MISSING",
+    "STRATEGY_NAMES",
+    "ZeroPrecision",
+    "ZeroStrategy",
+    "register_strategies",
+    "stage_available",
+]

@@ -22,7 +22,7 @@ class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
         callback = trainer.checkpoint_callback
         best_model_path = getattr(callback, "best_model_path", None) if callback else None
-        strategy = trainer.strategy
+        strategy = self._strategy
         state_dict = strategy.lightning_module_state_dict()  # every rank: a collective under stage 3
         if strategy.local_rank != 0:
             return None

@@ -43,7 +43,7 @@ def require_stage(stage: int) -> None:
 def sharded_init(raw_config: Mapping[str, Any]) -> Iterator[None]:
     """Modules created inside are partitioned as they are built (stage 3's ``configure_model``)."""
     require_stage(3)
-    from ds_strategy.zero import Init  # type: ignore[attr-defined]  # lands with the stage-3 engine
+    from ds_strategy.zero import Init  # lands with the stage-3 engine
 
     with Init(config_dict_or_path=dict(raw_config)):
         yield
@@ -53,7 +53,7 @@ def full_state_dict(module: nn.Module, stage: int) -> dict[str, Any]:
     """The module's full state dict; collective under stage 3 (call it on every rank)."""
     if stage < 3:
         return module.state_dict()
-    from ds_strategy.zero import GatheredParameters  # type: ignore[attr-defined]
+    from ds_strategy.zero import GatheredParameters
 
     with GatheredParameters(list(module.parameters()), modifier_rank=None):
         return {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in module.state_dict().items()}

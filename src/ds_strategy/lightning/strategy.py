@@ -35,6 +35,7 @@ from contextlib import contextmanager
 from datetime import timedelta
 from typing import TYPE_CHECKING, Any, Literal
 
+import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
@@ -64,10 +65,16 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
-import lightning.pytorch as pl
-
 from . import stage3
-from .config import ConfigArg, StrategyKeywords, apply_keywords, configured_stage, read_config, resolve, states_micro_batch
+from .config import (
+    ConfigArg,
+    StrategyKeywords,
+    apply_keywords,
+    configured_stage,
+    read_config,
+    resolve,
+    states_micro_batch,
+)
 from .launcher import ZeroMultiProcessingLauncher
 from .precision import ZeroPrecision
 
@@ -250,7 +257,7 @@ class ZeroStrategy(ParallelStrategy):
         if self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
 
     # ------------------------------------------------------------------ model and engine
     @contextmanager
@@ -397,9 +404,7 @@ class ZeroStrategy(ParallelStrategy):
             engine.set_gradient_accumulation_boundary(None)
 
     # ------------------------------------------------------------------ collectives
-    def reduce(
-        self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean"
-    ) -> Tensor:
+    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
@@ -465,9 +470,9 @@ class ZeroStrategy(ParallelStrategy):
 def _check_clipping(trainer: pl.Trainer) -> None:
     if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
         raise MisconfigurationException(
-            f"ZeroStrategy clips gradients by their global norm only (across all partitions); "
-            f"Trainer(gradient_clip_algorithm='value', gradient_clip_val={trainer.gradient_clip_val}) is not supported. "
-            "Use gradient_clip_algorithm='norm'"
+            "ZeroStrategy clips gradients by their global norm only (across all partitions); "
+            f"Trainer(gradient_clip_algorithm='value', gradient_clip_val={trainer.gradient_clip_val}) is not "
+            "supported. Use gradient_clip_algorithm='norm'"
         )
     module = trainer.lightning_module
     if is_overridden("configure_gradient_clipping", module, pl.LightningModule):
