@@ -21,6 +21,7 @@ CONFIGS = ["cli_zero2.yaml", "cli_zero_config.yaml"]
 @pytest.fixture
 def cli_main(monkeypatch: pytest.MonkeyPatch) -> Any:
     monkeypatch.chdir(ROOT)  # the YAML names examples/ds_config.json relative to the repository root
+    monkeypatch.setattr(sys, "argv", ["cli.py"])  # LightningCLI warns when args= and sys.argv both carry arguments
     monkeypatch.syspath_prepend(str(EXAMPLES))
     import cli  # examples/cli.py
 
