@@ -200,6 +200,23 @@ def fit_run(
     features_dir: str | None = None,
 ) -> dict[str, Any]:
     """Fit (then validate/test/predict as asked) on this rank; return what the tests compare."""
+    saved_env = dict(os.environ)  # Lightning sets PL_GLOBAL_SEED etc.; the pooled worker outlives this run
+    try:
+        return _fit_run(strategy, world_size, trainer_kwargs, model_kwargs, seed, then, features_dir)
+    finally:
+        os.environ.clear()
+        os.environ.update(saved_env)
+
+
+def _fit_run(
+    strategy: Any,
+    world_size: int,
+    trainer_kwargs: dict[str, Any],
+    model_kwargs: dict[str, Any],
+    seed: int,
+    then: tuple[str, ...],
+    features_dir: str | None,
+) -> dict[str, Any]:
     import ds_strategy.lightning  # noqa: F401  - registers the names in this worker
 
     pl.seed_everything(seed, verbose=False)
