@@ -103,9 +103,11 @@ def test_manual_optimization_matches_ddp() -> None:
             assert g["engine"]["global_steps"] == 8
 
 
-def test_epoch_scheduler_and_configure_model() -> None:
-    """An epoch-interval scheduler, and layers built in configure_model."""
-    runs = _run("zero1", {"max_epochs": 3}, {"scheduler": "epoch", "build_in_configure_model": True})
+@pytest.mark.parametrize("name", ["zero1", "zero3"])
+def test_epoch_scheduler_and_configure_model(name: str) -> None:
+    """An epoch-interval scheduler, and layers built in configure_model (under stage 3: zero.Init)."""
+    _skip_without(int(name[4]))
+    runs = _run(name, {"max_epochs": 3}, {"scheduler": "epoch", "build_in_configure_model": True})
     for got in runs:
         assert got["built_in_configure_model"]
         # Recorded after each of the 8 batches per epoch; the epoch step lands before the last batch's hook.

@@ -335,20 +335,18 @@ class ZeroStrategy(ParallelStrategy):
                 "Use one optimizer with a param group per parameter set (each group can have its own lr and "
                 "weight decay); alternating optimizers (GAN-style) are not supported by the ZeRO engine"
             )
-        if in_config and schedulers:
-            raise MisconfigurationException("a scheduler from configure_optimizers needs its optimizer there too")
         return (real[0] if real else None), schedulers
 
     def _adopt_config_scheduler(self, engine: ZeroEngine) -> None:
         """A scheduler from the config's "scheduler" block is stepped by Lightning (interval "step"), so
         LearningRateMonitor sees it; the engine does not step it too."""
-        if engine.lr_scheduler is None or self.lr_scheduler_configs:
-            if engine.lr_scheduler is not None and self.raw_config.get("scheduler") is not None:
-                raise MisconfigurationException(
-                    'the DeepSpeed config has a "scheduler" block and configure_optimizers returned a scheduler; '
-                    "use one of them"
-                )
+        if engine.lr_scheduler is None:
             return
+        if self.lr_scheduler_configs:
+            raise MisconfigurationException(
+                'the DeepSpeed config has a "scheduler" block and configure_optimizers returned a scheduler; '
+                "use one of them"
+            )
         self.lr_scheduler_configs = [LRSchedulerConfig(engine.lr_scheduler, interval="step")]
         engine.lr_scheduler = None
 
