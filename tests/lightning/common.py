@@ -57,6 +57,7 @@ class LitNet(pl.LightningModule):
         build_in_configure_model: bool = False,
         optimizers: int = 1,
         return_optimizer: bool = True,
+        optimizer: str = "adam",
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -113,7 +114,13 @@ class LitNet(pl.LightningModule):
     def configure_optimizers(self) -> Any:
         if not self.hparams["return_optimizer"]:
             return None
-        opts = [torch.optim.Adam(self.parameters(), lr=self.hparams["lr"]) for _ in range(self.hparams["optimizers"])]
+
+        def make() -> torch.optim.Optimizer:
+            if self.hparams["optimizer"] == "sgd":  # gradient-scale sensitive, unlike Adam
+                return torch.optim.SGD(self.parameters(), lr=self.hparams["lr"], momentum=0.9)
+            return torch.optim.Adam(self.parameters(), lr=self.hparams["lr"])
+
+        opts = [make() for _ in range(self.hparams["optimizers"])]
         if self.hparams["optimizers"] > 1:
             return opts
         sched = self.hparams["scheduler"]
@@ -150,6 +157,12 @@ class EngineProbe(Callback):
 
     def __init__(self) -> None:
         self.info: dict[str, Any] = {}
+        self.grad_norms: list[float] = []
+
+    def on_train_batch_end(self, trainer: pl.Trainer, *args: Any) -> None:
+        engine = getattr(trainer.strategy, "engine", None)
+        if engine is not None and engine.global_steps > len(self.grad_norms):  # once per optimizer step
+            self.grad_norms.append(float(engine.get_global_grad_norm()))
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         engine = getattr(trainer.strategy, "engine", None)
@@ -167,6 +180,7 @@ class EngineProbe(Callback):
             "micro_batch": engine.train_micro_batch_size_per_gpu(),
             "precision_plugin": type(trainer.precision_plugin).__name__,
             "optimizer": type(engine.optimizer).__name__,
+            "grad_norms": self.grad_norms,
         }
 
 

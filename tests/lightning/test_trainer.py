@@ -23,10 +23,13 @@ from tests.lightning.common import ELASTIC_ENV, fit_run, raises_run
 
 pytestmark = pytest.mark.multiprocess
 
-# Accumulation 2 over 8 micro-batches per rank per epoch, clipping engaged (gradient norms are ~10-100),
-# a scheduler stepping every 2 optimizer steps, validate/test/predict after fit.
-TRAINER = {"accumulate_grad_batches": 2, "gradient_clip_val": 0.5, "max_epochs": 2}
-MODEL = {"scheduler": "step"}
+# Accumulation 2 over 8 micro-batches per rank per epoch, a scheduler stepping every 2 optimizer steps,
+# validate/test/predict after fit. SGD with momentum (unlike Adam it sees the gradient's scale) and a
+# clipping threshold between the gradient norms of different steps (~4.2-5.6): some steps are clipped,
+# some are not, so both a wrong clip and a wrong gradient scale change the trajectory.
+CLIP = 4.5
+TRAINER = {"accumulate_grad_batches": 2, "gradient_clip_val": CLIP, "max_epochs": 2}
+MODEL = {"scheduler": "step", "optimizer": "sgd", "lr": 0.1}
 THEN = ("validate", "test", "predict")
 NAMES = ["zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_offload"]
 
@@ -73,7 +76,9 @@ def test_name_matches_ddp(name: str, ddp: list[dict[str, Any]], tmp_path: Any) -
         _assert_parity(got, ref)
         engine = got["engine"]
         assert engine["stage"] == int(name[4])
-        assert engine["gradient_clipping"] == 0.5 and engine["gradient_accumulation_steps"] == 2
+        assert engine["gradient_clipping"] == CLIP and engine["gradient_accumulation_steps"] == 2
+        norms = engine["grad_norms"]
+        assert len(norms) == 8 and min(norms) < CLIP < max(norms), norms  # clipping engaged on some steps only
         assert engine["micro_batch"] == 4  # inferred from the train dataloader
         assert engine["precision_plugin"] == "ZeroPrecision"
     # The callbacks ran: a best and a last checkpoint, EarlyStopping counted, the lr monitor saw the schedule.
@@ -81,7 +86,7 @@ def test_name_matches_ddp(name: str, ddp: list[dict[str, Any]], tmp_path: Any) -
     assert cbs["ModelCheckpoint"]["best"].endswith(".ckpt") and cbs["ModelCheckpoint"]["last"].endswith("last.ckpt")
     assert (tmp_path / "ckpt" / "last.ckpt").is_file()
     assert cbs["EarlyStopping"]["stopped_epoch"] == 0
-    assert cbs["LearningRateMonitor"]["lr-Adam"] == ddp[0]["callbacks"]["LearningRateMonitor"]["lr-Adam"]
+    assert cbs["LearningRateMonitor"]["lr-SGD"] == ddp[0]["callbacks"]["LearningRateMonitor"]["lr-SGD"]
     # The checkpoint holds the same full weights as DDP's at the same step (saved when val_loss improved).
     saved, ref = runs[0]["last_ckpt"], ddp[0]["last_ckpt"]
     assert saved["global_step"] == ref["global_step"] > 0
