@@ -6,8 +6,8 @@ and scheduler.
 
 Tolerances (fp32): losses rtol 1e-5, weights atol 1e-6. The engine averages gradients with its own
 bucketed collectives and clips with its global-norm formula, torch DDP with its reducer and
-``clip_grad_norm_``: the same math, rounded in other places (observed: losses within 2e-6 absolute on
-values ~10, weights within 7e-8).
+``clip_grad_norm_``: the same math, rounded in other places (observed over 16 micro-batches / 8 steps:
+losses within 1.7e-7 relative, weights within 1.2e-7 absolute, for every name).
 """
 
 from __future__ import annotations
