@@ -212,11 +212,12 @@ def fit_run(
     seed: int = 0,
     then: tuple[str, ...] = (),
     features_dir: str | None = None,
+    ckpt_path: str | None = None,
 ) -> dict[str, Any]:
     """Fit (then validate/test/predict as asked) on this rank; return what the tests compare."""
     saved_env = dict(os.environ)  # Lightning sets PL_GLOBAL_SEED etc.; the pooled worker outlives this run
     try:
-        return _fit_run(strategy, world_size, trainer_kwargs, model_kwargs, seed, then, features_dir)
+        return _fit_run(strategy, world_size, trainer_kwargs, model_kwargs, seed, then, features_dir, ckpt_path)
     finally:
         os.environ.clear()
         os.environ.update(saved_env)
@@ -230,6 +231,7 @@ def _fit_run(
     seed: int,
     then: tuple[str, ...],
     features_dir: str | None,
+    ckpt_path: str | None,
 ) -> dict[str, Any]:
     import ds_strategy.lightning  # noqa: F401  - registers the names in this worker
 
@@ -262,7 +264,7 @@ def _fit_run(
     trainer = pl.Trainer(
         strategy=make_strategy(strategy) if isinstance(strategy, str) else strategy, callbacks=callbacks, **kwargs
     )
-    trainer.fit(model)
+    trainer.fit(model, ckpt_path=ckpt_path)
     out: dict[str, Any] = {
         "losses": list(model.train_losses),
         "weights": {k: v.detach().float().clone() for k, v in model.state_dict().items()},
@@ -303,11 +305,16 @@ def _callback_state(callback: Callback) -> Any:
 
 
 def raises_run(
-    rank: int, world_size: int, strategy: Any, trainer_kwargs: dict[str, Any], model_kwargs: dict[str, Any]
+    rank: int,
+    world_size: int,
+    strategy: Any,
+    trainer_kwargs: dict[str, Any],
+    model_kwargs: dict[str, Any],
+    **kwargs: Any,
 ) -> str:
     """Fit and return the error message (empty when it did not raise)."""
     try:
-        fit_run(rank, world_size, strategy, trainer_kwargs, model_kwargs)
+        fit_run(rank, world_size, strategy, trainer_kwargs, model_kwargs, **kwargs)
     except Exception as exc:
         return f"{type(exc).__name__}: {exc}"
     return ""
