@@ -284,6 +284,7 @@ class ZeroStrategy(ParallelStrategy):
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
         stage3.require_stage(self.stage)
+        self._final_state_dict = None
         module = self.lightning_module
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
