@@ -1,0 +1,497 @@
+"""``ZeroStrategy``: Lightning drives ds_strategy's ZeRO engine.
+
+    trainer = Trainer(strategy="zero2", accelerator="cpu", devices=2)      # after ``import ds_strategy``
+    trainer = Trainer(strategy=ZeroStrategy(stage=2, config="ds_config.json"), precision="bf16-mixed")
+
+What the strategy owns, and what it hands to whom:
+
+- process group: Lightning's cluster environments (torchelastic, SLURM, LSF, MPI, plain) give ranks and
+  the rendezvous; the strategy initialises torch.distributed from them (``setup_distributed``).
+- launching: as a script, Lightning's subprocess launcher re-runs the script per rank; in an interactive
+  session (Jupyter) the workers are forked from the kernel (``ZeroMultiProcessingLauncher``), and the
+  full trained weights come back to the kernel's model.
+- the engine: ``setup`` builds one ``ZeroEngine`` over the LightningModule with the optimizer from
+  ``configure_optimizers`` (or the config's ``optimizer`` block); ``self.model`` is the engine, so
+  training/validation steps run through its forward (input casting) and its gradient hooks.
+- precision, loss scaling, clipping: ``ZeroPrecision`` hands backward and the optimizer step to the
+  engine (see precision.py); Lightning's AMP scaler is never involved.
+
+[Note: who decides the accumulation boundary]
+Lightning decides (``handles_gradient_accumulation`` is False), exactly as for DDP: micro-batches inside
+an accumulation window run their backward inside ``block_backward_sync`` (the engine is told "not a
+boundary": stages 0-1 keep gradients local, stage 2 reduce-scatters as always), and the window's last
+micro-batch runs through ``optimizer_step``, which tells the engine "boundary" before the closure's
+backward, then calls ``engine.step()``. So a short last window of an epoch steps like DDP does. Lightning
+already divides the loss by ``accumulate_grad_batches``, so the engine's backward does not divide again
+(``scale_wrt_gas=False``). Manual optimization: every ``manual_backward`` accumulates without reducing and
+``optimizer.step()`` reduces and steps, so several backward calls per step are fine.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Generator, Mapping
+from contextlib import contextmanager
+from datetime import timedelta
+from typing import TYPE_CHECKING, Any, Literal
+
+import lightning.pytorch as pl
+import torch
+from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.distributed import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _init_dist_connection,
+    _sync_ddp_if_available,
+)
+from lightning.fabric.utilities.distributed import group as _group
+from lightning.fabric.utilities.imports import _IS_INTERACTIVE
+from lightning.fabric.utilities.seed import reset_seed
+from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
+from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
+from lightning.pytorch.strategies.parallel import ParallelStrategy
+from lightning.pytorch.strategies.strategy import TBroadcast
+from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities import GradClipAlgorithmType
+from lightning.pytorch.utilities.exceptions import MisconfigurationException
+from lightning.pytorch.utilities.model_helpers import is_overridden
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.types import LRSchedulerConfig
+from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from . import stage3
+from .config import (
+    ConfigArg,
+    StrategyKeywords,
+    apply_keywords,
+    configured_stage,
+    read_config,
+    resolve,
+    states_micro_batch,
+)
+from .launcher import ZeroMultiProcessingLauncher
+from .precision import ZeroPrecision
+
+if TYPE_CHECKING:
+    from ds_strategy.config import DeepSpeedConfig
+    from ds_strategy.runtime import ZeroEngine
+
+log = logging.getLogger(__name__)
+
+StartMethod = Literal["auto", "popen", "fork", "spawn"]
+# Marker stored instead of a partitioned optimizer state (until sharded checkpoints land).
+SHARDED_OPTIMIZER_STATE = "ds_strategy_partitioned_optimizer_state"
+
+
+class ZeroStrategy(ParallelStrategy):
+    """ZeRO data parallelism (stages 0-3, CPU offload, fp16/bf16) for the Lightning Trainer.
+
+    Args:
+        stage: ZeRO stage 0-3 (default: the config's ``zero_optimization.stage``, else 2).
+        offload_optimizer: keep fp32 master weights and optimizer state on the CPU (stages 1-3).
+        offload_parameters: keep the parameters on the CPU between uses (stage 3).
+        config: a DeepSpeed config, as a dict or the path of a JSON file. Everything not covered by a
+            keyword lives here; Trainer arguments fill what it leaves absent or "auto".
+        reduce_bucket_size: elements per gradient-reduction bucket (``zero_optimization.reduce_bucket_size``).
+        allgather_bucket_size: elements per all-gather bucket (``zero_optimization.allgather_bucket_size``).
+        loss_scale: fp16 loss scale, 0 for dynamic (``fp16.loss_scale``).
+        initial_scale_power: dynamic fp16 loss scale starts at 2**this (``fp16.initial_scale_power``).
+        micro_batch_size: the per-rank batch size for the engine's bookkeeping (samples/s, global
+            samples); default: the train dataloader's batch size.
+        process_group_backend: torch.distributed backend (default: nccl on CUDA, gloo on CPU).
+        timeout: collective timeout.
+        start_method: "auto" forks workers in an interactive session (Jupyter) and re-runs the script
+            ("popen") otherwise.
+
+    A keyword that contradicts a value stated in ``config`` raises a ``ValueError`` naming both.
+    """
+
+    strategy_name = "zero"
+
+    def __init__(
+        self,
+        stage: Literal[0, 1, 2, 3] | None = None,
+        *,
+        offload_optimizer: bool | None = None,
+        offload_parameters: bool | None = None,
+        config: ConfigArg = None,
+        reduce_bucket_size: int | None = None,
+        allgather_bucket_size: int | None = None,
+        loss_scale: float | None = None,
+        initial_scale_power: int | None = None,
+        micro_batch_size: int | None = None,
+        accelerator: pl.accelerators.Accelerator | None = None,
+        parallel_devices: list[torch.device] | None = None,
+        cluster_environment: ClusterEnvironment | None = None,
+        checkpoint_io: CheckpointIO | None = None,
+        precision_plugin: Precision | None = None,
+        process_group_backend: str | None = None,
+        timeout: timedelta | None = default_pg_timeout,
+        start_method: StartMethod = "auto",
+    ) -> None:
+        if stage is not None and stage not in (0, 1, 2, 3):
+            raise ValueError(f"ZeroStrategy(stage={stage!r}): the ZeRO stage is 0, 1, 2 or 3")
+        if start_method not in ("auto", "popen", "fork", "spawn"):
+            raise ValueError(f"ZeroStrategy(start_method={start_method!r}): use 'auto', 'popen', 'fork' or 'spawn'")
+        super().__init__(
+            accelerator=accelerator,
+            parallel_devices=parallel_devices,
+            cluster_environment=cluster_environment,
+            checkpoint_io=checkpoint_io,
+            precision_plugin=precision_plugin,
+        )
+        keywords = StrategyKeywords(
+            stage=stage,
+            offload_optimizer=offload_optimizer,
+            offload_parameters=offload_parameters,
+            reduce_bucket_size=reduce_bucket_size,
+            allgather_bucket_size=allgather_bucket_size,
+            loss_scale=loss_scale,
+            initial_scale_power=initial_scale_power,
+            micro_batch_size=micro_batch_size,
+        )
+        self.config = config
+        # Read and merged now, so a missing file or a contradiction fails at Trainer construction.
+        self.raw_config: dict[str, Any] = apply_keywords(read_config(config), keywords)
+        self._num_nodes = 1
+        self._process_group_backend = process_group_backend
+        self._timeout = timeout
+        self._start_method: StartMethod = start_method
+        self.engine: ZeroEngine | None = None
+        self.engine_config: DeepSpeedConfig | None = None
+        self._final_state_dict: dict[str, Any] | None = None
+
+    # ------------------------------------------------------------------ what Lightning asks of a strategy
+    @property
+    def stage(self) -> int:
+        return configured_stage(self.raw_config)
+
+    @property
+    def is_distributed(self) -> bool:
+        """Always: ``self.log(sync_dist=True)`` reduces and the dataloaders get a DistributedSampler."""
+        return True
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return self.parallel_devices[self.local_rank]
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    @property
+    def handles_gradient_accumulation(self) -> bool:
+        return False  # see [Note: who decides the accumulation boundary]
+
+    @property
+    def precision_plugin(self) -> ZeroPrecision:
+        plugin = self._precision_plugin
+        return plugin if isinstance(plugin, ZeroPrecision) else ZeroPrecision("32-true")
+
+    @precision_plugin.setter
+    def precision_plugin(self, plugin: Precision | None) -> None:
+        # The Trainer builds a plugin from its `precision` flag; ours replaces it so that Lightning's AMP
+        # (autocast + GradScaler) never wraps the engine's own loss scaling.
+        if plugin is None or isinstance(plugin, ZeroPrecision):
+            self._precision_plugin = plugin
+            return
+        flag = getattr(plugin, "precision", None)
+        plain = type(plugin) in (Precision, MixedPrecision, HalfPrecision)
+        if not plain or flag not in ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"):
+            what = "64-bit" if isinstance(plugin, DoublePrecision) else f"{type(plugin).__name__}(precision={flag!r})"
+            raise TypeError(
+                f"ZeroStrategy does not support {what}; use Trainer(precision=...) with '32-true', '16-mixed', "
+                "'bf16-mixed', '16-true' or 'bf16-true', or pass plugins=[ds_strategy.lightning.ZeroPrecision(...)]"
+            )
+        self._precision_plugin = ZeroPrecision(flag)
+
+    def _configure_launcher(self) -> None:
+        assert self.cluster_environment is not None
+        method = self._start_method
+        if method == "auto":
+            method = "fork" if _IS_INTERACTIVE else "popen"
+        if method == "popen":
+            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+        else:
+            self._launcher = ZeroMultiProcessingLauncher(self, start_method=method)
+
+    # ------------------------------------------------------------------ process group
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        self.setup_distributed()
+
+    def setup_distributed(self) -> None:
+        reset_seed()
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
+            self.root_device
+        )
+        assert self.cluster_environment is not None
+        # Reuses an existing process group (e.g. one made by ds_strategy.comm.init_distributed or torchrun code).
+        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+
+    def set_world_ranks(self) -> None:
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    # ------------------------------------------------------------------ model and engine
+    @contextmanager
+    def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
+        if self.stage == 3:
+            yield  # zero.Init (model_sharded_context) places and types the shards
+            return
+        with super().tensor_init_context(empty_init=empty_init):
+            yield
+
+    @contextmanager
+    def model_sharded_context(self) -> Generator[None, None, None]:
+        if self.stage == 3:
+            with stage3.sharded_init(self.raw_config):
+                yield
+        else:
+            yield
+
+    def model_to_device(self) -> None:
+        assert self.model is not None
+        self.model.to(self.root_device)
+
+    def setup(self, trainer: pl.Trainer) -> None:
+        assert self.accelerator is not None
+        self.accelerator.setup(trainer)
+        stage3.require_stage(self.stage)
+        self._final_state_dict = None
+        module = self.lightning_module
+        assert module is not None
+        fitting = trainer.state.fn == TrainerFn.FITTING
+        self.model = self.precision_plugin.convert_module(module)
+        if self.stage < 3:
+            self.model_to_device()
+        optimizer: Optimizer | None = None
+        self.lr_scheduler_configs = []
+        if fitting:
+            _check_clipping(trainer)
+            optimizer, self.lr_scheduler_configs = self._client_optimizer(module)
+        self.engine_config = self._resolve_config(trainer, fitting)
+        self.engine = self._build_engine(module, self.engine_config, optimizer)
+        if fitting:
+            if self.engine.optimizer is None:
+                raise MisconfigurationException(
+                    "ZeroStrategy needs an optimizer to fit: return one from configure_optimizers or add an "
+                    '"optimizer" block to the DeepSpeed config'
+                )
+            self._adopt_config_scheduler(self.engine)
+            self.optimizers = [self.engine.optimizer]
+        else:
+            self.optimizers = []
+        self.model = self.engine
+        self.setup_precision_plugin()
+        self.barrier()
+
+    def _build_engine(self, module: Module, config: DeepSpeedConfig, optimizer: Optimizer | None) -> ZeroEngine:
+        from ds_strategy.runtime import ZeroEngine
+
+        # The stage-3 engine is selected by the config's stage inside ZeroEngine (runtime.zero.STAGES).
+        return ZeroEngine(module, config, optimizer=optimizer)
+
+    def _client_optimizer(self, module: pl.LightningModule) -> tuple[Optimizer | None, list[LRSchedulerConfig]]:
+        """The one optimizer (and its schedulers) from configure_optimizers; None when the config has one."""
+        optimizers, schedulers = _init_optimizers_and_lr_schedulers(module)
+        real = [o for o in optimizers if not isinstance(o, _MockOptimizer)]
+        in_config = self.raw_config.get("optimizer") is not None
+        if in_config and real:
+            raise MisconfigurationException(
+                f"configure_optimizers returned {type(real[0]).__name__} and the DeepSpeed config has an "
+                f'"optimizer" block ({self.raw_config["optimizer"].get("type")!r}); use one: return None from '
+                'configure_optimizers, or remove the config\'s "optimizer" block'
+            )
+        if len(real) > 1:
+            names = ", ".join(type(o).__name__ for o in real)
+            raise MisconfigurationException(
+                f"ZeroStrategy trains with one optimizer, but configure_optimizers returned {len(real)} ({names}). "
+                "Use one optimizer with a param group per parameter set (each group can have its own lr and "
+                "weight decay); alternating optimizers (GAN-style) are not supported by the ZeRO engine"
+            )
+        return (real[0] if real else None), schedulers
+
+    def _adopt_config_scheduler(self, engine: ZeroEngine) -> None:
+        """A scheduler from the config's "scheduler" block is stepped by Lightning (interval "step"), so
+        LearningRateMonitor sees it; the engine does not step it too."""
+        if engine.lr_scheduler is None:
+            return
+        if self.lr_scheduler_configs:
+            raise MisconfigurationException(
+                'the DeepSpeed config has a "scheduler" block and configure_optimizers returned a scheduler; '
+                "use one of them"
+            )
+        self.lr_scheduler_configs = [LRSchedulerConfig(engine.lr_scheduler, interval="step")]
+        engine.lr_scheduler = None
+
+    def _resolve_config(self, trainer: pl.Trainer, fitting: bool) -> DeepSpeedConfig:
+        micro = None
+        if not states_micro_batch(self.raw_config):
+            micro = (_train_batch_size(trainer) if fitting else None) or 1  # 1: evaluation, bookkeeping only
+        return resolve(
+            self.raw_config,
+            world_size=self.world_size,
+            precision=self.precision_plugin.precision,
+            micro_batch_size=micro,
+            accumulate_grad_batches=trainer.accumulate_grad_batches,
+            gradient_clip_val=trainer.gradient_clip_val if fitting else None,
+        )
+
+    # ------------------------------------------------------------------ backward and step (from ZeroPrecision)
+    def require_engine(self) -> ZeroEngine:
+        if self.engine is None:
+            raise RuntimeError("the ZeRO engine is not set up yet: ZeroStrategy.setup() has not run")
+        return self.engine
+
+    def engine_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
+        engine = self.require_engine()
+        module = self.lightning_module
+        if module is not None and not module.automatic_optimization:
+            engine.set_gradient_accumulation_boundary(False)  # manual: optimizer.step() reduces
+        if args:
+            raise TypeError(f"ZeroStrategy backward takes no extra positional arguments, got {len(args)}")
+        retain_graph = bool(kwargs.pop("retain_graph", False))
+        if kwargs:
+            raise TypeError(f"ZeroStrategy backward does not accept {', '.join(kwargs)}")
+        engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
+
+    def begin_boundary(self) -> None:
+        self.require_engine().set_gradient_accumulation_boundary(True)
+
+    def engine_step(self, **kwargs: Any) -> None:
+        if kwargs:
+            raise TypeError(f"optimizer.step() under ZeroStrategy takes no arguments, got {', '.join(kwargs)}")
+        self.require_engine().step()
+
+    @contextmanager
+    def block_backward_sync(self) -> Generator[None, None, None]:
+        engine = self.engine
+        if engine is None:
+            yield
+            return
+        engine.set_gradient_accumulation_boundary(False)
+        try:
+            yield
+        finally:
+            engine.set_gradient_accumulation_boundary(None)
+
+    # ------------------------------------------------------------------ collectives
+    def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
+        if isinstance(tensor, Tensor):
+            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
+        return tensor
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        if not _distributed_is_initialized():
+            return
+        if torch.distributed.get_backend() == "nccl" and self.root_device.type == "cuda":
+            torch.distributed.barrier(device_ids=[self.root_device.index])
+        else:
+            torch.distributed.barrier()
+
+    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
+        if not _distributed_is_initialized():
+            return obj
+        box = [obj]
+        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+        return box[0]
+
+    # ------------------------------------------------------------------ state
+    def lightning_module_state_dict(self) -> dict[str, Any]:
+        """Full weights on every rank (stage 3: gathered, a collective)."""
+        if self.engine is None and self._final_state_dict is not None:
+            return self._final_state_dict
+        assert self.lightning_module is not None
+        return stage3.full_state_dict(self.lightning_module, self.stage if self.engine is not None else 0)
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
+        if self.stage == 0:
+            return super().optimizer_state(optimizer)
+        # Stages 1-3 hold 1/N of the state per rank; saving rank 0's part as if it were whole would resume
+        # wrongly. Sharded optimizer checkpoints come with the checkpointing work; until then: a marker.
+        return {SHARDED_OPTIMIZER_STATE: f"ZeRO stage {self.stage}: partitioned optimizer state not saved"}
+
+    def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
+        states = checkpoint.get("optimizer_states", [])
+        if any(SHARDED_OPTIMIZER_STATE in s for s in states):
+            raise RuntimeError(
+                "this checkpoint was written by ZeroStrategy with ZeRO stage >= 1 and holds no optimizer state "
+                "(partitioned optimizer checkpoints are not supported yet); load the weights only, e.g. "
+                "Model.load_from_checkpoint(path), or train with stage 0 to resume with optimizer state"
+            )
+        super().load_optimizer_state_dict(checkpoint)
+
+    def teardown(self) -> None:
+        engine = self.engine
+        if engine is not None:
+            if self.stage == 3 and self.lightning_module is not None:
+                # The full weights, gathered while every rank is still here (see stage3.py).
+                self._final_state_dict = stage3.full_state_dict(self.lightning_module, 3)
+            engine.destroy()
+            self.engine = None
+        self.model = self.lightning_module
+        super().teardown()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        from .registry import register_strategies
+
+        register_strategies(strategy_registry)
+
+
+def _check_clipping(trainer: pl.Trainer) -> None:
+    if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
+        raise MisconfigurationException(
+            "ZeroStrategy clips gradients by their global norm only (across all partitions); "
+            f"Trainer(gradient_clip_algorithm='value', gradient_clip_val={trainer.gradient_clip_val}) is not "
+            "supported. Use gradient_clip_algorithm='norm'"
+        )
+    module = trainer.lightning_module
+    if is_overridden("configure_gradient_clipping", module, pl.LightningModule):
+        rank_zero_warn(
+            "ZeroStrategy clips inside the engine (by global norm, from Trainer(gradient_clip_val=...)); your "
+            "LightningModule.configure_gradient_clipping is called but cannot clip: parameters hold no .grad"
+        )
+
+
+def _train_batch_size(trainer: pl.Trainer) -> int | None:
+    """The train dataloader's batch size (Lightning's DeepSpeedStrategy does the same), or None."""
+    source = trainer.fit_loop._data_source
+    if not source.is_defined():
+        return None
+    try:
+        loader = source.dataloader()
+    except Exception as exc:  # a dataloader that cannot be built twice: fall back to 1, say so
+        rank_zero_info(f"ZeroStrategy: could not read the train dataloader's batch size ({exc}); using 1")
+        return None
+    size = getattr(loader, "batch_size", None)
+    if size is None:
+        size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
+    return int(size) if isinstance(size, int) and size > 0 else None
