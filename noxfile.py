@@ -17,7 +17,7 @@ nox.options.sessions = ["tests"]
 nox.options.reuse_venv = "yes"
 
 TORCH = shlex.split(os.environ.get("DS_STRATEGY_TORCH", "torch==2.13.0"))
-SOURCES = ["src", "tests", "benchmarks", "noxfile.py", "setup.py"]
+SOURCES = ["src", "tests", "benchmarks", "examples", "noxfile.py", "setup.py"]
 
 
 def _install(session: nox.Session, extras: str = "") -> None:

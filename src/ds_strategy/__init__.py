@@ -1,13 +1,16 @@
 """ds_strategy: DeepSpeed-class ZeRO training for PyTorch Lightning and plain PyTorch loops.
 
-``import ds_strategy`` stays light: it imports neither torch nor CUDA. Public names are resolved on first
-attribute access (PEP 562), from the submodule listed in ``_LAZY``.
+``import ds_strategy`` registers the Lightning strategy names (zero0 ... zero3_offload, see
+``ds_strategy.lightning``) and initialises no CUDA context; everything else is resolved on first attribute
+access (PEP 562), from the submodule listed in ``_LAZY``.
 """
 
 from __future__ import annotations
 
 import importlib
 from typing import TYPE_CHECKING, Any
+
+from ds_strategy.lightning import ZeroPrecision, ZeroStrategy  # importing registers zero0 ... zero3_offload
 
 __version__ = "0.1.0"
 
@@ -20,7 +23,7 @@ _LAZY: dict[str, str] = {
     "estimate_memory": "ds_strategy.runtime",
 }
 
-__all__ = ["__version__", *_LAZY]
+__all__ = ["ZeroPrecision", "ZeroStrategy", "__version__", *_LAZY]
 
 if TYPE_CHECKING:
     from ds_strategy.accelerator import get_accelerator as get_accelerator

@@ -30,6 +30,7 @@ already divides the loss by ``accumulate_grad_batches``, so the engine's backwar
 from __future__ import annotations
 
 import logging
+import os
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -42,7 +43,6 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
     _get_default_process_group_backend_for_device,
-    _init_dist_connection,
     _sync_ddp_if_available,
 )
 from lightning.fabric.utilities.distributed import group as _group
@@ -64,6 +64,8 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
+
+from ds_strategy.comm import init_distributed
 
 from . import stage3
 from .config import (
@@ -249,9 +251,19 @@ class ZeroStrategy(ParallelStrategy):
         self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
             self.root_device
         )
-        assert self.cluster_environment is not None
-        # Reuses an existing process group (e.g. one made by ds_strategy.comm.init_distributed or torchrun code).
-        _init_dist_connection(self.cluster_environment, self._process_group_backend, timeout=self._timeout)
+        env = self.cluster_environment
+        assert env is not None
+        # Lightning's cluster environment (torchelastic, SLURM, LSF, MPI, plain) names the rendezvous; the
+        # one process-group setup of the package reuses a group the user already made.
+        # env:// (not tcp://) so that under torchrun the workers join the elastic agent's store.
+        os.environ["MASTER_ADDR"] = env.main_address
+        os.environ["MASTER_PORT"] = str(env.main_port)
+        init_distributed(
+            dist_backend=self._process_group_backend,
+            rank=env.global_rank(),
+            world_size=env.world_size(),
+            timeout=self._timeout,
+        )
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
