@@ -76,7 +76,7 @@ def check_safe(value: Any, where: str) -> None:
 
 
 # ------------------------------------------------------------------------------------------ atomic writes
-def _test_pause(name: str) -> None:
+def pause_for_tests(name: str) -> None:
     """Test-only hook: ``DS_STRATEGY_CKPT_TEST_PAUSE=<seconds>`` announces each file on stderr and sleeps
     before writing it, so a test can SIGKILL a process in the middle of a save. Never set it otherwise."""
     delay = os.environ.get("DS_STRATEGY_CKPT_TEST_PAUSE")
@@ -104,7 +104,7 @@ def fsync_dir(path: Path) -> None:
 
 def atomic_save(obj: Any, path: Path) -> int:
     """``torch.save`` to a temporary name, fsync, rename over ``path``; returns the file size in bytes."""
-    _test_pause(path.name)
+    pause_for_tests(path.name)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "wb") as f:
@@ -120,7 +120,7 @@ def atomic_save(obj: Any, path: Path) -> int:
 
 
 def atomic_write_text(text: str, path: Path) -> None:
-    _test_pause(path.name)
+    pause_for_tests(path.name)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
         with open(tmp, "w") as f:

@@ -106,6 +106,7 @@ def save_checkpoint(
     def prepare() -> tuple[str, dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
         name = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
         state = {} if client_state is None else client_state
+        check_safe(state, "client_state")
         ours = {
             "format": FORMAT,
             "version": VERSION,
@@ -118,7 +119,7 @@ def save_checkpoint(
         if rank != 0:
             return name, ours, None, None
         meta = _meta(engine, name, state)
-        check_safe(meta, f"{META} (client_state, scheduler or optimizer hyperparameters)")
+        check_safe(meta, f"{META} (scheduler or optimizer hyperparameters)")
         model = {"format": FORMAT, "version": VERSION, "module": {k: _own_copy(v) for k, v in module_entries(engine)[0].items()}}
         check_safe(model, MODEL)
         return name, ours, meta, model

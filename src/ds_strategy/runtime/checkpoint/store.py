@@ -19,7 +19,7 @@ from functools import cache
 from typing import Any
 
 from ..layout import FlatLayout
-from .format import LATEST, META, CheckpointError, expect_format, fsync_dir, rank_file, read
+from .format import LATEST, META, CheckpointError, expect_format, fsync_dir, rank_file, read, pause_for_tests
 
 _REQUIRED_META = ("stage", "world_size", "groups", "module_entries", "state_keys", "files", "counters")
 
@@ -47,6 +47,7 @@ def publish(staging: Path, final: Path) -> None:
     if final.exists():
         shutil.rmtree(old, ignore_errors=True)
         os.rename(final, old)
+        pause_for_tests(f"{final.name} (between renames)")
     os.rename(staging, final)
     fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
