@@ -46,7 +46,7 @@ def full_optimizer_state(engine: Any) -> dict[str, dict[str, Any]]:
         for key in ("exp_avg", "exp_avg_sq"):
             full = torch.zeros(gs.layout.total)
             for b, s in enumerate(states):
-                lo, hi = gs.master_range(b)
+                lo, _ = gs.master_range(b)
                 s_lo, s_hi = gs.layout.shard_range(b, gs.rank)
                 full[s_lo:s_hi] = s[key].detach().reshape(-1)[s_lo - lo : s_hi - lo].cpu()
             dist.all_reduce(full)

@@ -18,7 +18,7 @@ from __future__ import annotations
 import argparse
 import os
 import sys
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from pathlib import Path
 from typing import Any
 
@@ -36,7 +36,9 @@ def _open(checkpoint_dir: str | os.PathLike[str], tag: str | None) -> tuple[Path
     return tag_dir, meta, [FlatLayout.from_dict(g["layout"]) for g in meta["groups"]]
 
 
-def iter_fp32_state(checkpoint_dir: str | os.PathLike[str], tag: str | None = None) -> Iterator[tuple[str, torch.Tensor]]:
+def iter_fp32_state(
+    checkpoint_dir: str | os.PathLike[str], tag: str | None = None
+) -> Iterator[tuple[str, torch.Tensor]]:
     """Yield ``(state-dict key, fp32 tensor)`` in the module's ``state_dict`` order, one at a time."""
     tag_dir, meta, layouts = _open(checkpoint_dir, tag)
     model_path = tag_dir / MODEL
@@ -53,7 +55,7 @@ def iter_fp32_state(checkpoint_dir: str | os.PathLike[str], tag: str | None = No
             continue
         if name in where:
             src = where[name]
-            value = full_param(layouts[src.group], src.index, lambda r, g=src.group: rank_data(r)["groups"][g]["fp32"])
+            value = full_param(layouts[src.group], src.index, _kind(rank_data, src.group, "fp32"))
         elif key in model["module"]:
             saved = model["module"][key]
             value = saved.float() if saved.is_floating_point() else saved.clone()
@@ -64,12 +66,16 @@ def iter_fp32_state(checkpoint_dir: str | os.PathLike[str], tag: str | None = No
         yield key, value
 
 
-def consolidate_fp32_state_dict(checkpoint_dir: str | os.PathLike[str], tag: str | None = None) -> dict[str, torch.Tensor]:
+def consolidate_fp32_state_dict(
+    checkpoint_dir: str | os.PathLike[str], tag: str | None = None
+) -> dict[str, torch.Tensor]:
     """The checkpoint's weights as a plain fp32 state dict (``module.load_state_dict`` takes it)."""
     return dict(iter_fp32_state(checkpoint_dir, tag))
 
 
-def consolidate_optimizer_state(checkpoint_dir: str | os.PathLike[str], tag: str | None = None) -> dict[str, dict[str, Any]]:
+def consolidate_optimizer_state(
+    checkpoint_dir: str | os.PathLike[str], tag: str | None = None
+) -> dict[str, dict[str, Any]]:
     """Per trainable parameter, its optimizer state reassembled (``{"exp_avg": tensor, "step": 3.0, ...}``)."""
     tag_dir, meta, layouts = _open(checkpoint_dir, tag)
     rank_data = rank_reader(tag_dir, meta, layouts)
@@ -79,9 +85,19 @@ def consolidate_optimizer_state(checkpoint_dir: str | os.PathLike[str], tag: str
         for i, slot in enumerate(layout.params):
             state: dict[str, Any] = {k: v["value"] for k, v in saved["scalars"].items()}
             for key in saved["state"]:
-                state[key] = full_param(layout, i, lambda r, g=g, key=key: rank_data(r)["groups"][g]["state"][key])
+                state[key] = full_param(layout, i, _kind(rank_data, g, key))
             out[slot.name] = state
     return out
+
+
+def _kind(rank_data: Callable[[int], dict[str, Any]], group: int, key: str) -> Callable[[int], torch.Tensor]:
+    """``rank -> flat partition`` of one saved group: its fp32 weights or one optimizer state key."""
+
+    def get(rank: int) -> torch.Tensor:
+        saved = rank_data(rank)["groups"][group]
+        return saved["fp32"] if key == "fp32" else saved["state"][key]
+
+    return get
 
 
 def lightning_checkpoint(

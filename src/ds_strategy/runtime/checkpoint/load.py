@@ -17,8 +17,8 @@ import torch
 
 from ds_strategy.log import get_logger
 
-from . import rng
 from ..layout import FlatLayout
+from . import rng
 from .format import MODEL, CheckpointError, expect_format, read
 from .partition import Source, scalar_value
 from .save import module_entries
@@ -52,7 +52,9 @@ def check_model(engine: ZeroEngine, meta: dict[str, Any], layouts: list[FlatLayo
             problems.append(f"trainable parameter {name!r} {list(shape)} is not in the checkpoint")
         elif tuple(saved[name]) != tuple(shape):
             problems.append(f"{name!r} has shape {list(saved[name])} in the checkpoint, {list(shape)} in the model")
-    problems += [f"checkpoint has trainable parameter {n!r}, the model has none by that name" for n in saved if n not in ours]
+    problems += [
+        f"checkpoint has trainable parameter {n!r}, the model has none by that name" for n in saved if n not in ours
+    ]
     rest, _, _ = module_entries(engine)
     saved_rest = meta["module_entries"]
     for name, value in rest.items():
@@ -69,9 +71,7 @@ def check_model(engine: ZeroEngine, meta: dict[str, Any], layouts: list[FlatLayo
     ]
     if problems:
         more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
-        raise CheckpointError(
-            f"{where} was saved from another model: " + "; ".join(problems[:10]) + more
-        )
+        raise CheckpointError(f"{where} was saved from another model: " + "; ".join(problems[:10]) + more)
 
 
 def _plan(

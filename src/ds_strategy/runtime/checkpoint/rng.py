@@ -21,7 +21,8 @@ def capture() -> dict[str, Any]:
         import numpy as np
     except ImportError:
         return state
-    kind, keys, pos, has_gauss, cached = np.random.get_state()
+    saved: Any = np.random.get_state()  # the legacy tuple form
+    kind, keys, pos, has_gauss, cached = saved
     state["numpy"] = {
         "kind": str(kind),
         "keys": torch.from_numpy(keys.astype(np.int64)),

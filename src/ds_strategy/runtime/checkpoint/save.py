@@ -62,9 +62,11 @@ def _counters(engine: ZeroEngine) -> dict[str, int]:
 def _meta(engine: ZeroEngine, tag: str, client_state: dict[str, Any]) -> dict[str, Any]:
     rest, aliases, keys = module_entries(engine)
     optimizer = engine.optimizer
-    hyper = [
-        {k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]
-    ] if optimizer is not None else [None] * len(engine.stage.groups)
+    hyper = (
+        [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+        if optimizer is not None
+        else [None] * len(engine.stage.groups)
+    )
     from ds_strategy import __version__
 
     return {
@@ -78,7 +80,9 @@ def _meta(engine: ZeroEngine, tag: str, client_state: dict[str, Any]) -> dict[st
             {"layout": gs.layout.to_dict(), "hyperparams": h} for gs, h in zip(engine.stage.groups, hyper, strict=True)
         ],
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
-        "module_entries": {k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in rest.items()},
+        "module_entries": {
+            k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in rest.items()
+        },
         "aliases": aliases,
         "state_keys": keys,
         "counters": _counters(engine),
@@ -120,7 +124,11 @@ def save_checkpoint(
             return name, ours, None, None
         meta = _meta(engine, name, state)
         check_safe(meta, f"{META} (scheduler or optimizer hyperparameters)")
-        model = {"format": FORMAT, "version": VERSION, "module": {k: _own_copy(v) for k, v in module_entries(engine)[0].items()}}
+        model = {
+            "format": FORMAT,
+            "version": VERSION,
+            "module": {k: _own_copy(v) for k, v in module_entries(engine)[0].items()},
+        }
         check_safe(model, MODEL)
         return name, ours, meta, model
 
@@ -129,7 +137,9 @@ def save_checkpoint(
     if len(set(tags)) > 1:
         raise ValueError(f"save_checkpoint: the ranks passed different tags {tags}; pass the same tag on every rank")
     if engine.micro_steps % engine.batch.gradient_accumulation_steps != 0 and rank == 0:
-        log.warning("save_checkpoint at micro-step %d: the gradients accumulated so far are not saved", engine.micro_steps)
+        log.warning(
+            "save_checkpoint at micro-step %d: the gradients accumulated so far are not saved", engine.micro_steps
+        )
     staging = staging_dir(root, name)
 
     def clean() -> None:

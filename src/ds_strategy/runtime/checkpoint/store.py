@@ -13,13 +13,13 @@ from __future__ import annotations
 
 import os
 import shutil
-from pathlib import Path
 from collections.abc import Callable
 from functools import cache
+from pathlib import Path
 from typing import Any
 
 from ..layout import FlatLayout
-from .format import LATEST, META, CheckpointError, expect_format, fsync_dir, rank_file, read, pause_for_tests
+from .format import LATEST, META, CheckpointError, expect_format, fsync_dir, pause_for_tests, rank_file, read
 
 _REQUIRED_META = ("stage", "world_size", "groups", "module_entries", "state_keys", "files", "counters")
 

@@ -25,11 +25,12 @@ def gather(coll: Collectives, value: Any) -> list[Any]:
 
 
 def agree(coll: Collectives, step: Callable[[], T], what: str) -> T:
+    result: T | None = None
+    error: BaseException | None = None
     try:
         result = step()
-        error: BaseException | None = None
     except Exception as exc:  # re-raised below, after the other ranks have heard of it
-        result, error = None, exc  # type: ignore[assignment]
+        error = exc
     reports = gather(coll, None if error is None else f"{type(error).__name__}: {error}")
     if error is not None:
         raise error
@@ -37,4 +38,4 @@ def agree(coll: Collectives, step: Callable[[], T], what: str) -> T:
     if failed:
         r, msg = failed[0]
         raise CheckpointError(f"{what} failed on rank {r}: {msg}")
-    return result
+    return result  # type: ignore[return-value]  # step() returned: T
