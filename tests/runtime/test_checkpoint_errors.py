@@ -103,7 +103,7 @@ def test_bad_input(tmp_path: Path) -> None:
     msgs = results[0]
     assert f"{rank1} has {len(data) // 2} bytes" in msgs["ckpt:truncated"] and "truncated" in msgs["ckpt:truncated"]
     assert f"{rank1} is missing" in msgs["ckpt:missing"]
-    assert "cannot be read" in msgs["ckpt:corrupt"] and rank1 in msgs["ckpt:corrupt"]
+    assert "is damaged" in msgs["ckpt:corrupt"] and rank1 in msgs["ckpt:corrupt"]
     assert "failed on rank 1" in results[0]["ckpt:corrupt"]  # rank 0's own file was fine: it names rank 1
     assert "holds no meta.pt" in msgs["ckpt:nometa"]
     assert "'nope' not found" in msgs["ckpt:nope"] and "'good'" in msgs["ckpt:nope"]

@@ -145,6 +145,10 @@ def read(path: Path, *, expected_size: int | None = None, mmap: bool = False) ->
             f"checkpoint file {path} has {size} bytes, the checkpoint's meta.pt recorded {expected_size}: "
             "it is truncated or was replaced"
         )
+    with open(path, "rb") as f:
+        magic = f.read(4)
+    if magic != b"PK\x03\x04":  # torch.save writes a zip archive
+        raise CheckpointError(f"checkpoint file {path} is damaged: it is not a torch.save archive (no zip header)")
     try:
         return torch.load(path, map_location="cpu", weights_only=True, mmap=mmap)
     except Exception as exc:  # torch raises RuntimeError/UnpicklingError/EOFError for damaged files
