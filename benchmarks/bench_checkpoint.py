@@ -45,7 +45,7 @@ def _engine(peer: str, stage: int, shape: dict[str, int], rank: int) -> tuple[An
         os.environ.setdefault("DS_ACCELERATOR", "cpu")
         import deepspeed as lib
     else:
-        import ds_strategy as lib  # type: ignore[no-redef]
+        import ds_strategy.runtime as lib  # type: ignore[no-redef]
     engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(), config=_config(stage, shape["micro"]))
     loss = engine(batches[0])
     engine.backward(loss)

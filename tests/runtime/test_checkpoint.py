@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from tests.runtime.common import batches, config, engine_run, groups_of, make_model
+from tests.runtime.common import batches, config, engine_run, full_masters, groups_of, make_model
 
 pytestmark = pytest.mark.multiprocess
 
@@ -151,3 +151,35 @@ def _save_twice(rank: int, world: int, root: str) -> None:
     engine.save_checkpoint(root, tag="second", save_latest=True)
     engine.save_checkpoint(root, tag="first", save_latest=False)  # re-saving a tag replaces it whole
     engine.destroy()
+
+
+def _partial_loads(rank: int, world: int, root: str) -> dict[str, Any]:
+    data = batches(3, MICRO * GAS * world)
+    first = make_engine(COMBOS[4])  # stage 2 + offload
+    engine_run(first, data[:2], micro=MICRO, gas=GAS)
+    first.save_checkpoint(root)
+    saved = full_masters(first)
+    first.destroy()
+    out: dict[str, Any] = {}
+    for flags in ({"load_module_only": True}, {"load_optimizer_states": False, "load_lr_scheduler_states": False}):
+        engine = make_engine(COMBOS[1], seed=5)  # stage 1 without offload: another stage as well
+        lr = engine.get_lr()
+        _, client = engine.load_checkpoint(root, **flags)
+        out[str(flags)] = {
+            "weights": all(torch.equal(full_masters(engine)[n], saved[n]) for n in saved),
+            "state": len(engine.optimizer.state),
+            "steps": engine.global_steps,
+            "lr_kept": engine.get_lr() == lr,
+            "client": client,
+        }
+        engine_run(engine, data[2:], micro=MICRO, gas=GAS)  # and it trains on
+        engine.destroy()
+    return out
+
+
+def test_module_only_and_weights_only_loads(tmp_path: Path) -> None:
+    out = run_distributed(_partial_loads, world_size=2, args=(str(tmp_path),))[0]
+    module_only = out[str({"load_module_only": True})]
+    assert module_only == {"weights": True, "state": 0, "steps": 0, "lr_kept": True, "client": {}}
+    no_optim = out[str({"load_optimizer_states": False, "load_lr_scheduler_states": False})]
+    assert no_optim["weights"] and no_optim["state"] == 0 and no_optim["steps"] == 2 and no_optim["lr_kept"]

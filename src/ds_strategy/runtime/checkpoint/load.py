@@ -31,6 +31,10 @@ if TYPE_CHECKING:
 log = get_logger("ds_strategy.runtime.checkpoint")
 
 
+# Param-group keys that choose how an optimizer runs, not what it computes: the running optimizer keeps its own.
+_IMPLEMENTATION = frozenset({"params", "fused", "foreach", "capturable", "differentiable"})
+
+
 @dataclass
 class _Plan:
     tag_dir: Path
@@ -109,7 +113,8 @@ def _plan(
                 index += 1
         sd = opt.state_dict()
         for group, saved in zip(sd["param_groups"], meta["groups"], strict=True):
-            group.update({k: v for k, v in (saved["hyperparams"] or {}).items() if k != "params"})
+            saved_hyper = saved["hyperparams"] or {}
+            group.update({k: v for k, v in saved_hyper.items() if k in group and k not in _IMPLEMENTATION})
         sd["state"] = state
         plan.optimizer_state = sd
     if not module_only:
