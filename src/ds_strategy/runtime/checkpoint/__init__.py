@@ -13,17 +13,19 @@ from .consolidate import (
     lightning_checkpoint,
     write_fp32,
 )
-from .format import CheckpointError
+from .format import CheckpointError, check_safe, to_plain
 from .load import load_checkpoint
 from .save import save_checkpoint
 
 __all__ = [
     "CheckpointError",
+    "check_safe",
     "consolidate_fp32_state_dict",
     "consolidate_optimizer_state",
     "iter_fp32_state",
     "lightning_checkpoint",
     "load_checkpoint",
     "save_checkpoint",
+    "to_plain",
     "write_fp32",
 ]

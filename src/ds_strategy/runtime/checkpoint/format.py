@@ -75,6 +75,18 @@ def check_safe(value: Any, where: str) -> None:
     )
 
 
+def to_plain(value: Any) -> Any:
+    """``value`` with container subclasses turned into their plain base (an ``AttributeDict`` or
+    ``OrderedDict`` into ``dict``, a namedtuple into ``tuple``), so that ``check_safe`` accepts it: for
+    callers such as the Lightning strategy whose checkpoint dicts hold such containers."""
+    if isinstance(value, Mapping):
+        return {k: to_plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)) and not isinstance(value, torch.Size):
+        items = [to_plain(v) for v in value]
+        return items if isinstance(value, list) else tuple(items)
+    return value
+
+
 # ------------------------------------------------------------------------------------------ atomic writes
 def pause_for_tests(name: str) -> None:
     """Test-only hook: ``DS_STRATEGY_CKPT_TEST_PAUSE=<seconds>`` announces each file on stderr and sleeps
