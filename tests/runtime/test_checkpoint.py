@@ -183,3 +183,27 @@ def test_module_only_and_weights_only_loads(tmp_path: Path) -> None:
     assert module_only == {"weights": True, "state": 0, "steps": 0, "lr_kept": True, "client": {}}
     no_optim = out[str({"load_optimizer_states": False, "load_lr_scheduler_states": False})]
     assert no_optim["weights"] and no_optim["state"] == 0 and no_optim["steps"] == 2 and no_optim["lr_kept"]
+
+
+def _two_nodes(rank: int, world: int, roots: list[str]) -> None:
+    engine = make_engine(COMBOS[1])
+    engine_run(engine, batches(1, MICRO * GAS * world), micro=MICRO, gas=GAS)
+    engine.save_checkpoint(roots[rank], tag="n")  # each "node" saves to its own disk (another path here)
+    engine.destroy()
+
+
+def test_nodes_with_local_disks(tmp_path: Path) -> None:
+    """Two ranks as two nodes (LOCAL_RANK 0 each) saving to separate directories: rank 0's directory has the
+    published tag, rank 1's its shard under the tag; copying that shard over completes the checkpoint."""
+    from ds_strategy.runtime.checkpoint import CheckpointError, consolidate_fp32_state_dict
+
+    roots = [tmp_path / "node0", tmp_path / "node1"]
+    run_distributed(_two_nodes, world_size=2, args=([str(r) for r in roots],), env={"LOCAL_RANK": "0"})
+    shard = "zero_rank_00001_optim_states.pt"
+    assert sorted(p.name for p in (roots[1] / "n").iterdir()) == [shard]
+    assert sorted(p.name for p in roots[0].iterdir()) == ["latest", "n"]  # no staging left on either node
+    assert sorted(p.name for p in roots[1].iterdir()) == ["n"]
+    with pytest.raises(CheckpointError, match=f"{shard} is missing"):
+        consolidate_fp32_state_dict(roots[0])
+    (roots[0] / "n" / shard).write_bytes((roots[1] / "n" / shard).read_bytes())
+    assert len(consolidate_fp32_state_dict(roots[0])) == len(make_model().state_dict())

@@ -21,7 +21,18 @@ import torch
 from ds_strategy.log import get_logger
 
 from . import rng
-from .format import FORMAT, LATEST, META, MODEL, VERSION, atomic_save, atomic_write_text, check_safe, rank_file
+from .format import (
+    FORMAT,
+    LATEST,
+    META,
+    MODEL,
+    VERSION,
+    atomic_save,
+    atomic_write_text,
+    check_safe,
+    fsync_dir,
+    rank_file,
+)
 from .partition import saved_group
 from .store import check_tag, publish, staging_dir
 from .sync import agree, gather
@@ -170,6 +181,18 @@ def save_checkpoint(
                 atomic_write_text(name, root / LATEST)
 
     agree(coll, finish, "save_checkpoint (publishing)")
+
+    def adopt() -> None:
+        # A node saving to its own disk still has its staging directory (rank 0 published on another
+        # filesystem): move its shards under the tag, where copying them to rank 0's directory completes it.
+        if rank != 0 and engine.local_rank == 0 and staging.is_dir():
+            final.mkdir(parents=True, exist_ok=True)
+            for f in staging.iterdir():
+                os.replace(f, final / f.name)
+            shutil.rmtree(staging, ignore_errors=True)
+            fsync_dir(final)
+
+    agree(coll, adopt, "save_checkpoint (node-local shards)")
     if rank == 0:
         log.info("saved checkpoint %s (%d ranks, stage %d)", final, coll.world_size, engine.stage.stage)
     return final
