@@ -318,6 +318,39 @@ class ZeroEngine(nn.Module):
         out["optimizer_state"] = state
         return out
 
+    # ------------------------------------------------------------------ checkpoints (runtime/checkpoint/)
+    def save_checkpoint(
+        self,
+        save_dir: str | os.PathLike[str],
+        tag: Any = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+    ) -> str:
+        """Write ``save_dir/<tag>`` (default ``global_step<N>``) from every rank; see docs/checkpointing.md."""
+        from .checkpoint import save_checkpoint
+
+        return str(save_checkpoint(self, save_dir, tag, client_state, save_latest))
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike[str],
+        tag: Any = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str, dict[str, Any]]:
+        """Load a checkpoint saved at any world size and stage; return (tag directory, client state)."""
+        from .checkpoint import load_checkpoint
+
+        return load_checkpoint(
+            self,
+            load_dir,
+            tag,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
+
     def destroy(self) -> None:
         """Remove the gradient hooks (the module keeps its flat-buffer parameters)."""
         self.stage.detach()

@@ -87,6 +87,13 @@ class GroupState:
             return self.layout.partition_views(buffer)
         return [self.layout.bucket_view(buffer, b) for b in range(len(self.layout.buckets))]
 
+    def master_range(self, bucket: int) -> tuple[int, int]:
+        """The flat ``[start, end)`` of the layout that ``masters[bucket]`` holds (checkpoints use this)."""
+        if self.partitioned:
+            return self.layout.shard_range(bucket, self.rank)
+        b = self.layout.buckets[bucket]
+        return b.start, b.end
+
     def master_shaped(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Per-bucket views of ``buffer`` (partition-sized or flat-sized) lined up with ``masters``."""
         return self._master_pieces(buffer)

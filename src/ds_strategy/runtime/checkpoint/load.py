@@ -1,0 +1,190 @@
+"""``load_checkpoint``: validate and build everything first, agree across ranks, then mutate the engine.
+
+Loading works at any world size and stage (see [Note: resharding]): each rank fills its masters' flat
+ranges of its *own* layout from the saved partitions. Nothing of the engine changes until every rank
+has read and checked every value it needs; a bad checkpoint raises the same error on all ranks and
+leaves every engine as it was.
+"""
+
+from __future__ import annotations
+
+import os
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ds_strategy.log import get_logger
+
+from ..layout import FlatLayout
+from . import rng
+from .format import MODEL, CheckpointError, expect_format, read
+from .partition import Source, scalar_value
+from .save import module_entries
+from .store import rank_reader, read_meta, resolve
+from .sync import agree
+
+if TYPE_CHECKING:
+    from ..engine import ZeroEngine
+
+log = get_logger("ds_strategy.runtime.checkpoint")
+
+
+# Param-group keys that choose how an optimizer runs, not what it computes: the running optimizer keeps its own.
+_IMPLEMENTATION = frozenset({"params", "fused", "foreach", "capturable", "differentiable"})
+
+
+@dataclass
+class _Plan:
+    tag_dir: Path
+    meta: dict[str, Any]
+    masters: list[list[torch.Tensor]]  # per group, per bucket
+    entries: dict[str, torch.Tensor]
+    optimizer_state: dict[str, Any] | None = None
+    rng: dict[str, Any] | None = None
+    notes: list[str] = field(default_factory=list)
+
+
+def check_model(engine: ZeroEngine, meta: dict[str, Any], layouts: list[FlatLayout], where: str) -> None:
+    """The checkpoint holds exactly this model's parameters and buffers, with the same shapes."""
+    problems: list[str] = []
+    saved = {slot.name: slot.shape for layout in layouts for slot in layout.params}
+    ours = {slot.name: slot.shape for gs in engine.stage.groups for slot in gs.layout.params}
+    for name, shape in ours.items():
+        if name not in saved:
+            problems.append(f"trainable parameter {name!r} {list(shape)} is not in the checkpoint")
+        elif tuple(saved[name]) != tuple(shape):
+            problems.append(f"{name!r} has shape {list(saved[name])} in the checkpoint, {list(shape)} in the model")
+    problems += [
+        f"checkpoint has trainable parameter {n!r}, the model has none by that name" for n in saved if n not in ours
+    ]
+    rest, _, _ = module_entries(engine)
+    saved_rest = meta["module_entries"]
+    for name, value in rest.items():
+        entry = saved_rest.get(name)
+        if entry is None:
+            kind = "trainable in the checkpoint, frozen here" if name in saved else "not in the checkpoint"
+            problems.append(f"module entry {name!r} {list(value.shape)} is {kind}")
+        elif list(entry["shape"]) != list(value.shape):
+            problems.append(f"{name!r} has shape {entry['shape']} in the checkpoint, {list(value.shape)} in the model")
+    problems += [
+        f"checkpoint has module entry {n!r}, the model has none by that name"
+        for n in saved_rest
+        if n not in rest and n not in ours
+    ]
+    if problems:
+        more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
+        raise CheckpointError(f"{where} was saved from another model: " + "; ".join(problems[:10]) + more)
+
+
+def _plan(
+    engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: Any, *, optimizer: bool, module_only: bool
+) -> _Plan:
+    tag_dir = resolve(load_dir, None if tag is None else str(tag))
+    meta = read_meta(tag_dir)
+    layouts = [FlatLayout.from_dict(g["layout"]) for g in meta["groups"]]
+    check_model(engine, meta, layouts, str(tag_dir))
+    model_path = tag_dir / MODEL
+    model = expect_format(read(model_path, expected_size=meta["files"].get(MODEL), mmap=True), model_path)
+    entries = {k: model["module"][k] for k in meta["module_entries"]}
+    source = Source(layouts, rank_reader(tag_dir, meta, layouts))
+    plan = _Plan(tag_dir, meta, [source.fill(gs, "fp32", torch.float32) for gs in engine.stage.groups], entries)
+    opt = engine.optimizer
+    if optimizer and not module_only and opt is not None:
+        if len(meta["groups"]) != len(opt.param_groups):
+            raise CheckpointError(
+                f"{tag_dir} has {len(meta['groups'])} optimizer param groups, this optimizer has "
+                f"{len(opt.param_groups)}; pass load_optimizer_states=False to load the weights only"
+            )
+        state: dict[int, dict[str, Any]] = {}
+        index = 0
+        for g, gs in enumerate(engine.stage.groups):
+            origin, scalars, keys = source.scalars_for(gs.layout, g)
+            flats = {}
+            for key in keys:
+                assert origin is not None
+                flats[key] = source.fill(gs, ("state", key), source.state_dtype(origin, key))
+            for b in range(len(gs.masters)):
+                if keys or scalars:
+                    entry = {k: v[b] for k, v in flats.items()}
+                    entry.update({k: scalar_value(v) for k, v in scalars.items()})
+                    state[index] = entry
+                index += 1
+        sd = opt.state_dict()
+        for group, saved in zip(sd["param_groups"], meta["groups"], strict=True):
+            saved_hyper = saved["hyperparams"] or {}
+            group.update({k: v for k, v in saved_hyper.items() if k in group and k not in _IMPLEMENTATION})
+        sd["state"] = state
+        plan.optimizer_state = sd
+    if not module_only:
+        rank = engine.coll.rank
+        if rank < meta["world_size"]:
+            plan.rng = source.rank_data(rank)["rng"]
+        else:
+            plan.notes.append(f"rank {rank} has no saved RNG state (saved by {meta['world_size']} ranks); kept its own")
+    return plan
+
+
+@torch.no_grad()
+def _apply(engine: ZeroEngine, plan: _Plan, *, optimizer: bool, scheduler: bool, module_only: bool) -> None:
+    stage = engine.stage
+    for gs, pieces in zip(stage.groups, plan.masters, strict=True):
+        for master, piece in zip(gs.masters, pieces, strict=True):
+            master.data.copy_(piece)
+    stage.publish()
+    stage.zero_grad()
+    rest, _, _ = module_entries(engine)
+    for name, target in rest.items():
+        target.copy_(plan.entries[name])
+    if module_only:
+        return
+    meta = plan.meta
+    if plan.optimizer_state is not None and engine.optimizer is not None:
+        engine.optimizer.load_state_dict(plan.optimizer_state)
+    if scheduler and engine.lr_scheduler is not None and meta.get("scheduler") is not None:
+        engine.lr_scheduler.load_state_dict(meta["scheduler"])
+    engine.loss_scaler.load_state_dict(meta["loss_scaler"])
+    counters = meta["counters"]
+    engine.global_steps = int(counters["global_steps"])
+    engine.global_samples = int(counters["global_samples"])
+    engine.skipped_steps = int(counters["skipped_steps"])
+    engine.micro_steps = int(counters["micro_steps"])
+    if plan.rng is not None:
+        rng.restore(plan.rng)
+
+
+def load_checkpoint(
+    engine: ZeroEngine,
+    load_dir: str | os.PathLike[str],
+    tag: Any = None,
+    *,
+    load_optimizer_states: bool = True,
+    load_lr_scheduler_states: bool = True,
+    load_module_only: bool = False,
+) -> tuple[str, dict[str, Any]]:
+    """Load ``load_dir/<tag>`` (default: the tag named by ``latest``); return (tag directory, client state)."""
+    plan = agree(
+        engine.coll,
+        lambda: _plan(engine, load_dir, tag, optimizer=load_optimizer_states, module_only=load_module_only),
+        "load_checkpoint",
+    )
+    _apply(
+        engine, plan, optimizer=load_optimizer_states, scheduler=load_lr_scheduler_states, module_only=load_module_only
+    )
+    meta = plan.meta
+    if engine.coll.rank == 0:
+        log.info(
+            "loaded checkpoint %s (saved by %d ranks at stage %d; now %d ranks at stage %d)%s",
+            plan.tag_dir,
+            meta["world_size"],
+            meta["stage"],
+            engine.coll.world_size,
+            stage_of(engine),
+            "".join(f"; {n}" for n in plan.notes),
+        )
+    return str(plan.tag_dir), meta.get("client_state") or {}
+
+
+def stage_of(engine: ZeroEngine) -> int:
+    return int(engine.stage.stage)

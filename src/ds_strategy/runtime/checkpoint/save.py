@@ -1,0 +1,203 @@
+"""``save_checkpoint``: every rank writes its partition, rank 0 the rest, and the tag appears only when whole.
+
+Order (see [Note: publishing a tag] and [Note: atomic writes]):
+1. every rank builds what it will write and checks it is safe to load (a bad client state fails here, on
+   every rank, before any file exists); the ranks agree on the tag;
+2. the staging directory is emptied and created; each rank writes ``zero_rank_<r>_optim_states.pt``,
+   rank 0 also ``model_states.pt``; the ranks exchange file sizes (which is also the barrier);
+3. rank 0 writes ``meta.pt`` with those sizes, renames the staging directory to the tag, then rewrites
+   ``latest``; a last barrier returns when the tag is published.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from pathlib import Path
+from typing import TYPE_CHECKING, Any
+
+import torch
+
+from ds_strategy.log import get_logger
+
+from . import rng
+from .format import (
+    FORMAT,
+    LATEST,
+    META,
+    MODEL,
+    VERSION,
+    atomic_save,
+    atomic_write_text,
+    check_safe,
+    fsync_dir,
+    rank_file,
+)
+from .partition import saved_group
+from .store import check_tag, publish, staging_dir
+from .sync import agree, gather
+
+if TYPE_CHECKING:
+    from ..engine import ZeroEngine
+
+log = get_logger("ds_strategy.runtime.checkpoint")
+
+
+def module_entries(engine: ZeroEngine) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
+    """(state-dict entries outside the flat partition, {alias: layout name} of tied flat parameters, all
+    state-dict keys in order). Flat parameters are saved as fp32 partitions; their compute-dtype copies
+    are their cast, so they are not saved twice."""
+    flat_names = {id(p): name for gs in engine.stage.groups for name, p in zip(gs.names, gs.params, strict=True)}
+    rest: dict[str, torch.Tensor] = {}
+    aliases: dict[str, str] = {}
+    keys: list[str] = []
+    for key, value in engine.module.state_dict(keep_vars=True).items():
+        keys.append(key)
+        name = flat_names.get(id(value))
+        if name is None:
+            rest[key] = value.detach()
+        elif name != key:
+            aliases[key] = name
+    return rest, aliases, keys
+
+
+def _counters(engine: ZeroEngine) -> dict[str, int]:
+    return {
+        "global_steps": engine.global_steps,
+        "global_samples": engine.global_samples,
+        "skipped_steps": engine.skipped_steps,
+        "micro_steps": engine.micro_steps,
+    }
+
+
+def _meta(engine: ZeroEngine, tag: str, client_state: dict[str, Any]) -> dict[str, Any]:
+    rest, aliases, keys = module_entries(engine)
+    optimizer = engine.optimizer
+    hyper = (
+        [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+        if optimizer is not None
+        else [None] * len(engine.stage.groups)
+    )
+    from ds_strategy import __version__
+
+    return {
+        "format": FORMAT,
+        "version": VERSION,
+        "tag": tag,
+        "stage": engine.stage.stage,
+        "world_size": engine.coll.world_size,
+        "compute_dtype": str(engine.precision.compute_dtype).removeprefix("torch."),
+        "groups": [
+            {"layout": gs.layout.to_dict(), "hyperparams": h} for gs, h in zip(engine.stage.groups, hyper, strict=True)
+        ],
+        "optimizer": type(optimizer).__name__ if optimizer is not None else None,
+        "module_entries": {
+            k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in rest.items()
+        },
+        "aliases": aliases,
+        "state_keys": keys,
+        "counters": _counters(engine),
+        "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
+        "loss_scaler": engine.loss_scaler.state_dict(),
+        "client_state": client_state,
+        "torch_version": str(torch.__version__),
+        "ds_strategy_version": __version__,
+        "files": {},
+    }
+
+
+def save_checkpoint(
+    engine: ZeroEngine,
+    save_dir: str | os.PathLike[str],
+    tag: Any = None,
+    client_state: dict[str, Any] | None = None,
+    save_latest: bool = True,
+) -> Path:
+    """Write ``save_dir/<tag>`` (default tag ``global_step<N>``) from every rank; return the tag directory."""
+    coll = engine.coll
+    root = Path(save_dir)
+    rank = coll.rank
+
+    def prepare() -> tuple[str, dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
+        name = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
+        state = {} if client_state is None else client_state
+        check_safe(state, "client_state")
+        ours = {
+            "format": FORMAT,
+            "version": VERSION,
+            "rank": rank,
+            "world_size": coll.world_size,
+            "groups": [saved_group(gs, engine.optimizer) for gs in engine.stage.groups],
+            "rng": rng.capture(),
+        }
+        check_safe(ours, f"{rank_file(rank)}")
+        if rank != 0:
+            return name, ours, None, None
+        meta = _meta(engine, name, state)
+        check_safe(meta, f"{META} (scheduler or optimizer hyperparameters)")
+        model = {
+            "format": FORMAT,
+            "version": VERSION,
+            "module": {k: _own_copy(v) for k, v in module_entries(engine)[0].items()},
+        }
+        check_safe(model, MODEL)
+        return name, ours, meta, model
+
+    name, ours, meta, model = agree(coll, prepare, "save_checkpoint (preparing)")
+    tags = gather(coll, name)
+    if len(set(tags)) > 1:
+        raise ValueError(f"save_checkpoint: the ranks passed different tags {tags}; pass the same tag on every rank")
+    if engine.micro_steps % engine.batch.gradient_accumulation_steps != 0 and rank == 0:
+        log.warning(
+            "save_checkpoint at micro-step %d: the gradients accumulated so far are not saved", engine.micro_steps
+        )
+    staging = staging_dir(root, name)
+
+    def clean() -> None:
+        if engine.local_rank == 0:  # one rank per node: works whether or not the nodes share the filesystem
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
+
+    agree(coll, clean, "save_checkpoint (clearing the staging directory)")
+
+    def write() -> dict[str, int]:
+        staging.mkdir(parents=True, exist_ok=True)
+        sizes = {rank_file(rank): atomic_save(ours, staging / rank_file(rank))}
+        if model is not None:
+            sizes[MODEL] = atomic_save(model, staging / MODEL)
+        return sizes
+
+    sizes = agree(coll, write, "save_checkpoint (writing)")
+    all_sizes = gather(coll, sizes)
+    final = root / name
+
+    def finish() -> None:
+        if meta is not None:
+            for s in all_sizes:
+                meta["files"].update(s)
+            atomic_save(meta, staging / META)
+            publish(staging, final)
+            if save_latest:
+                atomic_write_text(name, root / LATEST)
+
+    agree(coll, finish, "save_checkpoint (publishing)")
+
+    def adopt() -> None:
+        # A node saving to its own disk still has its staging directory (rank 0 published on another
+        # filesystem): move its shards under the tag, where copying them to rank 0's directory completes it.
+        if rank != 0 and engine.local_rank == 0 and staging.is_dir():
+            final.mkdir(parents=True, exist_ok=True)
+            for f in staging.iterdir():
+                os.replace(f, final / f.name)
+            shutil.rmtree(staging, ignore_errors=True)
+            fsync_dir(final)
+
+    agree(coll, adopt, "save_checkpoint (node-local shards)")
+    if rank == 0:
+        log.info("saved checkpoint %s (%d ranks, stage %d)", final, coll.world_size, engine.stage.stage)
+    return final
+
+
+def _own_copy(t: torch.Tensor) -> torch.Tensor:
+    """A CPU tensor with its own storage (a view would save the whole storage it looks into)."""
+    return t.detach().to("cpu", copy=True)

@@ -1,0 +1,156 @@
+"""Finding a checkpoint on disk: the tag directory, its meta.pt, and every file it lists, checked up front.
+
+[Note: publishing a tag]
+Ranks write into a staging directory ``SAVE_DIR/.<tag>.partial``. Once every rank has finished, rank 0
+writes ``meta.pt`` (the last file; it records the size of every other file) and renames the staging
+directory to ``SAVE_DIR/<tag>``; only then does it rewrite ``latest``. So a tag directory that exists is
+complete, and ``latest`` never names an incomplete one. Re-saving an existing tag renames the old
+directory to ``.<tag>.replaced`` first and deletes it after the swap; a process killed between the two
+renames leaves the old copy there, and ``resolve`` falls back to it.
+"""
+
+from __future__ import annotations
+
+import os
+import shutil
+from collections.abc import Callable
+from functools import cache
+from pathlib import Path
+from typing import Any
+
+from ..layout import FlatLayout
+from .format import LATEST, META, CheckpointError, expect_format, fsync_dir, pause_for_tests, rank_file, read
+
+_REQUIRED_META = ("stage", "world_size", "groups", "module_entries", "state_keys", "files", "counters")
+
+
+def staging_dir(root: Path, tag: str) -> Path:
+    return root / f".{tag}.partial"
+
+
+def replaced_dir(root: Path, tag: str) -> Path:
+    return root / f".{tag}.replaced"
+
+
+def check_tag(tag: str) -> str:
+    if not tag or tag.startswith(".") or "/" in tag or "\\" in tag or tag == LATEST or tag.strip() != tag:
+        raise CheckpointError(
+            f"checkpoint tag {tag!r} cannot name a directory: use a non-empty name without '/', leading '.' or "
+            f"surrounding spaces, other than {LATEST!r}"
+        )
+    return tag
+
+
+def publish(staging: Path, final: Path) -> None:
+    """Move a finished staging directory into place (see [Note: publishing a tag])."""
+    old = replaced_dir(final.parent, final.name)
+    if final.exists():
+        shutil.rmtree(old, ignore_errors=True)
+        os.rename(final, old)
+        pause_for_tests(f"{final.name} (between renames)")
+    os.rename(staging, final)
+    fsync_dir(final.parent)
+    shutil.rmtree(old, ignore_errors=True)
+
+
+def tags_in(root: Path) -> list[str]:
+    """Complete tags under ``root`` (directories holding meta.pt), sorted by modification time."""
+    if not root.is_dir():
+        return []
+    found = [p for p in root.iterdir() if p.is_dir() and not p.name.startswith(".") and (p / META).is_file()]
+    return [p.name for p in sorted(found, key=lambda p: p.stat().st_mtime)]
+
+
+def resolve(load_dir: str | os.PathLike[str], tag: str | None) -> Path:
+    """The tag directory to load; every way of pointing at the wrong place gets its own explanation."""
+    root = Path(load_dir)
+    if not root.is_dir():
+        raise CheckpointError(f"checkpoint directory {root} does not exist")
+    if tag is None:
+        latest = root / LATEST
+        if latest.is_file():
+            tag = latest.read_text().strip()
+            if not tag:
+                raise CheckpointError(f"{latest} is empty; pass tag= explicitly (available: {tags_in(root)})")
+        elif (root / META).is_file():
+            raise CheckpointError(
+                f"{root} is a tag directory (it holds {META}), one level too deep: pass its parent "
+                f"{root.parent} as the checkpoint directory and tag={root.name!r}"
+            )
+        else:
+            tags = tags_in(root)
+            if tags:
+                raise CheckpointError(f"{root} has no {LATEST!r} file; pass tag= one of {tags}")
+            deeper = [p.name for p in root.iterdir() if p.is_dir() and ((p / LATEST).is_file() or tags_in(p))]
+            if deeper:
+                raise CheckpointError(
+                    f"{root} holds no checkpoint tags but its subdirectories {deeper} do: pass "
+                    f"{root / deeper[0]} as the checkpoint directory (one level deeper)"
+                )
+            raise CheckpointError(
+                f"{root} holds no ds_strategy checkpoint: no {LATEST!r} file and no tag directory with {META}"
+            )
+    tag_dir = root / tag
+    if not tag_dir.is_dir():
+        fallback = replaced_dir(root, tag)
+        if (fallback / META).is_file():
+            return fallback  # killed between the two renames of a re-save: the old copy is complete
+        raise CheckpointError(f"checkpoint tag {tag!r} not found in {root}; available tags: {tags_in(root)}")
+    if not (tag_dir / META).is_file():
+        if (tag_dir / "mp_rank_00_model_states.pt").is_file():
+            raise CheckpointError(
+                f"{tag_dir} is a DeepSpeed checkpoint; convert it with DeepSpeed's zero_to_fp32.py and load the "
+                "resulting state dict into the module"
+            )
+        raise CheckpointError(
+            f"{tag_dir} holds no {META}: it is not a ds_strategy checkpoint tag (a save that did not finish leaves "
+            f"no tag directory at all)"
+        )
+    return tag_dir
+
+
+def read_meta(tag_dir: Path) -> dict[str, Any]:
+    """meta.pt, checked for its header and keys, after checking that every file it lists is whole."""
+    path = tag_dir / META
+    meta = expect_format(read(path), path)
+    missing = [k for k in _REQUIRED_META if k not in meta]
+    if missing:
+        raise CheckpointError(f"{path} lacks the keys {missing}")
+    for name, size in meta["files"].items():
+        file = tag_dir / name
+        if not file.is_file():
+            raise CheckpointError(
+                f"checkpoint file {file} is missing (the checkpoint was written by {meta['world_size']} ranks; "
+                "when several nodes saved to local disks, copy every node's files into this directory)"
+            )
+        actual = file.stat().st_size
+        if actual != size:
+            raise CheckpointError(
+                f"checkpoint file {file} has {actual} bytes, {META} recorded {size}: it is truncated or was replaced"
+            )
+    return meta
+
+
+def rank_reader(tag_dir: Path, meta: dict[str, Any], layouts: list[FlatLayout]) -> Callable[[int], dict[str, Any]]:
+    """Lazy, validated access to saved rank files (memory-mapped: only the pages copied are read)."""
+
+    @cache
+    def rank_data(r: int) -> dict[str, Any]:
+        name = rank_file(r)
+        path = tag_dir / name
+        data = expect_format(read(path, expected_size=meta["files"].get(name), mmap=True), path)
+        if data.get("rank") != r or len(data.get("groups", ())) != len(layouts):
+            raise CheckpointError(
+                f"{path} is rank {data.get('rank')}'s file with {len(data.get('groups', ()))} param groups; "
+                f"expected rank {r} with {len(layouts)} (files of different checkpoints mixed?)"
+            )
+        for g, (group, layout) in enumerate(zip(data["groups"], layouts, strict=True)):
+            for key, t in [("fp32", group["fp32"]), *((f"state.{k}", v) for k, v in group["state"].items())]:
+                if t.numel() != layout.partition_numel:
+                    raise CheckpointError(
+                        f"{path}: group {g} {key} has {t.numel()} elements, the saved layout gives rank {r} "
+                        f"{layout.partition_numel}"
+                    )
+        return data
+
+    return rank_data
