@@ -45,8 +45,15 @@ std::vector<Chunk> make_chunks(const ParamBuffers* buffers, int64_t count) {
   return chunks;
 }
 
-int thread_count(int requested, size_t chunks) {
-  return std::max(1, static_cast<int>(std::min<int64_t>(requested, static_cast<int64_t>(chunks))));
+// Below ~256K elements per thread, waking a second thread costs more than it saves (and on a loaded
+// machine a parallel region can wait milliseconds for a descheduled worker): small steps run serially.
+constexpr int64_t kMinPerThread = 1 << 18;
+
+int thread_count(int requested, const ParamBuffers* buffers, int64_t count) {
+  int64_t total = 0;
+  for (int64_t t = 0; t < count; ++t) total += buffers[t].numel;
+  const int64_t useful = std::max<int64_t>(1, total / kMinPerThread);
+  return static_cast<int>(std::max<int64_t>(1, std::min<int64_t>(requested, useful)));
 }
 
 // Marker type: no 16-bit copy-out.
@@ -98,7 +105,7 @@ bool chunk_has_nonfinite(const G* g, int64_t begin, int64_t end) {
 bool any_nonfinite_grad(const ParamBuffers* buffers, const std::vector<Chunk>& chunks, int threads) {
   const int64_t n = static_cast<int64_t>(chunks.size());
   std::atomic<bool> found{false};
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t c = 0; c < n; ++c) {
     if (found.load(std::memory_order_relaxed)) continue;  // one is enough: stop reading
     const Chunk& ch = chunks[c];
@@ -114,11 +121,11 @@ bool any_nonfinite_grad(const ParamBuffers* buffers, const std::vector<Chunk>& c
 template <typename ChunkFn>
 bool run_step(const ParamBuffers* buffers, int64_t count, const StepOptions& o, ChunkFn&& chunk_fn) {
   const std::vector<Chunk> chunks = make_chunks(buffers, count);
-  const int threads = thread_count(o.num_threads, chunks.size());
+  const int threads = thread_count(o.num_threads, buffers, count);
   if (o.skip_if_nonfinite && any_nonfinite_grad(buffers, chunks, threads)) return true;
   const int64_t n = static_cast<int64_t>(chunks.size());
   int found = 0;
-#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : found)
+#pragma omp parallel for num_threads(threads) schedule(static) reduction(| : found) if (threads > 1)
   for (int64_t c = 0; c < n; ++c) {
     found |= chunk_fn(buffers[chunks[c].buffer], chunks[c]) ? 1 : 0;
   }
@@ -252,9 +259,9 @@ bool lion_step(const ParamBuffers* buffers, int64_t count, const LionScalars& s,
 
 void traffic_ceiling(const ParamBuffers* buffers, int64_t count, int num_threads) {
   const std::vector<Chunk> chunks = make_chunks(buffers, count);
-  const int threads = thread_count(num_threads, chunks.size());
+  const int threads = thread_count(num_threads, buffers, count);
   const int64_t n = static_cast<int64_t>(chunks.size());
-#pragma omp parallel for num_threads(threads) schedule(static)
+#pragma omp parallel for num_threads(threads) schedule(static) if (threads > 1)
   for (int64_t c = 0; c < n; ++c) {
     const ParamBuffers& b = buffers[chunks[c].buffer];
     const float* __restrict g = static_cast<const float*>(b.grad);

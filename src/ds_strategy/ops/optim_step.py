@@ -18,8 +18,9 @@ The non-finite contract:
 Unscale then clip are two float32 multiplies, ``g * float32(1 / grad_scale) * float32(clip_coef)``, exactly
 what ``torch._amp_foreach_non_finite_check_and_unscale_`` followed by a clip-coefficient ``mul_`` computes.
 
-Dispatch: fp32 parameters on CPU use the OpenMP + SIMD kernels, on CUDA the fused multi-tensor CUDA kernel
-(when it is built); anything else, or a machine without a compiler, uses the pure-torch twins in
+Dispatch: fp32 parameters on CPU use the OpenMP + SIMD kernels; Adam on CUDA uses the fused multi-tensor
+CUDA kernel (csrc/optim/fused_adam.cu, when it is built; on CUDA ``skip_if_nonfinite`` is decided on the
+device, without a host synchronisation); anything else, or a machine without a compiler, uses the pure-torch twins in
 :mod:`ds_strategy.ops.fallback`, which give the same results. The ops themselves reject non-contiguous
 tensors; the optimizer classes in :mod:`ds_strategy.ops.optimizers` handle strided parameters.
 """
@@ -36,6 +37,7 @@ from ds_strategy.ops.builder import load_cpu_kernels, load_cuda_kernels
 
 Tensors = torch.Tensor | Sequence[torch.Tensor]
 _GRAD_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
+_CUDA_OPS = frozenset({"adam_step_"})  # Adagrad and Lion on CUDA use the pure-torch twins
 
 
 def _as_list(tensors: Tensors | None) -> list[torch.Tensor]:
@@ -44,8 +46,8 @@ def _as_list(tensors: Tensors | None) -> list[torch.Tensor]:
     return [tensors] if isinstance(tensors, torch.Tensor) else list(tensors)
 
 
-def kernel_usable(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor]) -> bool:
-    """Whether the compiled kernel can step these tensors (else the pure-torch twin runs)."""
+def kernel_usable(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor], op: str = "adam_step_") -> bool:
+    """Whether the compiled kernel ``op`` can step these tensors (else the pure-torch twin runs)."""
     if not params:
         return False
     device = params[0].device
@@ -55,14 +57,14 @@ def kernel_usable(params: Sequence[torch.Tensor], grads: Sequence[torch.Tensor])
         return False
     if device.type == "cpu":
         return load_cpu_kernels()
-    return device.type == "cuda" and load_cuda_kernels()
+    return device.type == "cuda" and op in _CUDA_OPS and load_cuda_kernels()
 
 
 def _run(name: str, params: list[torch.Tensor], grads: list[torch.Tensor], lists: list[list[torch.Tensor]],
          out: list[torch.Tensor], kwargs: dict[str, Any]) -> torch.Tensor:  # fmt: skip
     if not params:
         return torch.zeros(())
-    if kernel_usable(params, grads):
+    if kernel_usable(params, grads, name):
         op: Callable[..., torch.Tensor] = getattr(torch.ops.ds_strategy, name)
     else:
         op = getattr(fallback, name)

@@ -41,17 +41,16 @@ class _Bucket:
         self.out: list[torch.Tensor] = []
         self.write_back: list[tuple[torch.Tensor, torch.Tensor]] = []  # (original, contiguous buffer)
 
-    def add(self, p: torch.Tensor, states: list[torch.Tensor], out: torch.Tensor | None) -> None:
-        grad = p.grad
-        assert grad is not None
+    def add(self, p: torch.Tensor, grad: torch.Tensor, states: list[torch.Tensor], out: torch.Tensor | None) -> None:
         if grad.is_sparse:
             raise RuntimeError("ds_strategy optimizers do not support sparse gradients")
-        work = p.detach()
-        if not work.is_contiguous():
-            work = work.contiguous()  # explicit buffer, copied back after the step
-            self.write_back.append((p.detach(), work))
-        self.params.append(work)
-        self.grads.append(grad.detach().contiguous())  # read only: a copy is harmless
+        # step() runs under no_grad: the parameter itself is handed to the kernel (no detach per tensor).
+        if not p.is_contiguous():
+            buffer = p.detach().contiguous()  # explicit buffer, copied back after the step
+            self.write_back.append((p.detach(), buffer))
+            p = buffer
+        self.params.append(p)
+        self.grads.append(grad if grad.is_contiguous() else grad.contiguous())  # read only: a copy is harmless
         if not self.states:
             self.states = [[] for _ in states]
         for column, s in zip(self.states, states, strict=True):
@@ -97,7 +96,7 @@ class _KernelOptimizer(Optimizer):
                 state[key] = self._initial_state(p, key, group)
         for key in self._state_keys:
             s = state[key]
-            if not s.is_contiguous() or s.dtype != p.dtype or s.device != p.device:
+            if s.dtype != p.dtype or s.device != p.device or not s.is_contiguous():
                 # State is ours (not a view the user holds): replacing it by a contiguous copy is safe.
                 state[key] = s.to(device=p.device, dtype=p.dtype, memory_format=torch.contiguous_format)
         return state
@@ -131,16 +130,19 @@ class _KernelOptimizer(Optimizer):
         extras = dict(grad_scale=grad_scale, clip_coef=clip_coef)
         found: list[torch.Tensor] = []
         for group, params in with_grad:
+            states = [self._state(p, group) for p in params]
+            steps = [0] * len(params)
+            if self._counts_steps and params:
+                # One foreach add and one host read for the whole group, not two tiny ops per tensor.
+                counters = [s["step"] for s in states]
+                torch._foreach_add_(counters, 1.0)
+                steps = [int(x) for x in torch.stack(counters).tolist()]
             buckets: dict[tuple[int, bool, torch.device], _Bucket] = {}
-            for p in params:
-                state = self._state(p, group)
-                step = 0
-                if self._counts_steps:
-                    state["step"] += 1
-                    step = int(state["step"].item())
+            keys = self._state_keys
+            for p, state, step in zip(params, states, steps, strict=True):
                 out = out_16bit.get(p) if out_16bit is not None else None
-                key = (step, out is not None, p.device)
-                buckets.setdefault(key, _Bucket()).add(p, [state[k] for k in self._state_keys], out)
+                bucket = buckets.setdefault((step, out is not None, p.device), _Bucket())
+                bucket.add(p, p.grad, [state[k] for k in keys], out)
             for (step, _, _), bucket in buckets.items():
                 found.append(self._kernel_step(bucket, group, step, extras).to("cpu"))
                 bucket.finish()
