@@ -15,6 +15,7 @@
 
 #include <algorithm>
 #include <atomic>
+#include <cstdint>
 #include <vector>
 
 #include "../includes/simd.h"
@@ -59,11 +60,22 @@ int thread_count(int requested, const ParamBuffers* buffers, int64_t count) {
 // Marker type: no 16-bit copy-out.
 struct NoOut {};
 
+// The 16-bit copy is write-only: streaming (non-temporal) stores skip reading its lines first, 2 of the
+// ~32 bytes per element the fused pass moves. Used when the chunk's output is aligned for them.
 template <typename O>
-inline void store_out(O* out, int64_t i, VecF p) {
-  simd::store(out + i, p);
+inline bool can_stream(O* out, int64_t begin) {
+  return reinterpret_cast<uintptr_t>(out + begin) % simd::kStreamAlign == 0;
 }
-inline void store_out(NoOut*, int64_t, VecF) {}
+inline bool can_stream(NoOut*, int64_t) { return false; }
+template <typename O>
+inline void store_out(O* out, int64_t i, VecF p, bool stream) {
+  if (stream) {
+    simd::store_stream(out + i, p);
+  } else {
+    simd::store(out + i, p);
+  }
+}
+inline void store_out(NoOut*, int64_t, VecF, bool) {}
 inline void store_out_scalar(bf16* out, int64_t i, float p) { out[i] = to_bf16(p); }
 inline void store_out_scalar(fp16* out, int64_t i, float p) { out[i] = to_fp16(p); }
 inline void store_out_scalar(NoOut*, int64_t, float) {}
@@ -145,6 +157,7 @@ bool adam_chunk(const ParamBuffers& b, const G* grad, O* out, int64_t begin, int
                            simd::set1(s.eps),          simd::set1(s.neg_step_size),   simd::set1(s.bc2_sqrt),
                            simd::set1(s.weight_decay), simd::set1(s.decay)};
   const VecF inv_scale = simd::set1(gs.inv_scale), clip = simd::set1(gs.clip_coef);
+  const bool stream = can_stream(out, begin);
   VecF bad = simd::set1(0.0f);
   int64_t i = begin;
   for (; i + kWidth <= end; i += kWidth) {
@@ -156,8 +169,9 @@ bool adam_chunk(const ParamBuffers& b, const G* grad, O* out, int64_t begin, int
     simd::store(p + i, pv);
     simd::store(m + i, mv);
     simd::store(v + i, vv);
-    store_out(out, i, pv);
+    store_out(out, i, pv, stream);
   }
+  if (stream) simd::stream_fence();  // order the streamed lines before the kernel returns
   bool found = simd::any_nonfinite(bad);
   const AdamConsts<float> cs{s.beta2, s.one_minus_beta1, s.one_minus_beta2, s.eps,
                              s.neg_step_size, s.bc2_sqrt, s.weight_decay, s.decay};
@@ -179,6 +193,7 @@ bool adagrad_chunk(const ParamBuffers& b, const G* grad, O* out, int64_t begin, 
   const bool l2 = s.has_weight_decay;
   const AdagradConsts<VecF> c{simd::set1(s.neg_clr), simd::set1(s.eps), simd::set1(s.weight_decay)};
   const VecF inv_scale = simd::set1(gs.inv_scale), clip = simd::set1(gs.clip_coef);
+  const bool stream = can_stream(out, begin);
   VecF bad = simd::set1(0.0f);
   int64_t i = begin;
   for (; i + kWidth <= end; i += kWidth) {
@@ -189,8 +204,9 @@ bool adagrad_chunk(const ParamBuffers& b, const G* grad, O* out, int64_t begin, 
     adagrad_update(pv, g, sv, c, l2);
     simd::store(p + i, pv);
     simd::store(sum + i, sv);
-    store_out(out, i, pv);
+    store_out(out, i, pv, stream);
   }
+  if (stream) simd::stream_fence();  // order the streamed lines before the kernel returns
   bool found = simd::any_nonfinite(bad);
   const AdagradConsts<float> cs{s.neg_clr, s.eps, s.weight_decay};
   for (; i < end; ++i) {
@@ -212,6 +228,7 @@ bool lion_chunk(const ParamBuffers& b, const G* grad, O* out, int64_t begin, int
   const LionConsts<VecF> c{simd::set1(s.beta1),           simd::set1(s.beta2),  simd::set1(s.one_minus_beta1),
                            simd::set1(s.one_minus_beta2), simd::set1(s.neg_lr), simd::set1(s.decay)};
   const VecF inv_scale = simd::set1(gs.inv_scale), clip = simd::set1(gs.clip_coef);
+  const bool stream = can_stream(out, begin);
   VecF bad = simd::set1(0.0f);
   int64_t i = begin;
   for (; i + kWidth <= end; i += kWidth) {
@@ -222,8 +239,9 @@ bool lion_chunk(const ParamBuffers& b, const G* grad, O* out, int64_t begin, int
     lion_update(pv, g, mv, c, decay);
     simd::store(p + i, pv);
     simd::store(m + i, mv);
-    store_out(out, i, pv);
+    store_out(out, i, pv, stream);
   }
+  if (stream) simd::stream_fence();  // order the streamed lines before the kernel returns
   bool found = simd::any_nonfinite(bad);
   const LionConsts<float> cs{s.beta1, s.beta2, s.one_minus_beta1, s.one_minus_beta2, s.neg_lr, s.decay};
   for (; i < end; ++i) {
