@@ -193,8 +193,8 @@ def _plot(payload: dict[str, Any]) -> None:
                    label="memory-traffic ceiling" if c == 0 else None)  # fmt: skip
     ax1.set_xticks(range(len(configs)), configs)
     ax1.set_ylabel("effective GB/s (28 B/param), higher is better")
-    ax1.set_title(f"Bare AdamW step, {payload['numel'] / 1e6:.0f}M fp32 params")
-    ax1.legend(fontsize=8, loc="lower right")
+    ax1.set_title(f"Bare AdamW step, {payload['numel'] / 1e6:.0f}M fp32 params (best of {payload['reps']})")
+    ax1.legend(fontsize=8, loc="upper center", bbox_to_anchor=(0.5, -0.07), ncol=5)
     threads = list(full)
     impls = list(full[threads[0]])
     for i, impl in enumerate(impls):
