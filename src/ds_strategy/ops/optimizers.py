@@ -25,7 +25,7 @@ from typing import Any
 import torch
 from torch.optim import Optimizer
 
-from ds_strategy.ops import fallback
+from ds_strategy.ops.norm import multi_tensor_l2norm
 from ds_strategy.ops.optim_step import fused_adagrad_step, fused_adam_step, fused_lion_step
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
@@ -124,7 +124,8 @@ class _KernelOptimizer(Optimizer):
         with_grad = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
         if skip_if_nonfinite:
             grads = [p.grad for _, ps in with_grad for p in ps if p.grad is not None]
-            if fallback._grad_nonfinite(grads):
+            # One fused read of every gradient (the norm kernel), before any state is touched.
+            if grads and bool(multi_tensor_l2norm(grads)[1]):
                 self.found_inf = torch.tensor(1.0)
                 return loss
         extras = dict(grad_scale=grad_scale, clip_coef=clip_coef)
