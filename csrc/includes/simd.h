@@ -36,17 +36,23 @@ inline VecF load(const bf16* p) {
 }
 inline VecF load(const fp16* p) { return {_mm512_cvtph_ps(_mm256_loadu_si256(reinterpret_cast<const __m256i*>(p)))}; }
 inline void store(float* p, VecF a) { _mm512_storeu_ps(p, a.v); }
-inline void store(bf16* p, VecF a) {
+inline __m256i pack_bf16(VecF a) {
   const __m512i u = _mm512_castps_si512(a.v);
   const __m512i lsb = _mm512_and_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(1));
   __m512i r = _mm512_srli_epi32(_mm512_add_epi32(u, _mm512_add_epi32(lsb, _mm512_set1_epi32(0x7FFF))), 16);
   const __mmask16 nan = _mm512_cmp_ps_mask(a.v, a.v, _CMP_UNORD_Q);
   r = _mm512_mask_mov_epi32(r, nan, _mm512_or_si512(_mm512_srli_epi32(u, 16), _mm512_set1_epi32(0x40)));
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtepi32_epi16(r));
+  return _mm512_cvtepi32_epi16(r);
 }
-inline void store(fp16* p, VecF a) {
-  _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT));
-}
+inline __m256i pack_fp16(VecF a) { return _mm512_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT); }
+inline void store(bf16* p, VecF a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pack_bf16(a)); }
+inline void store(fp16* p, VecF a) { _mm256_storeu_si256(reinterpret_cast<__m256i*>(p), pack_fp16(a)); }
+// Non-temporal stores of a write-only 16-bit output (no read-for-ownership of the line); p must be
+// aligned to kStreamAlign bytes, and stream_fence() must run before another thread reads the data.
+inline constexpr int kStreamAlign = 32;
+inline void store_stream(bf16* p, VecF a) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack_bf16(a)); }
+inline void store_stream(fp16* p, VecF a) { _mm256_stream_si256(reinterpret_cast<__m256i*>(p), pack_fp16(a)); }
+inline void stream_fence() { _mm_sfence(); }
 inline VecF add(VecF a, VecF b) { return {_mm512_add_ps(a.v, b.v)}; }
 inline VecF sub(VecF a, VecF b) { return {_mm512_sub_ps(a.v, b.v)}; }
 inline VecF mul(VecF a, VecF b) { return {_mm512_mul_ps(a.v, b.v)}; }
@@ -83,7 +89,7 @@ inline VecF load(const bf16* p) {
 }
 inline VecF load(const fp16* p) { return {_mm256_cvtph_ps(_mm_loadu_si128(reinterpret_cast<const __m128i*>(p)))}; }
 inline void store(float* p, VecF a) { _mm256_storeu_ps(p, a.v); }
-inline void store(bf16* p, VecF a) {
+inline __m128i pack_bf16(VecF a) {
   const __m256i u = _mm256_castps_si256(a.v);
   const __m256i lsb = _mm256_and_si256(_mm256_srli_epi32(u, 16), _mm256_set1_epi32(1));
   __m256i r = _mm256_srli_epi32(_mm256_add_epi32(u, _mm256_add_epi32(lsb, _mm256_set1_epi32(0x7FFF))), 16);
@@ -92,11 +98,15 @@ inline void store(bf16* p, VecF a) {
   r = _mm256_blendv_epi8(r, quiet, nan);
   // Pack 8 x u32 (all < 2^16) into 8 x u16: packus works per 128-bit lane, so fix the lane order after.
   const __m256i packed = _mm256_permute4x64_epi64(_mm256_packus_epi32(r, r), 0xD8);
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_castsi256_si128(packed));
+  return _mm256_castsi256_si128(packed);
 }
-inline void store(fp16* p, VecF a) {
-  _mm_storeu_si128(reinterpret_cast<__m128i*>(p), _mm256_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT));
-}
+inline __m128i pack_fp16(VecF a) { return _mm256_cvtps_ph(a.v, _MM_FROUND_TO_NEAREST_INT); }
+inline void store(bf16* p, VecF a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack_bf16(a)); }
+inline void store(fp16* p, VecF a) { _mm_storeu_si128(reinterpret_cast<__m128i*>(p), pack_fp16(a)); }
+inline constexpr int kStreamAlign = 16;
+inline void store_stream(bf16* p, VecF a) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), pack_bf16(a)); }
+inline void store_stream(fp16* p, VecF a) { _mm_stream_si128(reinterpret_cast<__m128i*>(p), pack_fp16(a)); }
+inline void stream_fence() { _mm_sfence(); }
 inline VecF add(VecF a, VecF b) { return {_mm256_add_ps(a.v, b.v)}; }
 inline VecF sub(VecF a, VecF b) { return {_mm256_sub_ps(a.v, b.v)}; }
 inline VecF mul(VecF a, VecF b) { return {_mm256_mul_ps(a.v, b.v)}; }
@@ -145,6 +155,10 @@ inline void store(bf16* p, VecF a) {
 inline void store(fp16* p, VecF a) {
   vst1_u16(reinterpret_cast<uint16_t*>(p), vreinterpret_u16_f16(vcvt_f16_f32(a.v)));
 }
+inline constexpr int kStreamAlign = 1;  // no streaming stores here: plain stores
+inline void store_stream(bf16* p, VecF a) { store(p, a); }
+inline void store_stream(fp16* p, VecF a) { store(p, a); }
+inline void stream_fence() {}
 inline VecF add(VecF a, VecF b) { return {vaddq_f32(a.v, b.v)}; }
 inline VecF sub(VecF a, VecF b) { return {vsubq_f32(a.v, b.v)}; }
 inline VecF mul(VecF a, VecF b) { return {vmulq_f32(a.v, b.v)}; }
@@ -178,6 +192,10 @@ inline VecF load(const fp16* p) { return {to_float(*p)}; }
 inline void store(float* p, VecF a) { *p = a.v; }
 inline void store(bf16* p, VecF a) { *p = to_bf16(a.v); }
 inline void store(fp16* p, VecF a) { *p = to_fp16(a.v); }
+inline constexpr int kStreamAlign = 1;
+inline void store_stream(bf16* p, VecF a) { store(p, a); }
+inline void store_stream(fp16* p, VecF a) { store(p, a); }
+inline void stream_fence() {}
 inline VecF add(VecF a, VecF b) { return {a.v + b.v}; }
 inline VecF sub(VecF a, VecF b) { return {a.v - b.v}; }
 inline VecF mul(VecF a, VecF b) { return {a.v * b.v}; }

@@ -10,10 +10,19 @@ from __future__ import annotations
 from ds_strategy.ops.builder import KernelBuildError, load_cpu_kernels, load_cuda_kernels
 from ds_strategy.ops.lock import KernelBuildTimeout
 from ds_strategy.ops.norm import multi_tensor_l2norm
+from ds_strategy.ops.optim_step import fused_adagrad_step, fused_adam_step, fused_lion_step
+from ds_strategy.ops.optimizers import CPUAdagrad, CPUAdam, CPULion, FusedAdam
 
 __all__ = [
+    "CPUAdagrad",
+    "CPUAdam",
+    "CPULion",
+    "FusedAdam",
     "KernelBuildError",
     "KernelBuildTimeout",
+    "fused_adagrad_step",
+    "fused_adam_step",
+    "fused_lion_step",
     "load_cpu_kernels",
     "load_cuda_kernels",
     "multi_tensor_l2norm",

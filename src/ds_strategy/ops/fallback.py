@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import math
 from collections.abc import Sequence
 
 import torch
@@ -16,3 +17,158 @@ def multi_tensor_l2norm(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, 
     squares = torch.stack([torch.linalg.vector_norm(t, dtype=torch.float64) ** 2 for t in tensors])
     found_inf = torch.stack([~torch.isfinite(t).all() for t in tensors]).any()
     return squares.sum().sqrt().float(), found_inf.float()
+
+
+# --- optimizer steps -------------------------------------------------------------------------------------
+# Twins of torch.ops.ds_strategy.{adam,adagrad,lion}_step_ (csrc/optim, csrc/includes/optim_math.h), written
+# with the torch ops whose CPU kernels round exactly like the C++ math: `add(alpha=)`, `addcmul_` and `lerp_`
+# are one fused multiply-add, `addcdiv_` is `self + (value * t1) / t2`. One difference is deliberate:
+# torch.sqrt on CPU float32 is not correctly rounded (it differs from IEEE sqrt in the last bit for ~1% of
+# inputs), so the square root is taken in float64 and rounded once, which is the IEEE float32 sqrt the
+# kernels use. On fp32 inputs these functions therefore reproduce the kernels bit for bit.
+
+
+def _f32(x: float) -> float:
+    """``x`` rounded to float32, as the kernels hold their scalars."""
+    return float(torch.tensor(x, dtype=torch.float32))
+
+
+def _ieee_sqrt(t: torch.Tensor) -> torch.Tensor:
+    return t.double().sqrt().to(t.dtype) if t.dtype == torch.float32 else t.sqrt()
+
+
+def _grad_nonfinite(grads: Sequence[torch.Tensor]) -> bool:
+    return any(not bool(torch.isfinite(g).all()) for g in grads)
+
+
+def _prepared_grad(grad: torch.Tensor, dtype: torch.dtype, grad_scale: float, clip_coef: float) -> torch.Tensor:
+    g = grad.to(dtype)
+    inv_scale, clip = _f32(1.0 / grad_scale), _f32(clip_coef)
+    if inv_scale == 1.0 and clip == 1.0:
+        return g
+    return g.mul(inv_scale).mul_(clip)  # unscale, then clip: two roundings, as the separate ops
+
+
+def _finish(
+    params: Sequence[torch.Tensor], out_16bit: Sequence[torch.Tensor], found: bool, device: torch.device
+) -> torch.Tensor:
+    for p, out in zip(params, out_16bit, strict=False):
+        out.copy_(p)  # round to nearest even
+    return torch.tensor(1.0 if found else 0.0, device=device)
+
+
+def adam_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+    out_16bit: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    adamw_mode: bool,
+    bias_correction: bool,
+    grad_scale: float = 1.0,
+    clip_coef: float = 1.0,
+    skip_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Adam (L2 weight decay) or AdamW (decoupled) step in place; returns found_inf as the kernel does."""
+    device = params[0].device if params else torch.device("cpu")
+    found = _grad_nonfinite(grads)
+    if found and skip_if_nonfinite:
+        return torch.tensor(1.0, device=device)
+    bc1 = 1.0 - beta1**step if bias_correction else 1.0
+    bc2 = 1.0 - beta2**step if bias_correction else 1.0
+    step_size, bc2_sqrt = lr / bc1, math.sqrt(bc2)
+    for p, grad, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+        g = _prepared_grad(grad, p.dtype, grad_scale, clip_coef)
+        if weight_decay != 0:
+            if adamw_mode:
+                p.mul_(1.0 - lr * weight_decay)
+            else:
+                g = g.add(p, alpha=weight_decay)
+        m.lerp_(g, 1.0 - beta1)
+        v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
+        denom = (_ieee_sqrt(v) / bc2_sqrt).add_(eps)
+        p.addcdiv_(m, denom, value=-step_size)
+    return _finish(params, out_16bit, found, device)
+
+
+def adagrad_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    state_sums: Sequence[torch.Tensor],
+    out_16bit: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    lr_decay: float,
+    eps: float,
+    weight_decay: float,
+    step: int,
+    grad_scale: float = 1.0,
+    clip_coef: float = 1.0,
+    skip_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """torch.optim.Adagrad's step (dense gradients) in place; returns found_inf."""
+    device = params[0].device if params else torch.device("cpu")
+    found = _grad_nonfinite(grads)
+    if found and skip_if_nonfinite:
+        return torch.tensor(1.0, device=device)
+    clr = lr / (1.0 + (step - 1) * lr_decay)
+    for p, grad, state_sum in zip(params, grads, state_sums, strict=True):
+        g = _prepared_grad(grad, p.dtype, grad_scale, clip_coef)
+        if weight_decay != 0:
+            g = g.add(p, alpha=weight_decay)
+        state_sum.addcmul_(g, g, value=1.0)
+        std = _ieee_sqrt(state_sum).add_(eps)
+        p.addcdiv_(g, std, value=-clr)
+    return _finish(params, out_16bit, found, device)
+
+
+def lion_step_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    out_16bit: Sequence[torch.Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+    grad_scale: float = 1.0,
+    clip_coef: float = 1.0,
+    skip_if_nonfinite: bool = False,
+) -> torch.Tensor:
+    """Lion step in place (decoupled weight decay); the reference the kernel is tested against.
+
+    p *= 1 - lr * wd;  p -= lr * sign(beta1 * m + (1 - beta1) * g);  m = beta2 * m + (1 - beta2) * g
+    """
+    device = params[0].device if params else torch.device("cpu")
+    found = _grad_nonfinite(grads)
+    if found and skip_if_nonfinite:
+        return torch.tensor(1.0, device=device)
+    for p, grad, m in zip(params, grads, exp_avgs, strict=True):
+        g = _prepared_grad(grad, p.dtype, grad_scale, clip_coef)
+        if weight_decay != 0:
+            p.mul_(1.0 - lr * weight_decay)
+        update = (m * beta1).add_(g, alpha=1.0 - beta1).sign_()
+        p.add_(update, alpha=-lr)
+        m.mul_(beta2).add_(g, alpha=1.0 - beta2)
+    return _finish(params, out_16bit, found, device)
+
+
+def optim_traffic_ceiling_(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    exp_avgs: Sequence[torch.Tensor],
+    exp_avg_sqs: Sequence[torch.Tensor],
+) -> None:
+    """Benchmark-only twin of the memory-traffic probe: p += g, m += g, v += g."""
+    for p, g, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
+        p.add_(g)
+        m.add_(g)
+        v.add_(g)
