@@ -132,7 +132,7 @@ def test_initialize() -> None:
     outs = run_distributed(_initialize_cases, world_size=2)
     for out in outs:
         name, sched_name, loader, same, lrs = out["config_built"]
-        assert (name, sched_name, loader, same) == ("AdamW", "WarmupLR", None, True)
+        assert (name, sched_name, loader, same) == ("CPUAdam", "WarmupLR", None, True)  # the C++ kernel on CPU
         # DeepSpeed's WarmupLR: min lr at construction, and the first step() lands on iteration 0 (min again)
         assert lrs == pytest.approx([0.0, 0.0, 0.01])
         assert out["kinds"] == {

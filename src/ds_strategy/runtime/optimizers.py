@@ -1,9 +1,9 @@
 """Optimizers the engine builds from the config's ``optimizer`` block, and the ZeRO compatibility rules.
 
-``_kernel_or_torch`` is the one place that picks between ds_strategy's fused CPU kernels
-(``ds_strategy.ops.CPUAdam`` / ``CPUAdagrad`` / ``CPULion``, once merged) and ``torch.optim``: switch
-it there when the kernels land. Defaults follow DeepSpeed's optimizers, not torch.optim's (DeepSpeed's
-Adam/AdamW default to ``weight_decay=0``; its ``Adam`` is decoupled AdamW unless ``adam_w_mode`` is false).
+``_kernel_or_torch`` is the one place that picks between ds_strategy's kernels (``ds_strategy.ops.CPUAdam`` /
+``CPUAdagrad`` / ``CPULion`` on CPU, ``FusedAdam`` on CUDA) and ``torch.optim``. Defaults follow DeepSpeed's
+optimizers, not torch.optim's (DeepSpeed's Adam/AdamW default to ``weight_decay=0``; its ``Adam`` is decoupled
+AdamW unless ``adam_w_mode`` is false).
 """
 
 from __future__ import annotations
@@ -61,31 +61,48 @@ class Lion(Optimizer):
         return loss
 
 
+_KERNELS = {"Adam": "CPUAdam", "AdamW": "CPUAdam", "Adagrad": "CPUAdagrad", "Lion": "CPULion"}
+
+
 # Types whose step only reads p.grad elementwise, so stepping a flat partition equals stepping the
 # parameters one by one: the ones ZeRO accepts without zero_allow_untested_optimizer.
 def tested_optimizer_types() -> tuple[type, ...]:
-    kernels = tuple(getattr(ops, name) for name in ("CPUAdam", "CPUAdagrad", "CPULion") if hasattr(ops, name))
-    return (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.SGD, Lion, *kernels)
+    return (torch.optim.Adam, torch.optim.AdamW, torch.optim.Adagrad, torch.optim.SGD, Lion, *_kernel_types())
+
+
+def _kernel_types() -> tuple[type, ...]:
+    return (ops.CPUAdam, ops.CPUAdagrad, ops.CPULion)
 
 
 def is_cpu_kernel_optimizer(optimizer: Optimizer) -> bool:
-    """Whether ``optimizer`` is one of ds_strategy's CPU kernels (what optimizer offload expects)."""
-    kernels = tuple(getattr(ops, name) for name in ("CPUAdam", "CPUAdagrad", "CPULion") if hasattr(ops, name))
-    return bool(kernels) and isinstance(optimizer, kernels)
+    """Whether ``optimizer`` is one of ds_strategy's kernel optimizers (what optimizer offload expects, and
+    what the engine's fused step drives: see [Note: the fused optimizer pass] in zero/base.py)."""
+    return isinstance(optimizer, _kernel_types())
 
 
 def _kernel_or_torch(
-    kind: str, *, offload: bool, device: torch.device
+    kind: str, *, device: torch.device, bias_correction: bool
 ) -> tuple[Callable[..., Optimizer], dict[str, Any]]:
     """(constructor, extra kwargs) for ``kind`` in {"Adam", "AdamW", "Adagrad", "Lion", "SGD"}.
 
-    The C++ CPU kernels step offloaded (CPU) fp32 masters; everything else uses torch.optim, fused where
-    torch has a fused implementation for the device (on CPU fused AdamW steps 15M fp32 elements in 13 ms
-    vs 83 ms with foreach, measured here with one thread).
+    Masters on CPU (offloaded or CPU training) are stepped by the C++ kernels whenever they are built:
+    as fast as torch's fused AdamW on the bare step, and they fuse the whole ZeRO optimizer phase
+    (unscale, clip, step, 16-bit copy-out) into one pass (docs/performance.md). CUDA masters use the
+    fused multi-tensor Adam kernel, everything else torch.optim (fused or foreach).
     """
-    kernel = {"Adam": "CPUAdam", "AdamW": "CPUAdam", "Adagrad": "CPUAdagrad", "Lion": "CPULion"}.get(kind)
-    if offload and device.type == "cpu" and kernel is not None and hasattr(ops, kernel):
-        return getattr(ops, kernel), ({"adamw_mode": kind == "AdamW"} if kernel == "CPUAdam" else {})
+    kernel = _KERNELS.get(kind)
+    on_cpu = device.type == "cpu" and ops.load_cpu_kernels()
+    on_cuda = device.type == "cuda" and kind in ("Adam", "AdamW") and ops.load_cuda_kernels()
+    if kernel is not None and (on_cpu or on_cuda):
+        ctor = ops.FusedAdam if on_cuda else getattr(ops, kernel)
+        if kernel == "CPUAdam":
+            return ctor, {"adamw_mode": kind == "AdamW", "bias_correction": bias_correction}
+        return ctor, {}
+    if not bias_correction:
+        raise ValueError(
+            "optimizer.params.bias_correction=false needs ds_strategy's Adam kernels, which are not "
+            "available here (see `python -m ds_strategy.report`); remove the key"
+        )
     fused = {"fused": True} if device.type in ("cpu", "cuda") else {"foreach": True}
     if kind == "AdamW":
         return torch.optim.AdamW, fused
@@ -111,23 +128,17 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 _DROPPED = ("max_grad_norm", "torch_adam", "set_grad_none", "adam_w_mode", "bias_correction")
 
 
-def build_optimizer(
-    config: OptimizerConfig, param_groups: ParamGroups, *, offload: bool, device: torch.device
-) -> Optimizer:
+def build_optimizer(config: OptimizerConfig, param_groups: ParamGroups, *, device: torch.device) -> Optimizer:
     """The optimizer ``config`` names, over ``param_groups`` (the engine's flat fp32 masters)."""
     params = config.kwargs()
     kind = config.type
     if kind == "Adam" and params.get("adam_w_mode", True):
         kind = "AdamW"  # DeepSpeed's Adam is decoupled-weight-decay Adam unless adam_w_mode is false
-    if params.get("bias_correction", True) is False:
-        raise ValueError(
-            "optimizer.params.bias_correction=false is not supported; remove it (Adam always "
-            "applies bias correction here)"
-        )
-    ctor, extra = _kernel_or_torch(kind, offload=offload, device=device)
+    ctor, extra = _kernel_or_torch(kind, device=device, bias_correction=bool(params.get("bias_correction", True)))
     kwargs = {**_DEFAULTS[config.type], **{k: v for k, v in params.items() if k not in _DROPPED}}
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
-    if "fused" in kwargs or "foreach" in kwargs:
-        extra = {}  # the config chose the implementation
+    if "fused" in kwargs or "foreach" in kwargs:  # the config chose torch's implementation
+        torch_optimizers = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "Adagrad": torch.optim.Adagrad}
+        ctor, extra = torch_optimizers.get(kind, ctor), {}
     return ctor(param_groups, **kwargs, **extra)

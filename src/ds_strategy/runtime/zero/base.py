@@ -23,7 +23,7 @@ runs one reducing pass over everything before the optimizer looks at gradients.
 from __future__ import annotations
 
 import math
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Collection, Sequence
 from dataclasses import dataclass
 
 import torch
@@ -32,6 +32,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ds_strategy.ops import multi_tensor_l2norm
 
+from ..optimizers import is_cpu_kernel_optimizer
 from .buffers import GroupState
 from .collectives import Collectives, Handle
 
@@ -256,24 +257,42 @@ class ZeroStage:
 
     @torch.no_grad()
     def apply_step(self, optimizer: torch.optim.Optimizer, factor: float) -> None:
-        """Multiply the gradients by ``factor`` (unscale x average x clip), step the masters, publish."""
-        pieces = self._reduced_grads()
-        if factor != 1.0 and pieces:
-            torch._foreach_mul_(pieces, factor)
+        """Multiply the gradients by ``factor`` (unscale x average x clip), step the masters, publish.
+
+        [Note: the fused optimizer pass]
+        ds_strategy's CPU kernels (``ds_strategy.ops.CPUAdam`` and siblings) read fp32, bf16 or fp16
+        gradients, fold ``factor`` in, step, and write the updated 16-bit parameters, all in one pass over
+        memory: with them the gradients are neither pre-multiplied nor copied to fp32, and the masters are
+        not copied into the parameters afterwards. Other optimizers get fp32 gradients already multiplied.
+        """
+        fused = is_cpu_kernel_optimizer(optimizer)
+        if not fused:
+            pieces = self._reduced_grads()
+            if factor != 1.0 and pieces:
+                torch._foreach_mul_(pieces, factor)
+        outputs: dict[torch.Tensor, torch.Tensor] = {}
+        written: set[int] = set()
         for g, gs in enumerate(self.groups):
             grads = self._grad_pieces(g)
-            if grads and (grads[0].dtype != torch.float32 or grads[0].device != gs.masters[0].device):
+            device = gs.masters[0].device if gs.masters else None
+            if grads and (grads[0].device != device or (grads[0].dtype != torch.float32 and not fused)):
                 host = self._host_grads(g)  # offload / non-fp32 accumulation: fp32 copies on the master device
                 for dst, src in zip(host, grads, strict=True):
                     dst.copy_(src)  # blocking: the host optimizer reads it next
                 grads = host
             for master, grad in zip(gs.masters, grads, strict=True):
                 master.grad = grad
-        optimizer.step()
+            if fused and (sixteen := gs.sixteen_bit_outputs()):
+                outputs.update(sixteen)
+                written.add(g)
+        if fused:
+            optimizer.step(clip_coef=factor, out_16bit=outputs or None)  # type: ignore[call-overload]
+        else:
+            optimizer.step()
         for gs in self.groups:
             for master in gs.masters:
                 master.grad = None
-        self.publish()
+        self.publish(params_written=written)
 
     def _host_grads(self, group: int) -> list[torch.Tensor]:
         buffers = self._host_grad_buffers
@@ -287,10 +306,12 @@ class ZeroStage:
         return buffers[group]
 
     @torch.no_grad()
-    def publish(self) -> None:
-        """Masters -> compute-dtype parameters, then (partitioned stages) all-gather every bucket."""
-        for gs in self.groups:
-            gs.copy_masters_to_params()
+    def publish(self, params_written: Collection[int] = ()) -> None:
+        """Masters -> compute-dtype parameters (except groups whose optimizer pass already wrote them),
+        then (partitioned stages) all-gather every bucket."""
+        for g, gs in enumerate(self.groups):
+            if g not in params_written:
+                gs.copy_masters_to_params()
         if not self.partitioned:
             return
         handles = []

@@ -106,6 +106,15 @@ class GroupState:
         for b, master in enumerate(self.masters):
             self._own(self.flat, b).copy_(master.detach(), non_blocking=True)
 
+    def sixteen_bit_outputs(self) -> dict[torch.Tensor, torch.Tensor]:
+        """master -> this rank's 16-bit parameter piece, for an optimizer kernel that writes the updated
+        parameters in its own pass (``out_16bit``); empty when the parameters are fp32 or on another device."""
+        if self.aliased or self.flat.dtype not in (torch.bfloat16, torch.float16):
+            return {}
+        if self.master_flat is None or self.flat.device != self.master_flat.device:
+            return {}
+        return {master: self._own(self.flat, b) for b, master in enumerate(self.masters)}
+
     def numel_bytes(self) -> dict[str, int]:
         master = 0 if self.master_flat is None else self.master_flat.numel() * self.master_flat.element_size()
         return {"params": self.flat.numel() * self.flat.element_size(), "master": master}
