@@ -5,11 +5,11 @@ Every run is a real ``Trainer.fit`` inside the harness's worker pool (see tests/
 model: 64 rows, batch 4, so 8 optimizer steps per epoch on 2 ranks; Adam; validation every epoch.
 
 Exact resume: N=3 epochs with ModelCheckpoint(monitor="step", mode="max", save_top_k=2, save_last=True)
-(every epoch improves, so every epoch saves: the third save deletes the first directory), then ``fit(ckpt_path="last")`` with max_epochs=N+M
-against one uninterrupted N+M run. Expected bit-identical in fp32 on CPU (the comparisons use rtol=atol=0):
-the engine restores the exact fp32 masters, Adam moments and step counts, Lightning the loops and the
-scheduler, and the data order depends only on the epoch (DistributedSampler), so the resumed run computes
-the same operations on the same values in the same order.
+(every epoch improves, so every epoch saves: the third save deletes the first directory), then
+``fit(ckpt_path="last")`` with max_epochs=N+M against one uninterrupted N+M run. Expected bit-identical in
+fp32 on CPU (the comparisons use rtol=atol=0): the engine restores the exact fp32 masters, Adam moments and
+step counts, Lightning the loops and the scheduler, and the data order depends only on the epoch
+(DistributedSampler), so the resumed run computes the same operations on the same values in the same order.
 """
 
 from __future__ import annotations
@@ -84,8 +84,11 @@ def _fit(
         lrs, probe = LrRecorder(), StartProbe()
         callbacks: list[Callback] = [lrs, probe]
         if ckpt_dir is not None:
+            # monitor "step", mode "max": every epoch is a new best, so top-2 deletes one directory per epoch.
             callbacks.append(
-                ModelCheckpoint(dirpath=ckpt_dir, filename="{epoch}", monitor="step", mode="max", save_top_k=2, save_last=True)
+                ModelCheckpoint(
+                    dirpath=ckpt_dir, filename="{epoch}", monitor="step", mode="max", save_top_k=2, save_last=True
+                )
             )
         if save_at_end is not None:
             callbacks.append(SaveAtEnd(save_at_end))
@@ -227,10 +230,12 @@ def test_resume_at_one_rank(zero2_first: tuple[Path, list[dict[str, Any]]]) -> N
     assert all(torch.isfinite(torch.tensor(got["losses"])))
 
 
-def test_single_file_checkpoint_loads_weights_only(tmp_path: Path, zero2_first: tuple[Path, list[dict[str, Any]]]) -> None:
+def test_single_file_checkpoint_loads_weights_only(
+    tmp_path: Path, zero2_first: tuple[Path, list[dict[str, Any]]]
+) -> None:
     """A single-file Lightning checkpoint (here: written by trainer.save_checkpoint after fit, when the engine
     is released) resumes with its weights and loop progress, a fresh optimizer, and a warning saying so."""
-    root, first = zero2_first
+    root, _ = zero2_first
     single = tmp_path / "after_fit.ckpt"
     # 1 epoch from the zero2 checkpoint directory, then a save after fit: a plain file from rank 0.
     _run(2, "zero2", N + 1, {"scheduler": "epoch"}, ckpt_path=str(root / "epoch3.ckpt"), save_after_fit=str(single))
