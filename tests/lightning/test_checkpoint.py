@@ -74,6 +74,7 @@ def _fit(
     ckpt_path: str | None = None,
     save_at_end: str | None = None,
     save_after_fit: str | None = None,
+    validate_ckpt: str | None = None,
 ) -> dict[str, Any]:
     import ds_strategy.lightning  # noqa: F401  - registers the names in this worker
 
@@ -109,7 +110,12 @@ def _fit(
             trainer.fit(model, ckpt_path=ckpt_path)
         if save_after_fit is not None:
             trainer.save_checkpoint(save_after_fit)
+        validated = None
+        if validate_ckpt is not None:  # weights only, through the engine built for validation
+            trainer.validate(model, ckpt_path=validate_ckpt, verbose=False)
+            validated = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
         return {
+            "validated": validated,
             "losses": list(model.train_losses),
             "weights": {k: v.detach().float().clone() for k, v in model.state_dict().items()},
             "lrs": lrs.lrs,
@@ -209,13 +215,14 @@ def test_save_checkpoint_consolidates_for_load_from_checkpoint(
 
 def test_resume_at_one_rank(zero2_first: tuple[Path, list[dict[str, Any]]]) -> None:
     """Saved by 2 ranks, resumed by 1 (no conversion): the weights, the optimizer's step count and the
-    trainer's progress continue; the remaining epochs run 16 steps each at batch 4 on one rank."""
+    trainer's progress continue; the remaining epochs run 16 steps each at batch 4 on one rank. Then
+    trainer.validate(ckpt_path=...) loads the directory's weights into the evaluation engine."""
     from ds_strategy.runtime.checkpoint import consolidate_fp32_state_dict
 
     root, first = zero2_first
     last = root / "epoch3.ckpt"
     expected = consolidate_fp32_state_dict(last)
-    (got,) = _run(1, "zero2", N + M, {"scheduler": "epoch"}, ckpt_path=str(last))
+    (got,) = _run(1, "zero2", N + M, {"scheduler": "epoch"}, ckpt_path=str(last), validate_ckpt=str(last))
     start = got["start"]
     _assert_same(start["weights"], {k: v.float() for k, v in expected.items()}, "weights at resume")
     _assert_same(start["weights"], first[0]["weights"], "weights at resume vs the 2-rank run")
@@ -228,6 +235,8 @@ def test_resume_at_one_rank(zero2_first: tuple[Path, list[dict[str, Any]]]) -> N
     per_epoch = 2 * STEPS_PER_EPOCH
     assert got["lrs"] == [0.05 / 8] * (per_epoch - 1) + [0.05 / 16] * per_epoch + [0.05 / 32]
     assert all(torch.isfinite(torch.tensor(got["losses"])))
+    # trainer.validate(ckpt_path=<directory>) after that fit: back to the checkpoint's weights.
+    _assert_same(got["validated"], {k: v.float() for k, v in expected.items()}, "weights in validate")
 
 
 def test_single_file_checkpoint_loads_weights_only(
