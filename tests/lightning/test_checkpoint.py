@@ -75,6 +75,7 @@ def _fit(
     save_at_end: str | None = None,
     save_after_fit: str | None = None,
     validate_ckpt: str | None = None,
+    precision: str = "32-true",
 ) -> dict[str, Any]:
     import ds_strategy.lightning  # noqa: F401  - registers the names in this worker
 
@@ -98,6 +99,7 @@ def _fit(
             accelerator="cpu",
             devices=world_size,
             max_epochs=max_epochs,
+            precision=precision,  # type: ignore[arg-type]
             callbacks=callbacks,
             logger=False,
             enable_checkpointing=ckpt_dir is not None,
@@ -140,8 +142,16 @@ def _assert_same(got: dict[str, torch.Tensor], ref: dict[str, torch.Tensor], wha
 
 
 # Each name with a scheduler: "step" (stepped every 2 optimizer steps) or "epoch" (stepped after every
-# epoch's validation, which is where ModelCheckpoint saves: the resume must step it exactly once).
-CASES = [("zero1", "step"), ("zero2", "epoch"), ("zero2_offload", "step"), ("zero3", "epoch")]
+# epoch's validation, which is where ModelCheckpoint saves: the resume must step it exactly once), and a
+# precision (bf16-mixed: the checkpoint holds the fp32 masters, so the resume is exact too).
+CASES = [
+    ("zero0", "step", "32-true"),
+    ("zero1", "step", "32-true"),
+    ("zero2", "epoch", "32-true"),
+    ("zero2_offload", "step", "32-true"),
+    ("zero2", "step", "bf16-mixed"),
+    ("zero3", "epoch", "32-true"),
+]
 
 
 @pytest.fixture(scope="module")
@@ -154,19 +164,19 @@ def zero2_first(tmp_path_factory: pytest.TempPathFactory) -> tuple[Path, list[di
     return root, runs
 
 
-@pytest.mark.parametrize(("name", "scheduler"), CASES)
+@pytest.mark.parametrize(("name", "scheduler", "precision"), CASES)
 def test_resume_from_last_matches_uninterrupted(
-    name: str, scheduler: str, tmp_path: Path, zero2_first: tuple[Path, list[dict[str, Any]]]
+    name: str, scheduler: str, precision: str, tmp_path: Path, zero2_first: tuple[Path, list[dict[str, Any]]]
 ) -> None:
     if name.startswith("zero3") and not zl.stage_available(3):
         pytest.skip(zl.STAGE3_MISSING)
     model = {"scheduler": scheduler}
-    if name == "zero2":
+    if (name, scheduler, precision) == ("zero2", "epoch", "32-true"):
         root, first = zero2_first
         ckpt = root / "ckpt"
     else:
         ckpt = tmp_path / "ckpt"
-        first = _run(2, name, N, model, str(ckpt))
+        first = _run(2, name, N, model, str(ckpt), precision=precision)
     # ModelCheckpoint wrote directories (one tag each), kept the best 2 of 3 and the last one.
     entries = sorted(p.name for p in ckpt.iterdir())
     assert entries == ["epoch=1.ckpt", "epoch=2.ckpt", "last.ckpt"], entries  # epoch=0.ckpt was removed
@@ -180,10 +190,10 @@ def test_resume_from_last_matches_uninterrupted(
         ]
     assert first[0]["global_step"] == N * STEPS_PER_EPOCH
 
-    resumed = _run(2, name, N + M, model, str(ckpt), ckpt_path="last")
+    resumed = _run(2, name, N + M, model, str(ckpt), ckpt_path="last", precision=precision)
     # ModelCheckpoint's state came back with the trainer's: it goes on keeping the best two, deleting the rest.
     assert sorted(p.name for p in ckpt.iterdir()) == ["epoch=3.ckpt", "epoch=4.ckpt", "last.ckpt"]
-    reference = _run(2, name, N + M, model)
+    reference = _run(2, name, N + M, model, precision=precision)
     for rank, (got, ref) in enumerate(zip(resumed, reference, strict=True)):
         start = got["start"]
         assert start["global_step"] == start["engine_steps"] == N * STEPS_PER_EPOCH, rank
