@@ -282,8 +282,7 @@ def _fit_run(
         "callbacks": {type(c).__name__: _callback_state(c) for c in trainer.callbacks},
     }
     if features_dir is not None and trainer.is_global_zero:
-        last = torch.load(os.path.join(features_dir, "ckpt", "last.ckpt"), weights_only=False)
-        out["last_ckpt"] = {"global_step": last["global_step"], "state_dict": last["state_dict"]}
+        out["last_ckpt"] = read_lightning_checkpoint(os.path.join(features_dir, "ckpt", "last.ckpt"))
     if "validate" in then:
         out["validate"] = trainer.validate(model, verbose=False)
     if "test" in then:
@@ -292,6 +291,19 @@ def _fit_run(
         preds = trainer.predict(model)
         out["predict"] = torch.cat([p for p in preds if isinstance(p, torch.Tensor)]) if preds else None
     return out
+
+
+def read_lightning_checkpoint(path: str) -> dict[str, Any]:
+    """global_step and full weights of a Lightning checkpoint: a file (DDP) or a ZeroStrategy directory
+    (consolidated from its shards)."""
+    if os.path.isdir(path):
+        from ds_strategy.runtime.checkpoint import consolidate_fp32_state_dict
+        from ds_strategy.runtime.checkpoint.store import read_meta, resolve
+
+        meta = read_meta(resolve(path, None))
+        return {"global_step": meta["client_state"]["global_step"], "state_dict": consolidate_fp32_state_dict(path)}
+    last = torch.load(path, weights_only=False)
+    return {"global_step": last["global_step"], "state_dict": last["state_dict"]}
 
 
 def _callback_state(callback: Callback) -> Any:

@@ -31,6 +31,7 @@ from __future__ import annotations
 
 import logging
 import os
+import shutil
 from collections.abc import Generator, Mapping
 from contextlib import contextmanager
 from datetime import timedelta
@@ -48,7 +49,7 @@ from lightning.fabric.utilities.distributed import (
 from lightning.fabric.utilities.distributed import group as _group
 from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import ReduceOp
+from lightning.fabric.utilities.types import _PATH, ReduceOp
 from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
@@ -67,6 +68,7 @@ from torch.optim import Optimizer
 
 from ds_strategy.comm import init_distributed
 
+from . import checkpoint as lckpt
 from . import stage3
 from .config import (
     ConfigArg,
@@ -87,8 +89,6 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 StartMethod = Literal["auto", "popen", "fork", "spawn"]
-# Marker stored instead of a partitioned optimizer state (until sharded checkpoints land).
-SHARDED_OPTIMIZER_STATE = "ds_strategy_partitioned_optimizer_state"
 
 
 class ZeroStrategy(ParallelStrategy):
@@ -168,6 +168,7 @@ class ZeroStrategy(ParallelStrategy):
         self.engine: ZeroEngine | None = None
         self.engine_config: DeepSpeedConfig | None = None
         self._final_state_dict: dict[str, Any] | None = None
+        self._single_file_checkpoint = False
 
     # ------------------------------------------------------------------ what Lightning asks of a strategy
     @property
@@ -444,21 +445,98 @@ class ZeroStrategy(ParallelStrategy):
         return stage3.full_state_dict(self.lightning_module, self.stage if self.engine is not None else 0)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
-        if self.stage == 0:
-            return super().optimizer_state(optimizer)
-        # Stages 1-3 hold 1/N of the state per rank; saving rank 0's part as if it were whole would resume
-        # wrongly. Sharded optimizer checkpoints come with the checkpointing work; until then: a marker.
-        return {SHARDED_OPTIMIZER_STATE: f"ZeRO stage {self.stage}: partitioned optimizer state not saved"}
+        # The engine saves the (partitioned) optimizer state itself, in save_checkpoint; Lightning's copy
+        # would be dropped there, so it is not built.
+        return {}
+
+    # ------------------------------------------------------------------ checkpoints (see checkpoint.py)
+    @property
+    def restore_checkpoint_after_setup(self) -> bool:
+        return True  # the engine loads the checkpoint, so it must exist first
+
+    @property
+    def lightning_restore_optimizer(self) -> bool:
+        return False  # the engine restored it in load_checkpoint; Lightning still restores the schedulers
+
+    def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
+        """Every rank writes its shard: ``filepath`` becomes a directory holding the tag ``checkpoint``
+        (engine format, docs/checkpointing.md); Lightning's other state travels as the client state."""
+        if storage_options is not None:
+            raise TypeError(
+                "Trainer.save_checkpoint(..., storage_options=...) is not supported by ZeroStrategy: the engine "
+                "writes the sharded checkpoint itself, not through a CheckpointIO plugin"
+            )
+        filepath = self.broadcast(filepath)  # one directory for every rank, whatever each rank computed
+        engine = self.engine
+        if engine is None:
+            # After fit the engine is released (teardown) and the module holds the full trained weights:
+            # a plain single-file checkpoint from rank 0, like DDP's (no optimizer state to save).
+            rank_zero_info(
+                f"ZeroStrategy: no engine (outside fit/validate/test/predict); {filepath} is written as a "
+                "single-file checkpoint with the weights (no optimizer state)"
+            )
+            checkpoint = {k: v for k, v in checkpoint.items() if k != "optimizer_states"}
+            if self.is_global_zero:
+                self.checkpoint_io.save_checkpoint(checkpoint, filepath)
+            return
+        engine.save_checkpoint(filepath, tag=lckpt.TAG, client_state=lckpt.client_state(checkpoint))
+
+    def remove_checkpoint(self, filepath: _PATH) -> None:
+        """Rank 0 deletes the checkpoint directory (or file) once every rank is past it. Call on every rank."""
+        self.barrier()
+        if self.is_global_zero:
+            if os.path.isdir(filepath):
+                shutil.rmtree(filepath)
+            elif os.path.lexists(filepath):
+                self.checkpoint_io.remove_checkpoint(filepath)
+
+    def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
+        """A ZeroStrategy checkpoint directory loads through the engine (weights, optimizer state, counters,
+        RNG: at any world size and stage) and returns Lightning's state; a single file loads its weights only."""
+        checkpoint_path = self.broadcast(checkpoint_path)
+        engine = self.require_engine()
+        self._single_file_checkpoint = lckpt.is_single_file(checkpoint_path)
+        if self._single_file_checkpoint:
+            return self._load_single_file(checkpoint_path, weights_only)
+        fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
+        load_dir, tag = lckpt.locate(checkpoint_path)
+        _, state = engine.load_checkpoint(
+            load_dir,
+            tag=tag,
+            load_optimizer_states=fitting,
+            load_lr_scheduler_states=False,  # Lightning's schedulers: restored by Lightning from the state
+            load_module_only=not fitting,
+        )
+        return state
+
+    def _load_single_file(self, path: _PATH, weights_only: bool | None) -> dict[str, Any]:
+        checkpoint = super().load_checkpoint(path, weights_only=weights_only)
+        if "state_dict" not in checkpoint:
+            raise MisconfigurationException(
+                f"{path} is a single file without a 'state_dict': not a Lightning checkpoint. ZeroStrategy loads "
+                "the directory its save_checkpoint wrote, or a single-file Lightning checkpoint for the weights"
+            )
+        module = self.lightning_module
+        fitting = module is not None and module.trainer.state.fn == TrainerFn.FITTING
+        if fitting:
+            rank_zero_warn(
+                f"ZeroStrategy: {path} is a single-file checkpoint (from DDP, ds-zero-to-fp32 --lightning, or an "
+                "older ZeroStrategy), not a ZeroStrategy checkpoint directory: the weights are loaded, the "
+                "trainer's loops, callbacks and lr schedulers are restored when the file holds them, but the "
+                "optimizer state starts fresh (a single file holds no partitioned ZeRO optimizer state). To resume "
+                "exactly, resume from a directory written by ZeroStrategy's save_checkpoint / ModelCheckpoint"
+            )
+            # Lightning insists on this key when fitting; without it the schedulers keep their fresh state.
+            checkpoint.setdefault("lr_schedulers", [c.scheduler.state_dict() for c in self.lr_scheduler_configs])
+        return checkpoint
+
+    def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
+        if not self._single_file_checkpoint:
+            return  # the engine loaded the weights in load_checkpoint
+        lckpt.load_full_weights(self.require_engine(), checkpoint["state_dict"], strict, "the checkpoint file")
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        states = checkpoint.get("optimizer_states", [])
-        if any(SHARDED_OPTIMIZER_STATE in s for s in states):
-            raise RuntimeError(
-                "this checkpoint was written by ZeroStrategy with ZeRO stage >= 1 and holds no optimizer state "
-                "(partitioned optimizer checkpoints are not supported yet); load the weights only, e.g. "
-                "Model.load_from_checkpoint(path), or train with stage 0 to resume with optimizer state"
-            )
-        super().load_optimizer_state_dict(checkpoint)
+        pass  # the engine loaded the optimizer state in load_checkpoint (single files hold none it can use)
 
     def teardown(self) -> None:
         engine = self.engine
