@@ -135,11 +135,11 @@ def test_initialize() -> None:
         assert (name, sched_name, loader, same) == ("CPUAdam", "WarmupLR", None, True)  # the C++ kernel on CPU
         # DeepSpeed's WarmupLR: min lr at construction, and the first step() lands on iteration 0 (min again)
         assert lrs == pytest.approx([0.0, 0.0, 0.01])
-        assert out["kinds"] == {
-            "Adam": ("AdamW", True),
-            "AdamW": ("AdamW", True),
-            "Adagrad": ("Adagrad", True),
-            "Lion": ("Lion", True),
+        assert out["kinds"] == {  # CPU masters: the C++ kernels where ds_strategy has one
+            "Adam": ("CPUAdam", True),
+            "AdamW": ("CPUAdam", True),
+            "Adagrad": ("CPUAdagrad", True),
+            "Lion": ("CPULion", True),
             "SGD": ("SGD", True),
         }
         same_opt, same_sched, diff, lr, ref_lr = out["client"]
