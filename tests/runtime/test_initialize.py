@@ -101,7 +101,7 @@ def _initialize_cases(rank: int, world: int) -> dict[str, Any]:
     for name, kwargs in {
         "untested": {"optimizer": lambda g: torch.optim.RMSprop(g, lr=1e-3), "config": _cfg(1)},
         "offload_client": {
-            "optimizer": lambda g: torch.optim.AdamW(g, lr=1e-3),
+            "optimizer": lambda g: torch.optim.SGD(g, lr=1e-3),
             "config": config(stage=2, micro=2, gas=1, offload=True),
         },
         "both_configs": {"config": _cfg(0), "config_params": _cfg(0)},
@@ -117,6 +117,22 @@ def _initialize_cases(rank: int, world: int) -> dict[str, Any]:
         rt.initialize(model=model, optimizer=stateful, config=_cfg(0))
     except ValueError as exc:
         errors["stateful"] = str(exc)
+    # Optimizer offload with a client torch AdamW: stepped by its C++ twin over the same group dicts, so
+    # the client's scheduler still drives the lr, and it trains like the config-built CPUAdam.
+    twins = {}
+    for kind in ("AdamW", "Adam"):
+        model = make_model()
+        client = getattr(torch.optim, kind)(model.parameters(), lr=1e-2, weight_decay=0.1)
+        sched = torch.optim.lr_scheduler.StepLR(client, step_size=1, gamma=0.5)
+        engine, opt, _, _ = rt.initialize(
+            model=model, optimizer=client, lr_scheduler=sched, config=config(stage=2, micro=2, gas=1, offload=True)
+        )
+        engine.backward(engine(*micro_slice(data[0], 2, world, 0, rank)))
+        engine.step()
+        twins[kind] = (type(opt).__name__, opt.param_groups is client.param_groups, opt.param_groups[0]["lr"])
+        twins[kind] += (opt.param_groups[0]["adamw_mode"],)
+        engine.destroy()
+    out["twins"] = twins
     allowed = _cfg(1, zero_allow_untested_optimizer=True)
     engine, opt, _, _ = rt.initialize(
         model=make_model(), config=allowed, optimizer=lambda g: torch.optim.RMSprop(g, lr=1e-3)
@@ -149,6 +165,7 @@ def test_initialize() -> None:
         errors = out["errors"]
         assert "RMSprop is untested" in errors["untested"] and "zero_allow_untested_optimizer" in errors["untested"]
         assert "zero_force_ds_cpu_optimizer" in errors["offload_client"]
+        assert out["twins"] == {"AdamW": ("CPUAdam", True, 5e-3, True), "Adam": ("CPUAdam", True, 5e-3, False)}
         assert "config= or config_params=" in errors["both_configs"]
         assert "already holds state" in errors["stateful"]
         assert errors["allowed"] == "RMSprop"

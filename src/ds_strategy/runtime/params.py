@@ -10,6 +10,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+import ds_strategy.ops as ops
 from ds_strategy.config import DeepSpeedConfig
 from ds_strategy.log import get_logger
 
@@ -100,6 +101,8 @@ def attach_optimizer(
     if isinstance(optimizer, Optimizer):  # checked by the engine before the model was touched
         for group, params in zip(optimizer.param_groups, masters, strict=True):
             group["params"] = list(params)
+        if offload and config.zero_force_ds_cpu_optimizer and not is_cpu_kernel_optimizer(optimizer):
+            return kernel_twin(optimizer)  # check_client_optimizer let only twinnable types through
         return optimizer
     if optimizer is not None:
         built = optimizer(rewired)
@@ -125,8 +128,40 @@ def check_client_optimizer(optimizer: Optimizer, *, stage: int, offload: bool, c
             "element independently)."
         )
     if offload and config.zero_force_ds_cpu_optimizer and not is_cpu_kernel_optimizer(optimizer):
+        if type(optimizer) in _KERNEL_TWINS:
+            return  # attach_optimizer steps it with its kernel twin
         raise ValueError(
             f"optimizer offload with the client optimizer {name} would step the CPU masters with a generic "
             'implementation. Put the optimizer in the config\'s "optimizer" block (ds_strategy builds its CPU '
             'optimizer), or set "zero_force_ds_cpu_optimizer": false to keep yours.'
         )
+
+
+# torch optimizers whose kernel twin keeps their exact math and state-dict format (ds_strategy.ops).
+_KERNEL_TWINS: dict[type, str] = {
+    torch.optim.AdamW: "CPUAdam",
+    torch.optim.Adam: "CPUAdam",
+    torch.optim.Adagrad: "CPUAdagrad",
+}
+
+
+def kernel_twin(optimizer: Optimizer) -> Optimizer:
+    """The C++ kernel optimizer stepping the very same param-group dicts as a fresh torch Adam / AdamW /
+    Adagrad, for optimizer offload (zero_force_ds_cpu_optimizer).
+
+    DeepSpeed refuses a torch optimizer under offload; here a Lightning ``configure_optimizers`` returning
+    ``torch.optim.AdamW`` just works. The group dicts are shared, not copied, so a scheduler built on the
+    client optimizer still drives the learning rate, and the state-dict format is torch's.
+    """
+    twin_type = getattr(ops, _KERNEL_TWINS[type(optimizer)])
+    twin: Optimizer = twin_type([{"params": list(g["params"])} for g in optimizer.param_groups])
+    for group in optimizer.param_groups:
+        for key, value in twin.defaults.items():
+            group.setdefault(key, value)
+        if twin_type is ops.CPUAdam:
+            decoupled = isinstance(optimizer, torch.optim.AdamW) or bool(group.get("decoupled_weight_decay"))
+            group["adamw_mode"] = group["decoupled_weight_decay"] = decoupled
+        twin._normalize_group(group)  # type: ignore[attr-defined]  # refuses amsgrad / maximize, naming them
+    twin.param_groups = optimizer.param_groups
+    log.info("optimizer offload: %s steps through its C++ twin %s", type(optimizer).__name__, twin_type.__name__)
+    return twin
