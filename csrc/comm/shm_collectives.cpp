@@ -3,7 +3,8 @@
 
 #include <c10/util/Exception.h>
 #include <omp.h>
-#include <sched.h>
+#include <linux/futex.h>
+#include <sys/syscall.h>
 #include <sys/mman.h>
 #include <signal.h>
 #include <sys/stat.h>
@@ -11,10 +12,11 @@
 
 #include <algorithm>
 #include <cerrno>
+#include <climits>
+#include <ctime>
 #include <chrono>
 #include <cstring>
 #include <sstream>
-#include <thread>
 #include <vector>
 
 #include "../includes/slot_reduce.h"
@@ -35,6 +37,7 @@ constexpr uint64_t kMagic = 0x31626d6d6f636473ull;  // "dscommb1"
 constexpr int64_t kAlign = 4096;
 constexpr int64_t kMinSlotBytes = 64 * 1024;
 constexpr int kMaxWorld = 1024;
+constexpr int kSpins = 4096;  // pause iterations (~100 us) before sleeping on a futex
 constexpr int64_t kCopyGrain = 256 * 1024;    // bytes per thread below which one thread copies
 constexpr int64_t kReduceGrain = 64 * 1024;   // elements per thread below which one thread reduces
 constexpr int64_t kSliceAlign = 64;           // elements: slices start on cache-line boundaries
@@ -80,6 +83,25 @@ const char* kind_name(int32_t k) {
       break;
   }
   return "none";
+}
+
+// futex on the low 32 bits of a 64-bit counter (little endian: they come first). Shared (not PRIVATE)
+// futexes, since the waiters are other processes mapping the same memory.
+static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "futex word = low half of the counter");
+
+uint32_t* futex_word(std::atomic<uint64_t>* counter) { return reinterpret_cast<uint32_t*>(counter); }
+
+void futex_wake_all(std::atomic<uint64_t>* counter) {
+  syscall(SYS_futex, futex_word(counter), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
+}
+
+void futex_wait(std::atomic<uint64_t>* counter, uint64_t seen, double seconds) {
+  seconds = std::max(seconds, 1e-4);
+  struct timespec ts {};
+  ts.tv_sec = static_cast<time_t>(seconds);
+  ts.tv_nsec = static_cast<long>((seconds - static_cast<double>(ts.tv_sec)) * 1e9);
+  // Returns at once when the word no longer holds `seen` (EAGAIN), on a wake, a signal or the timeout.
+  syscall(SYS_futex, futex_word(counter), FUTEX_WAIT, static_cast<uint32_t>(seen), &ts, nullptr, 0);
 }
 
 uint64_t own_pid_namespace() {
@@ -220,15 +242,19 @@ void Communicator::check_peers(const char* op) const {
 
 void Communicator::barrier(const char* op) {
   const uint64_t target = ++arrivals_;
-  control(rank_).arrived.store(target, std::memory_order_release);
+  RankControl& me = control(rank_);
+  // seq_cst on both sides (here: store arrived, load sleepers; a sleeper: add sleepers, load arrived) so
+  // that either the sleeper sees the new count or we see the sleeper and wake it: no lost wake-up.
+  me.arrived.store(target, std::memory_order_seq_cst);
+  if (me.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&me.arrived);
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
   auto last_liveness = start;
   int next = 0;  // ranks below `next` are known to have arrived
-  for (uint64_t spins = 0;; ++spins) {
+  for (int spins = 0;; ++spins) {
     while (next < world_ && control(next).arrived.load(std::memory_order_acquire) >= target) ++next;
     if (next == world_) return;
-    if (spins < 2048) {  // a peer mid-copy usually arrives within microseconds
+    if (spins < kSpins) {  // a peer running on another core usually arrives within microseconds
       DS_CPU_RELAX();
       continue;
     }
@@ -239,13 +265,14 @@ void Communicator::barrier(const char* op) {
       last_liveness = now;
       fail_waiting(op, target, true);  // returns when every missing rank is still alive
     }
-    // Yield first (cheap when the peer runs on another core), then sleep: with more ranks than cores the
-    // peer we wait for may need this core.
-    if (waited < 0.002) {
-      sched_yield();
-    } else {
-      std::this_thread::sleep_for(std::chrono::microseconds(50));
-    }
+    // Sleep in the kernel until that rank's counter changes: with more runnable processes than cores the
+    // rank we wait for may need this very core. Slices of at most 50 ms keep the timeout and the
+    // dead-peer check going.
+    RankControl& peer = control(next);
+    peer.sleepers.fetch_add(1, std::memory_order_seq_cst);
+    const uint64_t seen = peer.arrived.load(std::memory_order_seq_cst);
+    if (seen < target) futex_wait(&peer.arrived, seen, std::min(0.05, timeout_s_ - waited + 1e-3));
+    peer.sleepers.fetch_sub(1, std::memory_order_seq_cst);
   }
 }
 
@@ -288,14 +315,20 @@ void Communicator::all_reduce(void* data, int64_t numel, DType dtype, bool avg, 
   char* base = static_cast<char*>(data);
   std::vector<const void*> in(static_cast<size_t>(world_));
 
-  if (numel * esz <= std::min(small_bytes_, slot_bytes_)) {
-    // Latency path: one barrier; every rank reduces the whole (small) message from the slots in rank order.
-    const int set = static_cast<int>(steps_++ & 1);
-    std::memcpy(slot(set, rank_), base, static_cast<size_t>(numel * esz));
-    barrier(op);
-    check_peers(op);
-    for (int r = 0; r < world_; ++r) in[r] = slot(set, r);
-    reduce(dtype, in.data(), world_, base, nullptr, numel, avg, threads);
+  if (numel * esz <= small_bytes_) {
+    // Latency path, one barrier per chunk: every rank sums the whole chunk from all slots in rank order.
+    const int64_t chunk = slot_bytes_ / esz;
+    int64_t off = 0;
+    do {
+      const int64_t len = std::min(chunk, numel - off);
+      const int set = static_cast<int>(steps_++ & 1);
+      copy_bytes(slot(set, rank_), base + off * esz, len * esz, threads);
+      barrier(op);
+      if (off == 0) check_peers(op);
+      for (int r = 0; r < world_; ++r) in[r] = slot(set, r);
+      reduce(dtype, in.data(), world_, base + off * esz, nullptr, len, avg, threads);
+      off += len;
+    } while (off < numel);
     return;
   }
 

@@ -4,9 +4,10 @@
 // Segment layout:  [header][one 128-byte control line per rank][data: 2 sets x W slots x slot_bytes]
 //
 // Synchronisation is a sense-free counting barrier: rank r publishes "I have arrived k times" in its own
-// control line (release store) and waits until every other line shows >= k (acquire loads). Waits spin
-// briefly, then yield, then sleep in short steps, check the clock, and raise after `timeout` seconds
-// naming the ranks that never arrived (or at once, when such a rank's process has exited).
+// control line and waits until every other line shows >= k. Waits spin briefly (~100 us), then sleep on
+// a futex on the missing rank's counter (woken by its arrival; the machine may have fewer cores than
+// runnable processes), check the clock every 50 ms at most, and raise after `timeout` seconds naming the
+// ranks that never arrived, or within ~50 ms when such a rank's process has exited.
 //
 // Double buffering: consecutive steps (chunks) alternate between the two slot sets. A step's writes into
 // a set happen before that step's first barrier, and every read of step k happens before the reading
@@ -45,6 +46,7 @@ struct alignas(128) RankControl {
   std::atomic<uint64_t> arrived;  // barriers this rank has reached
   std::atomic<int64_t> pid;       // for the dead-peer check
   std::atomic<uint64_t> pid_ns;   // inode of the rank's pid namespace (pids only compare within one)
+  std::atomic<uint32_t> sleepers; // ranks asleep on this rank's `arrived` futex: wake them on arrival
   OpDesc desc[2];                 // the current op (index = op count % 2), checked after its first barrier
 };
 static_assert(std::atomic<uint64_t>::is_always_lock_free, "shared-memory atomics must be lock free");
