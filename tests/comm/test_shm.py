@@ -84,7 +84,9 @@ def _run_case(comm: ShmCommunicator, rank: int, world: int, case: tuple[str, int
     return problems
 
 
-def _against_gloo(kind: str, rank: int, world: int, n: int, seed: int, avg: bool, got: torch.Tensor, what: str) -> list[str]:
+def _against_gloo(
+    kind: str, rank: int, world: int, n: int, seed: int, avg: bool, got: torch.Tensor, what: str
+) -> list[str]:
     if kind == "all_reduce":
         ref = _input(rank, n, torch.float32, seed)
         dist.all_reduce(ref)
@@ -132,7 +134,9 @@ def _cases(sizes: tuple[int, ...]) -> list[tuple[str, int, str, str]]:
     return cases
 
 
-@pytest.mark.parametrize(("world", "env"), [(2, {}), (2, SMALL_SLOTS), (4, SMALL_SLOTS)], ids=["w2", "w2-small-slots", "w4-small-slots"])
+@pytest.mark.parametrize(
+    ("world", "env"), [(2, {}), (2, SMALL_SLOTS), (4, SMALL_SLOTS)], ids=["w2", "w2-small-slots", "w4-small-slots"]
+)
 def test_matches_gloo_and_reference(cpu_kernels: bool, world: int, env: dict[str, str]) -> None:
     results = run_distributed(_cases_body, world_size=world, args=(_cases(SIZES),), env=env, timeout=300)
     assert results == [[]] * world, "\n".join(p for rank_problems in results for p in rank_problems)

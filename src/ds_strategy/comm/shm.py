@@ -14,7 +14,7 @@ RuntimeError naming it. All ranks of the group must call the same collectives in
 with torch.distributed; a mismatch of op, dtype or size raises on every rank with each rank's call listed.
 
 Tuning knobs (environment): ``DS_STRATEGY_SHM_TIMEOUT`` (seconds, default 1800 like torch's process
-groups), ``DS_STRATEGY_SHM_SLOT_BYTES`` (per-rank chunk, default 1 MiB), ``DS_STRATEGY_SHM_SMALL_BYTES``
+groups), ``DS_STRATEGY_SHM_SLOT_BYTES`` (per-rank chunk, default 2 MiB), ``DS_STRATEGY_SHM_SMALL_BYTES``
 (all-reduces up to this size take the one-barrier path, default 64 KiB).
 """
 
@@ -33,7 +33,7 @@ TIMEOUT_ENV = "DS_STRATEGY_SHM_TIMEOUT"
 SLOT_BYTES_ENV = "DS_STRATEGY_SHM_SLOT_BYTES"
 SMALL_BYTES_ENV = "DS_STRATEGY_SHM_SMALL_BYTES"
 DEFAULT_TIMEOUT = 1800.0
-DEFAULT_SLOT_BYTES = 1 << 20
+DEFAULT_SLOT_BYTES = 2 << 20
 DEFAULT_SMALL_BYTES = 64 << 10
 SUPPORTED_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _OPS = ("sum", "avg")
@@ -100,17 +100,20 @@ class ShmCommunicator:
 
         # Load the kernels before anything collective, and never raise between collectives: a rank that
         # raised here would leave its peers blocked in the next gather.
-        cls, load_error = None, ""
+        cls: Any = None
+        load_error = ""
         try:
             cls = _kernel_class()
-        except Exception as err:  # noqa: BLE001 - reported below, on every rank
+        except Exception as err:  # reported below, on every rank: raising here would hang the peers
             load_error = f"{type(err).__name__}: {err}"
         facts: list[Any] = [None] * world_size
         dist.all_gather_object(facts, (_host_identity(), cls is not None, load_error), group=group)
         if len({f[0] for f in facts}) != 1 or not all(f[1] for f in facts):
             errors = {r: f[2] for r, f in enumerate(facts) if f[2]}
             if errors:
-                warnings.warn(f"shared-memory collectives disabled, kernels failed: {errors}", RuntimeWarning, stacklevel=2)
+                warnings.warn(
+                    f"shared-memory collectives disabled, kernels failed: {errors}", RuntimeWarning, stacklevel=2
+                )
             return None
 
         handle, error = None, ""
