@@ -133,11 +133,11 @@ def _implementations(
 
 
 def _rank(rank: int, world: int, quick: bool) -> dict[str, Any]:
-    from ds_strategy.comm.shm import ShmCommunicator
+    from ds_strategy.comm.shm import DEFAULT_SMALL_BYTES, SMALL_BYTES_ENV, ShmCommunicator
 
     comm = ShmCommunicator.create(timeout=300)
     assert comm is not None, "the CPU kernels must build for this benchmark"
-    small_bytes = int(os.environ.get("DS_STRATEGY_SHM_SMALL_BYTES", 64 << 10))
+    small_bytes = int(os.environ.get(SMALL_BYTES_ENV) or DEFAULT_SMALL_BYTES)
     out: dict[str, Any] = {"copy_bandwidth": _copy_bandwidth(quick), "times": {}, "small_bytes": small_bytes}
     ds_fn, ds_note = _deepspeed_all_reduce(rank, world)
     out["deepspeed"] = ds_note
