@@ -15,6 +15,7 @@
 #include <climits>
 #include <ctime>
 #include <chrono>
+#include <cstdlib>
 #include <cstring>
 #include <sstream>
 #include <vector>
@@ -41,7 +42,7 @@ constexpr int kSpins = 4096;  // pause iterations (~100 us) before sleeping on a
 constexpr int64_t kCopyGrain = 256 * 1024;    // bytes per thread below which one thread copies
 constexpr int64_t kReduceGrain = 64 * 1024;   // elements per thread below which one thread reduces
 constexpr int64_t kSliceAlign = 64;           // elements: slices start on cache-line boundaries
-constexpr int64_t kStreamBytes = 8 << 20;     // all_gather outputs from this size on use streaming stores
+constexpr int64_t kStreamBytes = 8 << 20;     // default: all_gather outputs from 8 MiB use streaming stores
 
 struct alignas(128) SegmentHeader {
   uint64_t magic;
@@ -153,6 +154,40 @@ void stream_copy(char* dst, const char* src, int64_t bytes) {
 #endif
 }
 
+// src -> a and src -> b in one read of src (all_gather's own piece goes to its slot and its output place).
+void dual_copy(char* a, char* b, const char* src, int64_t bytes, bool stream_b) {
+#if defined(__AVX512F__)
+  const auto misalign = static_cast<int64_t>(reinterpret_cast<uintptr_t>(b) & 63);
+  const int64_t head = std::min<int64_t>(bytes, (64 - misalign) & 63);  // b is 64-byte aligned after it
+  std::memcpy(a, src, static_cast<size_t>(head));
+  std::memcpy(b, src, static_cast<size_t>(head));
+  int64_t i = head;
+  if (stream_b) {
+    for (; i + 64 <= bytes; i += 64) {
+      const __m512i v = _mm512_loadu_si512(src + i);
+      _mm512_storeu_si512(a + i, v);
+      _mm512_stream_si512(reinterpret_cast<__m512i*>(b + i), v);
+    }
+  } else {
+    for (; i + 64 <= bytes; i += 64) {
+      const __m512i v = _mm512_loadu_si512(src + i);
+      _mm512_storeu_si512(a + i, v);
+      _mm512_storeu_si512(b + i, v);
+    }
+  }
+  std::memcpy(a + i, src + i, static_cast<size_t>(bytes - i));
+  std::memcpy(b + i, src + i, static_cast<size_t>(bytes - i));
+  if (stream_b) _mm_sfence();
+#else
+  std::memcpy(a, src, static_cast<size_t>(bytes));
+  if (stream_b) {
+    stream_copy(b, src, bytes);
+  } else {
+    std::memcpy(b, src, static_cast<size_t>(bytes));
+  }
+#endif
+}
+
 void copy_bytes(void* dst, const void* src, int64_t bytes, int threads, bool stream = false) {
   if (bytes <= 0 || dst == src) return;
   parallel_ranges(bytes, threads, kCopyGrain, 64, [&](int64_t b, int64_t e) {
@@ -199,6 +234,9 @@ Communicator::Communicator(int rank, int world_size, int64_t slot_bytes, int64_t
               kMaxWorld, "], got ", world_size);
   TORCH_CHECK(rank >= 0 && rank < world_size, "shm communicator: rank ", rank, " is not in [0, ", world_size, ")");
   set_timeout(timeout_s);
+  // Tuning knob (bytes; a huge value disables streaming stores).
+  const char* stream_env = std::getenv("DS_STRATEGY_SHM_STREAM_BYTES");
+  stream_bytes_ = stream_env != nullptr && *stream_env != '\0' ? std::atoll(stream_env) : kStreamBytes;
   if (name.empty()) {
     TORCH_CHECK(slot_bytes >= kMinSlotBytes, "shm communicator: slot_bytes must be at least ", kMinSlotBytes,
                 ", got ", slot_bytes);
@@ -426,14 +464,20 @@ void Communicator::all_gather(void* out, const void* in_data, int64_t in_numel, 
   char* dst = static_cast<char*>(out);
   const int64_t chunk = slot_bytes_ / esz;
   // The output is written once and not read here: past the cache, stream it (see stream_copy).
-  const bool stream = world_ * in_numel * esz >= kStreamBytes;
+  const bool stream = world_ * in_numel * esz >= stream_bytes_;
   int64_t off = 0;
   do {
     const int64_t len = std::min(chunk, in_numel - off);
     const int set = static_cast<int>(steps_++ & 1);
-    copy_bytes(slot(set, rank_), src + off * esz, len * esz, threads);
-    // Own piece to its place in the output (a no-op when all-gathering in place).
-    copy_bytes(dst + (rank_ * in_numel + off) * esz, src + off * esz, len * esz, threads, stream);
+    // Own piece to its slot and to its place in the output (only to the slot when gathering in place).
+    char* own_out = dst + (rank_ * in_numel + off) * esz;
+    if (own_out == src + off * esz) {
+      copy_bytes(slot(set, rank_), src + off * esz, len * esz, threads);
+    } else {
+      parallel_ranges(len * esz, threads, kCopyGrain, 64, [&](int64_t b, int64_t e) {
+        dual_copy(slot(set, rank_) + b, own_out + b, src + off * esz + b, e - b, stream);
+      });
+    }
     barrier(op);
     if (off == 0) check_peers(op);
     for (int r = 0; r < world_; ++r) {

@@ -21,7 +21,8 @@
 //   sums its own slice over all slots (its own part read from its tensor) into its tensor and its slot,
 //   barrier, copies the W-1 reduced slices of the others out (reduce-scatter + all-gather, 2 barriers).
 // - reduce_scatter, per chunk: copy the W-1 foreign pieces in, barrier, sum own piece (1 barrier).
-// - all_gather, per chunk: copy own piece in (and to its place in the output), barrier, copy the others.
+// - all_gather, per chunk: copy own piece in and to its place in the output (one read), barrier, copy the
+//   others out; outputs from 8 MiB are written with streaming stores (no read-for-ownership of cold lines).
 #pragma once
 
 #include <atomic>
@@ -86,6 +87,7 @@ class Communicator {
   int world_;
   int64_t slot_bytes_;
   int64_t small_bytes_;
+  int64_t stream_bytes_ = 0;  // all_gather outputs of at least this size are written with streaming stores
   double timeout_s_;
   char* data_ = nullptr;
   uint64_t arrivals_ = 0;  // barriers passed (the same on every rank)

@@ -15,7 +15,8 @@ with torch.distributed; a mismatch of op, dtype or size raises on every rank wit
 
 Tuning knobs (environment): ``DS_STRATEGY_SHM_TIMEOUT`` (seconds, default 1800 like torch's process
 groups), ``DS_STRATEGY_SHM_SLOT_BYTES`` (per-rank chunk, default 2 MiB), ``DS_STRATEGY_SHM_SMALL_BYTES``
-(all-reduces up to this size take the one-barrier path, default 64 KiB).
+(all-reduces up to this size take the one-barrier path, default 64 KiB), ``DS_STRATEGY_SHM_STREAM_BYTES``
+(all-gather outputs from this size are written with streaming stores, default 8 MiB).
 """
 
 from __future__ import annotations
