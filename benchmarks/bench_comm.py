@@ -176,8 +176,10 @@ def _plot(rows: list[dict[str, Any]], path: Any) -> None:
             if xs:
                 ax.bar(xs, ys, width=0.27, label=impl, color=colors[impl])
         bounds = [next(r for r in rows if r["op"] == op and r["MB"] == mb and r["impl"] == "ours") for mb in SIZES_MB]
+        ax.plot(range(len(SIZES_MB)), [b["floor_busbw_GBps"] for b in bounds], "k-", marker="_", ms=20,
+                label="floor: input read + output written once")  # fmt: skip
         ax.plot(range(len(SIZES_MB)), [b["bound_busbw_GBps"] for b in bounds], "k--", marker="_", ms=20,
-                label="memory-traffic bound (ours)")  # fmt: skip
+                label="all-pass bound (ours, nothing cached)")  # fmt: skip
         ax.set_xticks(range(len(SIZES_MB)), [f"{mb} MB" for mb in SIZES_MB])
         ax.set_title(op)
         ax.set_ylabel("bus bandwidth, GB/s")
@@ -192,7 +194,15 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="fewer iterations (smoke run)")
     args = parser.parse_args(argv)
+    shm_before = set(os.listdir("/dev/shm"))
     per_rank = run_ranks(_rank, WORLD, args.quick)
+    # Segment hygiene, ours and DeepSpeed's: our names must be gone; DeepSpeed's shm op never unlinks its
+    # per-rank buffers, so remove the ones this run created.
+    new = set(os.listdir("/dev/shm")) - shm_before
+    ours_left = sorted(n for n in new if n.startswith("ds_strategy_shm."))
+    deepspeed_left = sorted(n for n in new if n.startswith("deepspeed_allreduce_buffer"))
+    for name in deepspeed_left:
+        os.unlink(f"/dev/shm/{name}")
     copy_bw = sum(r["copy_bandwidth"] for r in per_rank)  # aggregate bytes copied per second
     small_bytes = per_rank[0]["small_bytes"]
     rows: list[dict[str, Any]] = []
@@ -208,6 +218,7 @@ def main(argv: list[str] | None = None) -> None:
             {
                 "op": op, "MB": mb, "impl": impl, "ms": seconds * 1e3, "algbw_GBps": algbw,
                 "busbw_GBps": algbw * bus_factor(op, WORLD), "bound_ms": t_min * 1e3, "floor_ms": t_floor * 1e3,
+                "floor_busbw_GBps": size / t_floor / 1e9 * bus_factor(op, WORLD),
                 "bound_busbw_GBps": size / t_min / 1e9 * bus_factor(op, WORLD),
             }
         )  # fmt: skip
@@ -230,7 +241,8 @@ def main(argv: list[str] | None = None) -> None:
         f"CPU collectives, {WORLD} ranks, one process per core, timings on a shared 2-core machine "
         f"({machine()['cpu']}, torch {torch.__version__}); best of 7 interleaved batches, slowest rank.\n\n"
         f"Measured memory copy bandwidth (both ranks copying 256 MB at once): {copy_bw / 1e9:.1f} GB/s.\n"
-        f"DeepSpeed: {per_rank[0]['deepspeed']}.\n\n"
+        f"DeepSpeed: {per_rank[0]['deepspeed']}.\n"
+        f"Left in /dev/shm after the run: ours {len(ours_left)}, DeepSpeed's {len(deepspeed_left)} (removed).\n\n"
         "Memory-traffic bounds at the measured copy bandwidth (a copy = one read + one write per byte): "
         "`floor ms` = reading the input and writing the output once (what any algorithm must move; the "
         "physical limit when the shared slots stay in cache), `all-pass ms` = our algorithm's every read and "
@@ -242,6 +254,7 @@ def main(argv: list[str] | None = None) -> None:
         "machine": machine(), "world_size": WORLD, "copy_bandwidth_GBps": copy_bw / 1e9,
         "deepspeed": per_rank[0]["deepspeed"], "traffic": TRAFFIC, "rows": rows,
         "note": "timings taken on a shared 2-core machine",
+        "dev_shm_left": {"ours": ours_left, "deepspeed": deepspeed_left},
     }  # fmt: skip
     write_results("comm", payload, table)
     _plot(rows, RESULTS / "comm.png")
