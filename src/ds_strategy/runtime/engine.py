@@ -352,8 +352,10 @@ class ZeroEngine(nn.Module):
         )
 
     def destroy(self) -> None:
-        """Remove the gradient hooks (the module keeps its flat-buffer parameters)."""
+        """Remove the gradient hooks and release the shared-memory segment of the collectives (the module
+        keeps its flat-buffer parameters; torch.distributed's process group stays the caller's)."""
         self.stage.detach()
+        self.coll.close()
 
     def __getattr__(self, name: str) -> Any:
         # Like DeepSpeedEngine: attributes the engine lacks come from the wrapped module.
