@@ -1,8 +1,9 @@
 """ds_strategy: DeepSpeed-class ZeRO training for PyTorch Lightning and plain PyTorch loops.
 
-``import ds_strategy`` registers the Lightning strategy names (zero0 ... zero3_offload, see
-``ds_strategy.lightning``) and initialises no CUDA context; everything else is resolved on first attribute
-access (PEP 562), from the submodule listed in ``_LAZY``.
+``import ds_strategy`` stays light (no torch, no Lightning, no CUDA) and still makes ``Trainer(strategy=
+"zero3")`` work: the strategy names (zero0 ... zero3_offload) are registered when Lightning is imported
+(see ``ds_strategy._lightning_hook``). Public names are resolved on first attribute access (PEP 562),
+from the submodule listed in ``_LAZY``.
 """
 
 from __future__ import annotations
@@ -10,12 +11,14 @@ from __future__ import annotations
 import importlib
 from typing import TYPE_CHECKING, Any
 
-from ds_strategy.lightning import ZeroPrecision, ZeroStrategy  # importing registers zero0 ... zero3_offload
+from ds_strategy import _lightning_hook
 
 __version__ = "0.1.0"
 
 # public name -> submodule that defines it
 _LAZY: dict[str, str] = {
+    "ZeroStrategy": "ds_strategy.lightning",
+    "ZeroPrecision": "ds_strategy.lightning",
     "get_accelerator": "ds_strategy.accelerator",
     "init_distributed": "ds_strategy.comm",
     "initialize": "ds_strategy.runtime",
@@ -23,11 +26,13 @@ _LAZY: dict[str, str] = {
     "estimate_memory": "ds_strategy.runtime",
 }
 
-__all__ = ["ZeroPrecision", "ZeroStrategy", "__version__", *_LAZY]
+__all__ = ["__version__", *_LAZY]
 
 if TYPE_CHECKING:
     from ds_strategy.accelerator import get_accelerator as get_accelerator
     from ds_strategy.comm import init_distributed as init_distributed
+    from ds_strategy.lightning import ZeroPrecision as ZeroPrecision
+    from ds_strategy.lightning import ZeroStrategy as ZeroStrategy
     from ds_strategy.runtime import ZeroEngine as ZeroEngine
     from ds_strategy.runtime import estimate_memory as estimate_memory
     from ds_strategy.runtime import initialize as initialize  # type: ignore[no-redef]  # also a submodule name
@@ -44,3 +49,6 @@ def __getattr__(name: str) -> Any:
 
 def __dir__() -> list[str]:
     return sorted(set(globals()) | set(_LAZY))
+
+
+_lightning_hook.install()

@@ -190,3 +190,31 @@ def test_script_launches_with_popen_notebooks_fork(monkeypatch: pytest.MonkeyPat
     monkeypatch.setattr(strategy_module, "_IS_INTERACTIVE", True)
     launcher = _trainer(strategy="zero2").strategy.launcher
     assert isinstance(launcher, ZeroMultiProcessingLauncher) and launcher.is_interactive_compatible
+
+
+@pytest.mark.parametrize(
+    "code",
+    [
+        "import ds_strategy\nassert 'torch' not in sys.modules\nimport lightning as L\n",
+        "import ds_strategy\nfrom lightning.pytorch import Trainer\n",
+        "import lightning.pytorch as pl\nimport ds_strategy\n",
+    ],
+    ids=["ds_strategy-then-lightning", "ds_strategy-then-from-import", "lightning-then-ds_strategy"],
+)
+def test_import_ds_strategy_registers_the_names_in_any_import_order(code: str) -> None:
+    # `import ds_strategy` stays free of torch and Lightning, yet Trainer(strategy="zero2") must work
+    # whichever of the two a script imports first.
+    import subprocess
+    import sys
+
+    check = (
+        "import sys\n" + code + "from lightning.pytorch import Trainer\n"
+        "from lightning.pytorch.strategies import StrategyRegistry\n"
+        "from ds_strategy.lightning import ZeroStrategy\n"
+        "assert all(n in StrategyRegistry for n in ('zero0', 'zero2', 'zero3_offload')), list(StrategyRegistry)\n"
+        "t = Trainer(strategy='zero2', accelerator='cpu', devices=1, logger=False, enable_checkpointing=False)\n"
+        "assert isinstance(t.strategy, ZeroStrategy), type(t.strategy)\n"
+        "print('ok')\n"
+    )
+    out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, check=False)
+    assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
