@@ -30,6 +30,10 @@ class Net(nn.Module):
         return F.mse_loss(out.float(), y.float())
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() else t
+
+
 def make_model(seed: int = 0) -> Net:
     torch.manual_seed(seed)
     return Net()
@@ -105,7 +109,7 @@ def reference_run(
             for m in range(gas):
                 for r in range(world):
                     x, y = micro_slice(batch, micro, world, m, r)
-                    loss = compute(x.to(dtype), y.to(dtype))
+                    loss = compute(_cast(x, dtype), _cast(y, dtype))
                     total += loss.item()
                     (loss.float() * (loss_scale / gas)).backward()
                     for n, p in compute.named_parameters():
@@ -170,7 +174,10 @@ def engine_run(engine: Any, data: list[tuple[torch.Tensor, torch.Tensor]], *, mi
         dist.all_reduce(total)
         trace.losses.append(total.item() / (gas * world))
         trace.norms.append(float(engine.get_global_grad_norm()))
-    trace.params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    from ds_strategy.zero import GatheredParameters
+
+    with GatheredParameters(list(engine.module.parameters())):  # stage 3: whole for the copy; else a no-op
+        trace.params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     trace.masters = full_masters(engine)
     return trace
 
