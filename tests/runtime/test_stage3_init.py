@@ -5,7 +5,9 @@ the plain model.
 
 Peak memory is the process's peak resident set (``VmHWM``), reset through ``/proc/self/clear_refs``
 right before each build, minus the resident set at that moment: everything the build allocates counts,
-not only what ds_strategy tracks.
+not only what ds_strategy tracks. glibc's malloc is pinned to mmap allocations of 1 MiB and up (and to
+trimming the heap above 1 MiB): otherwise its dynamic thresholds keep freed multi-MiB blocks resident, and
+the peak resident set would measure the allocator's caching and fragmentation instead of live memory.
 """
 
 from __future__ import annotations
@@ -61,6 +63,14 @@ def _peak_build_bytes(build: Any) -> tuple[Any, int]:
     return model, (_kib("VmHWM") - before) * 1024
 
 
+def _pin_malloc_thresholds() -> None:
+    import ctypes
+
+    libc = ctypes.CDLL("libc.so.6")
+    libc.mallopt(-3, 1 << 20)  # M_MMAP_THRESHOLD (fixed: no dynamic growth)
+    libc.mallopt(-1, 1 << 20)  # M_TRIM_THRESHOLD
+
+
 def _init_run(rank: int, world: int) -> dict[str, Any]:
     import ds_strategy.runtime as rt
     from ds_strategy.zero import GatheredParameters, Init
@@ -74,6 +84,7 @@ def _init_run(rank: int, world: int) -> dict[str, Any]:
         torch.manual_seed(0)
         return Big()
 
+    _pin_malloc_thresholds()
     sharded()  # warm-up: first-use allocations of the collectives are not the model's
     model, init_peak = _peak_build_bytes(sharded)
     reference, plain_peak = _peak_build_bytes(plain)
