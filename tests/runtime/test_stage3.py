@@ -130,7 +130,7 @@ def test_stage3_matches_single_process_reference() -> None:
                     two.params[name],
                     rtol=2 * ulp16 if low else 4e-7,
                     atol=4e-5 if low else 1e-8,
-                    msg=lambda m, n=name: f"{label} weight {n}: {m}",
+                    msg=lambda m, n=name, lb=label: f"{lb} weight {n}: {m}",
                 )
             for name in two.masters:
                 torch.testing.assert_close(
@@ -138,7 +138,7 @@ def test_stage3_matches_single_process_reference() -> None:
                     two.masters[name],
                     rtol=1e-4 if low else 4e-7,
                     atol=1e-5 if low else 1e-8,
-                    msg=lambda m, n=name: f"{label} master {n}: {m}",
+                    msg=lambda m, n=name, lb=label: f"{lb} master {n}: {m}",
                 )
             if r["precision"] == "fp32":
                 _check(r)
@@ -219,7 +219,6 @@ def test_stage3_divergent_ranks_raise_naming_rank_and_module() -> None:
 def _gathered_edit(rank: int, world: int) -> dict[str, Any]:
     import ds_strategy.runtime as rt
     from ds_strategy.zero import GatheredParameters
-
     from tests.runtime.common import full_masters
 
     model = make_tied()

@@ -51,7 +51,8 @@ class Big(nn.Module):
 
 
 def _kib(field: str) -> int:
-    status = open("/proc/self/status").read()
+    with open("/proc/self/status") as f:
+        status = f.read()
     return int(re.search(rf"{field}:\s+(\d+)", status).group(1))  # type: ignore[union-attr]
 
 

@@ -74,12 +74,13 @@ class GatheredParameters:
                     partition_param(p, info.coll, src=self.modifier_rank)
                 else:
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            if self.modifier_rank is not None and exc_type is None and self._plain():
+            plain = self._plain()
+            if self.modifier_rank is not None and exc_type is None and plain:
                 from .collectives import Collectives
 
                 coll = Collectives()
-                for p in self._plain():
-                    coll.broadcast(p.data, src=self.modifier_rank)
+                for t in plain:
+                    coll.broadcast(t.data, src=self.modifier_rank)
 
     def _plain(self) -> list[torch.Tensor]:
         """Whole parameters that neither stage 3 nor zero.Init manages."""

@@ -37,7 +37,7 @@ class ShardedGroup(GroupState):
     ``copy_masters_to_params``, ``numel_bytes``) with its own construction: nothing full-size is kept.
     """
 
-    def __init__(  # noqa: PLR0913 - one place that builds the storage from the stage's options
+    def __init__(
         self,
         index: int,
         named_params: Sequence[tuple[str, nn.Parameter]],

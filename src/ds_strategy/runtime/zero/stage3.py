@@ -80,7 +80,9 @@ class Stage3(Stage2):
         module: nn.Module,
         config: Any,
     ) -> ZeroStage:
-        return cls(groups, registration, coll=coll, options=options, module=module, s3=Stage3Options.from_config(config))
+        return cls(
+            groups, registration, coll=coll, options=options, module=module, s3=Stage3Options.from_config(config)
+        )
 
     def __init__(
         self,
@@ -110,9 +112,7 @@ class Stage3(Stage2):
             small = [(n, p) for n, p in named if _numel(p) < s3.persistence_threshold]
             items = big + small
             breaks = {
-                i
-                for i in range(1, len(items))
-                if owner[id(items[i][1])] != owner[id(items[i - 1][1])] or i == len(big)
+                i for i in range(1, len(items)) if owner[id(items[i][1])] != owner[id(items[i - 1][1])] or i == len(big)
             }
             self._plans.append((breaks, set(range(len(big), len(items)))))
             ordered.append(items)
