@@ -282,3 +282,119 @@ def test_stage3_save_16bit_model_round_trip() -> None:
     plain = make_tied(seed=5)
     plain.load_state_dict(state, strict=True)
     assert torch.equal(plain.embed.weight, r["expected"]["embed.weight"].float())
+
+
+def _hooks(rank: int, world: int) -> dict[str, Any]:
+    """The same 3 steps of an 8-layer MLP under different prefetch / live / reuse settings."""
+    import ds_strategy.runtime as rt
+
+    x = torch.randn(4, 64, generator=torch.Generator().manual_seed(rank))
+    out = {}
+    settings = {
+        "none": {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 0},
+        "prefetch": {
+            "stage3_prefetch_bucket_size": 9000,  # two layers ahead
+            "stage3_max_live_parameters": 13000,  # three layers
+            "stage3_max_reuse_distance": 0,
+        },
+        "reuse": {"stage3_prefetch_bucket_size": 0, "stage3_max_reuse_distance": 10**9},
+    }
+    for name, zero in settings.items():
+        torch.manual_seed(0)
+        model = torch.nn.Sequential(*[torch.nn.Linear(64, 64) for _ in range(8)])
+        cfg = {
+            "train_micro_batch_size_per_gpu": 4,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {
+                "stage": 3,
+                "reduce_bucket_size": 5000,
+                "stage3_param_persistence_threshold": 0,
+                **zero,
+            },
+        }
+        engine, *_ = rt.initialize(model=model, config=cfg)
+        gatherer = engine.stage.gatherer
+        losses, per_step = [], []
+        for _ in range(3):
+            before = (gatherer.gathers, gatherer.misses)
+            loss = engine(x).square().mean()
+            engine.backward(loss)
+            engine.step()
+            losses.append(loss.item())
+            per_step.append((gatherer.gathers - before[0], gatherer.misses - before[1]))
+        out[name] = {"losses": losses, "per_step": per_step, "peak_live": gatherer.peak_live}
+        engine.destroy()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_stage3_prefetch_live_limit_and_reuse() -> None:
+    layer = 64 * 64 + 64
+    for r in run_distributed(_hooks, world_size=WORLD, timeout=120):
+        # Scheduling never changes the arithmetic.
+        assert r["none"]["losses"] == r["prefetch"]["losses"] == r["reuse"]["losses"]
+        # No prefetch, reuse distance 0: every layer gathered and waited for in forward and again in
+        # backward, except (once the order is recorded) the last layer, whose next use is immediate.
+        assert r["none"]["per_step"] == [(16, 16), (15, 15), (15, 15)], r["none"]
+        # Prefetch: the first step records the order; later ones wait only for the first layer, everything
+        # else is already in flight (observed (13, 1): the last layers are still gathered when backward
+        # starts, so they are not gathered again).
+        gathers, misses = r["prefetch"]["per_step"][2]
+        assert gathers <= 16 and misses <= 2, r["prefetch"]
+        assert r["prefetch"]["peak_live"] <= 13000 + 2 * 16, r["prefetch"]  # + bucket padding
+        # Reuse within the distance: forward's layers stay gathered for backward: 8 gathers per step.
+        assert r["reuse"]["per_step"][1:] == [(8, 8)] * 2, r["reuse"]
+        assert r["reuse"]["peak_live"] >= 8 * layer
+
+
+class _ExternalUse(torch.nn.Module):
+    """The root uses the embedding's weight itself (a transposed tied head), outside ``embed``'s forward."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = torch.nn.Embedding(24, 32)
+        self.fc = torch.nn.Linear(32, 32)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = torch.tanh(self.fc(self.embed(x)))
+        logits = h @ self.embed.weight.t()
+        return torch.nn.functional.cross_entropy(logits.reshape(-1, 24), y.reshape(-1))
+
+
+def _external(rank: int, world: int) -> dict[str, Any]:
+    import ds_strategy.runtime as rt
+    from ds_strategy.zero import register_external_parameter
+
+    x, y = token_batches(1, 2, seed=rank)[0]
+    cfg = _stage3_config("fp32", False, 0.0)
+    torch.manual_seed(0)
+    model = _ExternalUse()
+    engine, *_ = rt.initialize(model=model, config=cfg)
+    try:
+        engine(x, y)
+        error = ""
+    except RuntimeError as err:
+        error = str(err) + "\n".join(getattr(err, "__notes__", []))
+    engine.destroy()
+    losses = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = _ExternalUse()
+        register_external_parameter(model, model.embed.weight)
+        cfg["zero_optimization"]["stage"] = stage
+        engine, *_ = rt.initialize(model=model, config=cfg)
+        losses[stage] = []
+        for _ in range(3):
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            losses[stage].append(loss.item())
+        engine.destroy()
+    return {"error": error, "losses": losses}
+
+
+@pytest.mark.multiprocess
+def test_stage3_parameter_used_outside_its_module() -> None:
+    for r in run_distributed(_external, world_size=WORLD, timeout=120):
+        assert "register_external_parameter" in r["error"], r["error"]
+        torch.testing.assert_close(torch.tensor(r["losses"][3]), torch.tensor(r["losses"][2]), rtol=1e-6, atol=0)

@@ -97,7 +97,9 @@ class ParamGatherer:
         self._seq = 0
         self._headers: list[tuple[Any, torch.Tensor, int, int]] = []
         self._hooks: list[RemovableHandle] = []
-        self.gathers = 0  # bucket all-gathers issued (for tests and reports)
+        self.gathers = 0  # bucket all-gathers issued (for tests and reports) ...
+        self.misses = 0  # ... fetches that found a bucket neither gathered nor prefetched ...
+        self.peak_live = 0  # ... and the most partitioned-bucket elements gathered at once
 
     # ------------------------------------------------------------------ set-up
     def keys_of(self, params: Iterable[torch.Tensor | None]) -> list[BucketKey]:
@@ -167,6 +169,8 @@ class ParamGatherer:
         for k in need + plan:
             self.inflight[k] = self.groups[k[0]].gather(k[1], async_op=True)
             self.gathers += 1
+        self.misses += bool(need)
+        self.peak_live = max(self.peak_live, self.live_numel())
         for k in keys:
             handle = self.inflight.pop(k, None)
             if handle is not None:
