@@ -398,3 +398,34 @@ def test_stage3_parameter_used_outside_its_module() -> None:
     for r in run_distributed(_external, world_size=WORLD, timeout=120):
         assert "register_external_parameter" in r["error"], r["error"]
         torch.testing.assert_close(torch.tensor(r["losses"][3]), torch.tensor(r["losses"][2]), rtol=1e-6, atol=0)
+
+
+def _gpt(rank: int, world: int) -> dict[int, list[float]]:
+    """The demo GPT (two embeddings, head tied to the token embedding, nn.MultiheadAttention reading its
+    out_proj's weight directly): stage 3 trains it like stage 2."""
+    import ds_strategy.runtime as rt
+    from ds_strategy.demo.model import GPT, GPTConfig
+
+    gen = torch.Generator().manual_seed(rank)
+    tokens = torch.randint(0, 256, (2, 33), generator=gen)
+    losses: dict[int, list[float]] = {}
+    for stage in (2, 3):
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(block_size=32, n_layer=2, n_embd=64, n_head=4))
+        cfg = config(stage=stage, micro=2, gas=1, bucket=20000)
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 100
+        engine, *_ = rt.initialize(model=model, config=cfg)
+        losses[stage] = []
+        for _ in range(3):
+            loss = model.loss(tokens[:, :-1], tokens[:, 1:])
+            engine.backward(loss)
+            engine.step()
+            losses[stage].append(loss.item())
+        engine.destroy()
+    return losses
+
+
+@pytest.mark.multiprocess
+def test_stage3_trains_the_demo_gpt_like_stage_2() -> None:
+    for losses in run_distributed(_gpt, world_size=WORLD, timeout=120):
+        torch.testing.assert_close(torch.tensor(losses[3]), torch.tensor(losses[2]), rtol=1e-6, atol=0)

@@ -3,7 +3,8 @@ prefetch along the recorded execution order, and detect ranks that gather differ
 
 [Note: gather units and hooks]
 A module's *unit* is the set of (group, bucket) keys holding its direct, partitioned parameters (buckets
-are module-aligned, see stage3.py), plus any registered external parameters. A forward pre-hook gathers
+are module-aligned, see stage3.py), plus any registered external parameters (and, for torch modules that
+read their children's weights directly, like ``nn.MultiheadAttention``, the whole subtree). A forward pre-hook gathers
 the unit and counts a user; the forward hook drops the user and frees the buckets (unless a later use
 is near, see below), and registers - on the forward's output tensors - a multi-grad hook that gathers
 the unit again when the gradient w.r.t. those outputs is ready, i.e. just before the module's backward.
@@ -51,6 +52,9 @@ from .collectives import Collectives, Handle
 from .sharded import ShardedGroup
 
 EXTERNAL_ATTR = "_ds_external_params"
+# torch modules whose forward reads their children's parameters without calling the children
+# (MultiheadAttention passes ``out_proj.weight`` to the functional attention): their unit is the subtree.
+READS_CHILD_PARAMETERS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 TIMEOUT_ENV = "DS_STRATEGY_GATHER_TIMEOUT"
 
 
@@ -88,7 +92,10 @@ class ParamGatherer:
         for n, (name, m) in enumerate(root.named_modules()):
             self.names[id(m)] = name or "<root>"
             self.index[id(m)] = n
-            self.units[id(m)] = self.keys_of(list(m._parameters.values()) + list(getattr(m, EXTERNAL_ATTR, [])))
+            params = list(m._parameters.values()) + list(getattr(m, EXTERNAL_ATTR, []))
+            if isinstance(m, READS_CHILD_PARAMETERS):
+                params += list(m.parameters())
+            self.units[id(m)] = self.keys_of(params)
         self.users: dict[BucketKey, int] = defaultdict(int)
         self.inflight: dict[BucketKey, Handle] = {}
         self.trace: list[int] | None = None
