@@ -1,9 +1,14 @@
 """ZeRO stage 3 on 2 CPU ranks: ours with and without parameter offload beside our stage 2, torch DDP,
 torch FSDP2 (``fully_shard`` per block) and, when installed, DeepSpeed stage 3, on the engine benchmark's
 GPT (8 layers, d=512, seq 256, micro 4, fp32, AdamW). Every stage-3 peer gets the same stage3_* keys.
-Writes benchmarks/results/zero3.{json,md,png}.
+Writes benchmarks/results/zero3.{json,md,png} (or NAME.* with --name).
 
-    python -m benchmarks.bench_zero3 [--quick]
+    python -m benchmarks.bench_zero3 [--quick] [--only "case,case"] [--name NAME]
+
+glibc's malloc keeps freed multi-MiB blocks resident once its dynamic mmap threshold has grown, which
+inflates the peak RSS of every peer (most of all the ones that free and re-allocate, like any stage 3).
+Run it a second time with ``MALLOC_MMAP_THRESHOLD_=1048576 MALLOC_TRIM_THRESHOLD_=1048576`` in the
+environment (``--name zero3_malloc_pinned``) to see live memory; the settings are recorded in the JSON.
 """
 
 from __future__ import annotations
@@ -20,9 +25,9 @@ from benchmarks.bench_engine import _model_and_batches, _time_steps
 from benchmarks.common import machine, markdown_table, peak_rss_bytes, run_ranks, write_results
 
 WORLD = 2
-STAGE3 = {
-    "stage3_prefetch_bucket_size": 4_000_000,  # about one block ahead
-    "stage3_max_live_parameters": 10_000_000,
+STAGE3 = {  # the model has ~25M parameters; a block ~3.1M, its largest Linear ~1M
+    "stage3_prefetch_bucket_size": 1_500_000,  # the next Linear or attention ahead
+    "stage3_max_live_parameters": 3_000_000,
     "stage3_max_reuse_distance": 0,
     "stage3_param_persistence_threshold": 10_000,
 }
@@ -88,6 +93,7 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small model and 3 steps (smoke run)")
     parser.add_argument("--only", default="", help="comma-separated case labels to run")
+    parser.add_argument("--name", default="zero3", help="results file name (benchmarks/results/NAME.*)")
     args = parser.parse_args(argv)
     shape = {"layers": 8, "d": 512, "seq": 256, "micro": 4}
     steps = 5
@@ -120,13 +126,21 @@ def main(argv: list[str] | None = None) -> None:
         print(f"{label}: {sec:.3f} s/step, peak RSS {rss / 2**30:.2f} GiB/rank", flush=True)
     table = markdown_table(("case", "s/step (slowest rank)", "peak RSS GiB (max rank)"), rows)
     params = next((r["ranks"][0]["params"] for r in records if "ranks" in r), None)
-    payload = {"machine": machine(), "shape": shape, "params": params, "stage3_keys": STAGE3, "cases": records}
-    write_results("zero3", payload, table)
-    _plot(rows)
+    malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+    payload = {
+        "machine": machine(),
+        "shape": shape,
+        "params": params,
+        "stage3_keys": STAGE3,
+        "malloc_env": malloc,
+        "cases": records,
+    }
+    write_results(args.name, payload, table)
+    _plot(rows, args.name)
     print(table)
 
 
-def _plot(rows: list[tuple[str, str, str]]) -> None:
+def _plot(rows: list[tuple[str, str, str]], name: str) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -142,7 +156,7 @@ def _plot(rows: list[tuple[str, str, str]]) -> None:
     b.set_xlabel("peak RSS per rank (GiB)")
     b.set_yticklabels([])
     fig.tight_layout()
-    fig.savefig(RESULTS / "zero3.png", dpi=120)
+    fig.savefig(RESULTS / f"{name}.png", dpi=120)
 
 
 if __name__ == "__main__":
