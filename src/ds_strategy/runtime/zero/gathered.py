@@ -74,8 +74,8 @@ class GatheredParameters:
                     partition_param(p, info.coll, src=self.modifier_rank)
                 else:
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            plain = self._plain()
-            if self.modifier_rank is not None and exc_type is None and plain:
+            plain = self._plain() if self.modifier_rank is not None and exc_type is None else []
+            if plain:
                 from .collectives import Collectives
 
                 coll = Collectives()
@@ -84,7 +84,8 @@ class GatheredParameters:
 
     def _plain(self) -> list[torch.Tensor]:
         """Whole parameters that neither stage 3 nor zero.Init manages."""
-        return [p for p in self.params if getattr(p, ZERO3_ATTR, None) is None and p not in self._init_params]
+        managed = {id(p) for p in self._init_params}
+        return [p for p in self.params if getattr(p, ZERO3_ATTR, None) is None and id(p) not in managed]
 
 
 def register_external_parameter(module: nn.Module, parameter: torch.Tensor) -> None:
