@@ -62,25 +62,25 @@ class GatheredParameters:
     ) -> None:
         if not self.enabled:
             return
+        modifier = self.modifier_rank if exc_type is None else None  # after an error: drop the edits
         for stage, keys in self._stages.values():
-            stage.release_for_user(keys, self.modifier_rank if exc_type is None else None)
+            stage.release_for_user(keys, modifier)
         with torch.no_grad():
             for p in self._init_params:
                 info = init_shard(p)
                 assert info is not None
-                if self.modifier_rank is not None and exc_type is None:
-                    info.coll.broadcast(p.data, src=self.modifier_rank)
+                if modifier is not None:
                     delattr(p, "_ds_init_shard")
-                    partition_param(p, info.coll, src=self.modifier_rank)
+                    partition_param(p, info.coll, src=modifier)  # broadcasts the modifier's value
                 else:
                     p.data = torch.empty(0, dtype=p.dtype, device=p.device)
-            plain = self._plain() if self.modifier_rank is not None and exc_type is None else []
-            if plain:
+            plain = self._plain() if modifier is not None else []
+            if modifier is not None and plain:
                 from .collectives import Collectives
 
                 coll = Collectives()
                 for t in plain:
-                    coll.broadcast(t.data, src=self.modifier_rank)
+                    coll.broadcast(t.data, src=modifier)
 
     def _plain(self) -> list[torch.Tensor]:
         """Whole parameters that neither stage 3 nor zero.Init manages."""
