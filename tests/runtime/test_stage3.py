@@ -180,7 +180,8 @@ def _bytes_per_rank(rank: int, world: int) -> dict[str, int]:
     engine.backward(loss)
     engine.step()
     held = sum(p.untyped_storage().nbytes() for p in model.parameters())
-    return {"full": full, "stage_params": engine.memory_breakdown()["params"], "module_storage": held}
+    estimate = rt.estimate_memory(full // 4, world, stage=3).params
+    return {"full": full, "stage_params": engine.memory_breakdown()["params"], "module_storage": held, "est": estimate}
 
 
 @pytest.mark.multiprocess
@@ -189,6 +190,7 @@ def test_stage3_parameter_bytes_per_rank_are_one_over_n() -> None:
         # 1/W of the flat buffer, plus bucket padding (< 1%); no gathered bucket is left alive.
         assert r["full"] / WORLD <= r["stage_params"] <= 1.01 * r["full"] / WORLD, r
         assert r["module_storage"] == 0, r
+        assert abs(r["est"] - r["stage_params"]) <= 0.01 * r["stage_params"], r  # estimate_memory(stage=3)
 
 
 def _divergent(rank: int, world: int) -> None:
