@@ -28,7 +28,7 @@ from torch import nn
 
 from .base import BucketKey, StageOptions, ZeroStage
 from .buffers import GroupState
-from .collectives import Collectives
+from .collectives import Collectives, Handle
 from .init import init_shard, unpartition_param
 from .param_gather import EXTERNAL_ATTR, ParamGatherer
 from .sharded import ShardedGroup
@@ -170,6 +170,19 @@ class Stage3(Stage2):
         self._bucket_grads[key] = self._bucket_grads.get(key, 0) + 1
         if self._bucket_grads[key] == len(self.groups[g].layout.buckets[key[1]].params):
             self.gatherer.grads_done(key)  # see [Note: gather units and hooks]
+
+    def _launch(self, key: BucketKey) -> Handle:
+        grads = self.partition_grads[key[0]]
+        if grads.untyped_storage().nbytes() == 0 and grads.numel() > 0:  # released after the last step
+            grads.untyped_storage().resize_(grads.numel() * grads.element_size())
+        return super()._launch(key)
+
+    def _reset_window(self) -> None:
+        """After a step: also release the partition gradients until the next backward lands one (every
+        bucket is launched in every reducing pass and its first landing overwrites, so no zeroing)."""
+        super()._reset_window()
+        for grads in self.partition_grads:
+            grads.untyped_storage().resize_(0)
 
     def end_backward(self) -> None:
         super().end_backward()
