@@ -89,16 +89,64 @@ def _run_one(rank: int, world: int, peer: str, stage: int, offload: bool, shape:
     return {"seconds_per_step": seconds, "peak_rss": peak_rss_bytes(), "params": params}
 
 
+def _paired(rank: int, world: int, shape: dict[str, int], steps: int) -> dict[str, list[float]]:
+    """Stage 2, stage 3 and stage 3 + offload engines in the same processes, their steps interleaved, so
+    load from other work on a shared machine hits all three alike; per-step seconds for each."""
+    import time
+
+    import ds_strategy.runtime as rt
+
+    cases = {"stage 2": (2, False), "stage 3": (3, False), "stage 3 + offload": (3, True)}
+    engines, batches = {}, []
+    for label, (stage, offload) in cases.items():
+        model, batches = _model_and_batches(shape, steps + 2, rank)
+        engines[label] = rt.initialize(
+            model=model, model_parameters=model.parameters(), config=_config(stage, offload, shape["micro"])
+        )[0]
+    times: dict[str, list[float]] = {label: [] for label in cases}
+    for i, b in enumerate(batches):
+        for label, engine in engines.items():
+            start = time.perf_counter()
+            loss = engine(b)
+            engine.backward(loss)
+            engine.step()
+            if i >= 2:
+                times[label].append(time.perf_counter() - start)
+    return times
+
+
+def paired_main(shape: dict[str, int], steps: int, name: str) -> None:
+    import statistics
+
+    per_rank = run_ranks(_paired, WORLD, shape, steps)
+    labels = list(per_rank[0])
+    slowest = {k: [max(r[k][i] for r in per_rank) for i in range(len(per_rank[0][k]))] for k in labels}
+    rows = []
+    for k in labels:
+        ratio = statistics.median(a / b for a, b in zip(slowest[k], slowest["stage 2"], strict=True))
+        rows.append(
+            (f"ds_strategy {k}", f"{min(slowest[k]):.3f}", f"{statistics.median(slowest[k]):.3f}", f"{ratio:.3f}")
+        )
+        print(rows[-1], flush=True)
+    table = markdown_table(("case (interleaved)", "min s/step", "median s/step", "median ratio to stage 2"), rows)
+    write_results(name, {"machine": machine(), "shape": shape, "stage3_keys": STAGE3, "steps": slowest}, table)
+    print(table)
+
+
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small model and 3 steps (smoke run)")
     parser.add_argument("--only", default="", help="comma-separated case labels to run")
     parser.add_argument("--name", default="zero3", help="results file name (benchmarks/results/NAME.*)")
+    parser.add_argument("--paired", type=int, default=0, help="interleave stage 2/3/3+offload for N steps")
     args = parser.parse_args(argv)
     shape = {"layers": 8, "d": 512, "seq": 256, "micro": 4}
     steps = 5
     if args.quick:
         shape, steps = {"layers": 2, "d": 128, "seq": 64, "micro": 2}, 3
+    if args.paired:
+        paired_main(shape, args.paired, args.name)
+        return
     cases: list[tuple[str, str, int, bool]] = [
         ("torch DDP", "torch DDP", 0, False),
         ("torch FSDP2", "torch FSDP2", 3, False),
