@@ -218,6 +218,29 @@ def test_stage3_divergent_ranks_raise_naming_rank_and_module() -> None:
     assert "rank 0 gathers 'block.0'" in text and "rank 1 gathers 'head'" in text, text
 
 
+def _absent(rank: int, world: int) -> None:
+    """Rank 1 never runs the forward (it idles past the gather timeout): rank 0 must not hang."""
+    import time
+
+    import ds_strategy.runtime as rt
+
+    engine, *_ = rt.initialize(model=make_tied(), config=_stage3_config("fp32", False, 0.0))
+    if rank == 1:
+        time.sleep(4)
+        return
+    x, y = token_batches(1, 2)[0]
+    engine(x, y)
+
+
+@pytest.mark.multiprocess
+def test_stage3_gather_timeout_names_rank_and_module() -> None:
+    with pytest.raises(DistributedTestError) as info:
+        run_distributed(_absent, world_size=WORLD, timeout=60, env={"DS_STRATEGY_GATHER_TIMEOUT": "2"})
+    text = str(info.value)
+    assert "ZeRO-3: rank 0 timed out in parameter gather #1 for module 'embed'" in text, text
+    assert "within 2s" in text, text
+
+
 def _gathered_edit(rank: int, world: int) -> dict[str, Any]:
     import ds_strategy.runtime as rt
     from ds_strategy.zero import GatheredParameters

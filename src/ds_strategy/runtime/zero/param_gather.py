@@ -322,11 +322,12 @@ class ParamGatherer:
                 else:
                     work.wait(datetime.timedelta(seconds=self.timeout_s))
             except RuntimeError as err:
+                limit = f"within {self.timeout_s:g}s" if self.timeout_s is not None else "(process group timeout)"
                 raise RuntimeError(
                     f"ZeRO-3: rank {self.coll.rank} timed out in parameter gather #{seq} for module {name!r}: "
-                    "another rank did not gather it. The ranks took different code paths (a module skipped or "
-                    "called a different number of times on some rank), or another rank failed. Under ZeRO "
-                    "stage 3 every rank must run the same modules in the same order."
+                    f"another rank did not gather it {limit} ({err}). The ranks took different code paths (a "
+                    "module skipped or called a different number of times on some rank), or another rank "
+                    "failed. Under ZeRO stage 3 every rank must run the same modules in the same order."
                 ) from err
             rows = header.tolist()
             if any(row != rows[0] for row in rows):
