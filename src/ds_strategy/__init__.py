@@ -26,7 +26,10 @@ _LAZY: dict[str, str] = {
     "estimate_memory": "ds_strategy.runtime",
 }
 
-__all__ = ["__version__", *_LAZY]
+# submodules users reach as attributes: ds_strategy.zero.Init(...), ds_strategy.ops.CPUAdam(...)
+_SUBMODULES = ("zero", "ops", "comm", "config", "lightning", "runtime")
+
+__all__ = ["__version__", *_LAZY, *_SUBMODULES]
 
 if TYPE_CHECKING:
     from ds_strategy.accelerator import get_accelerator as get_accelerator
@@ -39,6 +42,8 @@ if TYPE_CHECKING:
 
 
 def __getattr__(name: str) -> Any:
+    if name in _SUBMODULES:
+        return importlib.import_module(f"ds_strategy.{name}")
     module = _LAZY.get(name)
     if module is None:
         raise AttributeError(f"module 'ds_strategy' has no attribute {name!r}")
@@ -48,7 +53,7 @@ def __getattr__(name: str) -> Any:
 
 
 def __dir__() -> list[str]:
-    return sorted(set(globals()) | set(_LAZY))
+    return sorted(set(globals()) | set(_LAZY) | set(_SUBMODULES))
 
 
 _lightning_hook.install()

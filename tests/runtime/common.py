@@ -30,6 +30,10 @@ class Net(nn.Module):
         return F.mse_loss(out.float(), y.float())
 
 
+def _cast(t: torch.Tensor, dtype: torch.dtype) -> torch.Tensor:
+    return t.to(dtype) if t.is_floating_point() else t
+
+
 def make_model(seed: int = 0) -> Net:
     torch.manual_seed(seed)
     return Net()
@@ -105,7 +109,7 @@ def reference_run(
             for m in range(gas):
                 for r in range(world):
                     x, y = micro_slice(batch, micro, world, m, r)
-                    loss = compute(x.to(dtype), y.to(dtype))
+                    loss = compute(_cast(x, dtype), _cast(y, dtype))
                     total += loss.item()
                     (loss.float() * (loss_scale / gas)).backward()
                     for n, p in compute.named_parameters():
@@ -170,7 +174,10 @@ def engine_run(engine: Any, data: list[tuple[torch.Tensor, torch.Tensor]], *, mi
         dist.all_reduce(total)
         trace.losses.append(total.item() / (gas * world))
         trace.norms.append(float(engine.get_global_grad_norm()))
-    trace.params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
+    from ds_strategy.zero import GatheredParameters
+
+    with GatheredParameters(list(engine.module.parameters())):  # stage 3: whole for the copy; else a no-op
+        trace.params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
     trace.masters = full_masters(engine)
     return trace
 
@@ -207,3 +214,42 @@ def config(
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     cfg.update(extra)
     return cfg
+
+
+class TiedNet(nn.Module):
+    """A tiny language model for stage 3: the output head shares the embedding's weight, one block and a
+    LayerNorm are called twice per forward, plus a frozen parameter, a buffer and a never-used Linear."""
+
+    def __init__(self, vocab: int = 24, d: int = 32) -> None:
+        super().__init__()
+        self.embed = nn.Embedding.from_pretrained(torch.randn(vocab, d) * 0.1, freeze=False)  # tame logits
+        self.block = nn.Sequential(nn.Linear(d, 2 * d), nn.GELU(), nn.Linear(2 * d, d))
+        self.ln = nn.LayerNorm(d)
+        self.head = nn.Linear(d, vocab, bias=False)
+        self.head.weight = self.embed.weight
+        self.unused = nn.Linear(4, 4)
+        self.frozen = nn.Parameter(torch.randn(vocab) * 0.1, requires_grad=False)
+        self.register_buffer("pos", torch.randn(8, d) * 0.1)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        h = self.embed(x) + self.pos[: x.shape[1]]
+        h = h + self.block(h)
+        h = h + self.block(self.ln(h))
+        logits = self.head(self.ln(h)) + self.frozen
+        return F.cross_entropy(logits.float().reshape(-1, logits.shape[-1]), y.reshape(-1))
+
+
+def make_tied(seed: int = 0) -> TiedNet:
+    torch.manual_seed(seed)
+    return TiedNet()
+
+
+def token_batches(
+    steps: int, rows: int, seed: int = 1, vocab: int = 24, seq: int = 6
+) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    """Token ids (inputs, targets) per optimizer step, ``rows`` = micro x world x accumulation rows."""
+    g = torch.Generator().manual_seed(seed)
+    return [
+        (torch.randint(0, vocab, (rows, seq), generator=g), torch.randint(0, vocab, (rows, seq), generator=g))
+        for _ in range(steps)
+    ]

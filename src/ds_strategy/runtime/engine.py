@@ -86,8 +86,10 @@ class ZeroEngine(nn.Module):
         )
         stage_cls = STAGES.get(config.zero_stage)
         if stage_cls is None:
-            raise ValueError(f"ZeRO stage {config.zero_stage} is not implemented by this engine (stages 0, 1, 2)")
-        self.stage = stage_cls(named, registration, coll=self.coll, options=options)
+            raise ValueError(f"ZeRO stage {config.zero_stage} is not implemented by this engine (stages 0-3)")
+        self.stage = stage_cls.create(
+            named, registration, coll=self.coll, options=options, module=module, config=config
+        )
         self._cast_and_sync_the_rest(registration)
         self.optimizer: Optimizer | None = attach_optimizer(
             optimizer, groups, self.stage.masters, config, master_device=master_device
@@ -145,7 +147,7 @@ class ZeroEngine(nn.Module):
 
     # ------------------------------------------------------------------ DeepSpeed's engine API
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
-        with self.timers("forward"):
+        with self.timers("forward"), self.stage.forward_context():
             return self.module(*self.precision.cast_inputs(inputs), **self.precision.cast_inputs(kwargs))
 
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
@@ -350,6 +352,24 @@ class ZeroEngine(nn.Module):
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
         )
+
+    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+        """Write the consolidated weights (compute dtype: 16-bit, or fp32 when training in fp32) as a
+        state dict that the plain module loads (``load_state_dict(strict=True)``); rank 0 writes, every
+        rank must call it. Stage 3 gathers the partitions only with
+        ``stage3_gather_16bit_weights_on_model_save`` (like DeepSpeed: otherwise False, nothing written)."""
+        state = self.stage.consolidated_state_dict(self.module)
+        if state is None:
+            if self.coll.rank == 0:
+                log.warning(
+                    "save_16bit_model: nothing saved; set zero_optimization.stage3_gather_16bit_weights_on_model_save "
+                    "to true to gather the partitioned ZeRO-3 weights into one file"
+                )
+            return False
+        if self.coll.rank == 0:
+            os.makedirs(save_dir, exist_ok=True)
+            torch.save(state, os.path.join(save_dir, save_filename))
+        return True
 
     def destroy(self) -> None:
         """Remove the gradient hooks and release the shared-memory segment of the collectives (the module

@@ -20,7 +20,7 @@ so checkpoint resharding (another world size, another stage) can rebuild the lay
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -90,11 +90,13 @@ class FlatLayout:
         world_size: int,
         bucket_numel: int,
         alignment: int = DEFAULT_ALIGNMENT,
+        breaks: Collection[int] = (),
     ) -> FlatLayout:
         """Lay out ``(name, shape, dtype)`` entries in the given order.
 
         ``bucket_numel`` is the bucket capacity in elements; a bucket closes before the parameter that
-        would overflow it, and a parameter larger than the capacity forms its own bucket.
+        would overflow it, and a parameter larger than the capacity forms its own bucket. A bucket also
+        closes before every entry index in ``breaks`` (stage 3 aligns buckets with modules).
         """
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -108,7 +110,7 @@ class FlatLayout:
         current: list[int] = []
         filled = 0
         for i, n in enumerate(sizes):
-            if current and filled + n > bucket_numel:
+            if current and (filled + n > bucket_numel or i in breaks):
                 groups.append(current)
                 current, filled = [], 0
             current.append(i)

@@ -24,7 +24,9 @@ from __future__ import annotations
 
 import math
 from collections.abc import Callable, Collection, Sequence
+from contextlib import AbstractContextManager, nullcontext
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -71,21 +73,7 @@ class ZeroStage:
     ) -> None:
         self.coll = coll
         self.options = options
-        self.groups: list[GroupState] = []
-        for g, named in enumerate(groups):
-            device = named[0][1].device if named else torch.device("cpu")
-            self.groups.append(
-                GroupState(
-                    g,
-                    named,
-                    coll=coll,
-                    bucket_numel=options.bucket_numel,
-                    compute_dtype=options.compute_dtype,
-                    master_device=options.master_device or device,
-                    partitioned=self.partitioned,
-                    pin_memory=options.pin_memory,
-                )
-            )
+        self.groups: list[GroupState] = [self._make_group(g, named) for g, named in enumerate(groups)]
         # Per parameter: (group, index in layout); per bucket: its parameter count.
         self._where: list[tuple[int, int]] = [(g, i) for g, gs in enumerate(self.groups) for i in range(len(gs.params))]
         self._first_pid = [sum(len(gs.params) for gs in self.groups[:g]) for g in range(len(self.groups))]
@@ -107,6 +95,52 @@ class ZeroStage:
         self._ptr = 0
         self._inflight: list[Handle] = []
         self._host_grad_buffers: dict[int, list[torch.Tensor]] = {}
+
+    @classmethod
+    def create(
+        cls,
+        groups: Sequence[Sequence[tuple[str, nn.Parameter]]],
+        registration: dict[nn.Parameter, int],
+        *,
+        coll: Collectives,
+        options: StageOptions,
+        module: nn.Module,
+        config: Any,
+    ) -> ZeroStage:
+        """What the engine calls: stages needing more than their parameters (stage 3: the module's
+        hooks and its ``stage3_*`` keys) override this; the others ignore ``module`` and ``config``."""
+        return cls(groups, registration, coll=coll, options=options)
+
+    def _make_group(self, index: int, named: Sequence[tuple[str, nn.Parameter]]) -> GroupState:
+        """The storage of one param group (stage 3 keeps only this rank's shards)."""
+        for name, p in named:
+            if getattr(p, "_ds_init_shard", None) is not None:
+                raise ValueError(
+                    f"parameter {name!r} was partitioned by ds_strategy.zero.Init, which only ZeRO stage 3 "
+                    "trains; set zero_optimization.stage to 3 or build the model without zero.Init"
+                )
+        device = named[0][1].device if named else torch.device("cpu")
+        return GroupState(
+            index,
+            named,
+            coll=self.coll,
+            bucket_numel=self.options.bucket_numel,
+            compute_dtype=self.options.compute_dtype,
+            master_device=self.options.master_device or device,
+            partitioned=self.partitioned,
+            pin_memory=self.options.pin_memory,
+        )
+
+    def forward_context(self) -> AbstractContextManager[None]:
+        """Wraps the engine's forward (stage 3 adds a hint to errors from partitioned parameters)."""
+        return nullcontext()
+
+    @torch.no_grad()
+    def consolidated_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
+        """The module's full state dict in the compute dtype, on the CPU (every rank must call it);
+        None when the configuration says not to gather it (stage 3 without
+        ``stage3_gather_16bit_weights_on_model_save``)."""
+        return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
 
     # ------------------------------------------------------------------ stage-specific parts
     def _target(self, group: int, index: int) -> torch.Tensor:

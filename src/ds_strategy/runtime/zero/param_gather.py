@@ -1,0 +1,361 @@
+"""Stage 3's module hooks: gather a module's parameters before its forward and backward, free them after,
+prefetch along the recorded execution order, and detect ranks that gather different modules.
+
+[Note: gather units and hooks]
+A module's *unit* is the set of (group, bucket) keys holding its direct, partitioned parameters (buckets
+are module-aligned, see stage3.py), plus any registered external parameters (and, for torch modules that
+read their children's weights directly, like ``nn.MultiheadAttention``, the whole subtree). A forward pre-hook gathers
+the unit and counts a user; the forward hook drops the user and frees the buckets (unless a later use
+is near, see below), and registers - on the forward's output tensors - a multi-grad hook that gathers
+the unit again when the gradient w.r.t. those outputs is ready, i.e. just before the module's backward.
+In backward a bucket is freed as soon as all of its parameters' gradients have been accumulated (the
+post-accumulate-grad hook that also feeds the reduce-scatter), which is also after the last use of a
+tied or reused parameter; ``end_backward`` frees whatever is left. Persistent buckets are never freed.
+
+[Note: prefetch order]
+The first iteration (root forward through ``end_backward``) records the sequence of unit fetches. Later
+iterations follow it with a cursor: after fetching a unit, the buckets of the next units in the record
+are all-gathered asynchronously until ``stage3_prefetch_bucket_size`` elements are in flight, without
+exceeding ``stage3_max_live_parameters`` live elements (buckets with no user are freed first to make
+room). When a unit's users drop to 0 it stays gathered if the record says it is used again within
+``stage3_max_reuse_distance`` gathered elements. If execution leaves the recorded path the cursor is
+dropped: no prefetch or reuse until the next iteration. All of this depends only on what every rank
+executes, so all ranks issue the same collectives in the same order.
+
+[Note: divergence detection]
+If ranks run different modules (data-dependent control flow), their all-gathers would pair up wrongly:
+a hang, or silently wrong weights when sizes happen to match. Every fetch therefore all-reduces a tiny
+header (module index, fetch number) in the same stream of collectives. A fetch that must block on its
+own buckets first checks every outstanding header; a fetch served by prefetched buckets leaves its
+header in flight and it is checked at the next blocking fetch or at the end of backward (so prefetch
+overlap is kept). A mismatch raises a RuntimeError on every rank naming each rank's module; a header
+that does not complete within the gather timeout (``DS_STRATEGY_GATHER_TIMEOUT`` seconds, default: the
+process group's timeout) raises one naming this rank and the module it was gathering.
+"""
+
+from __future__ import annotations
+
+import datetime
+import os
+from collections import defaultdict
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils.hooks import RemovableHandle
+
+from .base import BucketKey
+from .collectives import Collectives, Handle
+from .sharded import ShardedGroup
+
+EXTERNAL_ATTR = "_ds_external_params"
+# torch modules whose forward reads their children's parameters without calling the children
+# (MultiheadAttention passes ``out_proj.weight`` to the functional attention): their unit is the subtree.
+READS_CHILD_PARAMETERS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
+TIMEOUT_ENV = "DS_STRATEGY_GATHER_TIMEOUT"
+
+
+class ParamGatherer:
+    """Gathers and frees stage 3's buckets around module forwards and backwards (see the notes)."""
+
+    def __init__(
+        self,
+        groups: Sequence[ShardedGroup],
+        root: nn.Module,
+        coll: Collectives,
+        *,
+        prefetch_numel: int,
+        max_live_numel: int,
+        reuse_distance: int,
+        timeout_s: float | None = None,
+    ) -> None:
+        self.groups = groups
+        self.root = root
+        self.coll = coll
+        self.prefetch_numel = prefetch_numel
+        self.max_live_numel = max_live_numel
+        self.reuse_distance = reuse_distance
+        env = os.environ.get(TIMEOUT_ENV)
+        self.timeout_s = float(env) if env else timeout_s
+        self.bucket_of: dict[int, BucketKey] = {}
+        for g, gs in enumerate(groups):
+            for i, p in enumerate(gs.params):
+                b = gs.slot(i).bucket
+                if b not in gs.persistent:
+                    self.bucket_of[id(p)] = (g, b)
+        self.names: dict[int, str] = {}
+        self.index: dict[int, int] = {}
+        self.units: dict[int, list[BucketKey]] = {}
+        for n, (name, m) in enumerate(root.named_modules()):
+            self.names[id(m)] = name or "<root>"
+            self.index[id(m)] = n
+            params = list(m._parameters.values()) + list(getattr(m, EXTERNAL_ATTR, []))
+            if isinstance(m, READS_CHILD_PARAMETERS):
+                params += list(m.parameters())
+            self.units[id(m)] = self.keys_of(params)
+        self.users: dict[BucketKey, int] = defaultdict(int)
+        self.inflight: dict[BucketKey, Handle] = {}
+        self.trace: list[int] | None = None
+        self._recording: list[int] | None = None
+        self._cursor: int | None = None
+        self._seq = 0
+        self._headers: list[tuple[Any, torch.Tensor, int, int]] = []
+        self._hooks: list[RemovableHandle] = []
+        self.gathers = 0  # bucket all-gathers issued (for tests and reports) ...
+        self.misses = 0  # ... fetches that found a bucket neither gathered nor prefetched ...
+        self.peak_live = 0  # ... and the most partitioned-bucket elements gathered at once
+
+    # ------------------------------------------------------------------ set-up
+    def keys_of(self, params: Iterable[torch.Tensor | None]) -> list[BucketKey]:
+        return sorted({self.bucket_of[id(p)] for p in params if p is not None and id(p) in self.bucket_of})
+
+    def add_external(self, module: nn.Module, param: torch.Tensor) -> None:
+        """Gather ``param`` whenever ``module`` runs (``register_external_parameter``)."""
+        self.units[id(module)] = sorted(set(self.units.get(id(module), [])) | set(self.keys_of([param])))
+
+    def attach(self) -> None:
+        self._hooks.append(self.root.register_forward_pre_hook(self._on_root_start))
+        for m in self.root.modules():
+            self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
+            self._hooks.append(m.register_forward_hook(self._post_forward))
+        self._hooks.append(self.root.register_forward_hook(self._on_root_end))
+
+    def detach(self) -> None:
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+
+    def _numel(self, key: BucketKey) -> int:
+        return self.groups[key[0]].full[key[1]].numel()
+
+    def _live(self, key: BucketKey) -> bool:
+        return self.groups[key[0]].live[key[1]]
+
+    def live_numel(self) -> int:
+        return sum(gs.live_numel() for gs in self.groups)
+
+    # ------------------------------------------------------------------ hooks
+    def _on_root_start(self, module: nn.Module, args: Any) -> None:
+        if self.trace is None:
+            self._recording = []
+        self._cursor = 0
+        for key in [k for k, n in self.users.items() if n <= 0]:
+            self._free(key)
+
+    def _on_root_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not torch.is_grad_enabled():  # no backward follows: nothing stays gathered for it
+            self.verify_headers()
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        self.fetch(module)
+
+    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.units.get(id(module)):
+            return
+        if torch.is_grad_enabled():
+            outs = [t for t in _tensors(output) if t.requires_grad]
+            if outs:
+                register_multi_grad_hook(outs, lambda grads, m=module: self.fetch(m), mode="any")
+        self.release(module)
+
+    # ------------------------------------------------------------------ gather / release
+    def fetch(self, module: nn.Module) -> None:
+        """Gather ``module``'s unit (and prefetch the next ones); count a user of each of its buckets."""
+        keys = self.units.get(id(module))
+        if not keys:
+            return
+        self._advance(id(module))
+        need = [k for k in keys if not self._live(k) and k not in self.inflight]
+        plan = self._prefetch_plan(set(keys), sum(self._numel(k) for k in need))
+        if need or plan:
+            self._make_room(sum(self._numel(k) for k in need + plan), protect=set(keys))
+        self._header(id(module), blocking=bool(need))
+        for k in need + plan:
+            self.inflight[k] = self.groups[k[0]].gather(k[1], async_op=True)
+            self.gathers += 1
+        self.misses += bool(need)
+        self.peak_live = max(self.peak_live, self.live_numel())
+        for k in keys:
+            handle = self.inflight.pop(k, None)
+            if handle is not None:
+                handle.wait()
+            self.users[k] += 1
+
+    def release(self, module: nn.Module) -> None:
+        """A forward of ``module`` ended: free its buckets unless in use or reused soon."""
+        for k in self.units.get(id(module), []):
+            self.users[k] = max(0, self.users[k] - 1)
+            if self.users[k] == 0 and not self._reused_soon(k):
+                self._free(k)
+
+    def acquire(self, keys: Sequence[BucketKey], label: str) -> None:
+        """Gather ``keys`` for temporary full access (GatheredParameters); every rank must call it."""
+        need = [k for k in keys if not self._live(k) and k not in self.inflight]
+        self._header(-1, blocking=True, label=label)
+        for k in need:
+            self.inflight[k] = self.groups[k[0]].gather(k[1], async_op=True)
+        for k in keys:
+            handle = self.inflight.pop(k, None)
+            if handle is not None:
+                handle.wait()
+            self.users[k] += 1
+
+    def release_keys(self, keys: Sequence[BucketKey]) -> None:
+        for k in keys:
+            self.users[k] = max(0, self.users[k] - 1)
+            if self.users[k] == 0:
+                self._free(k)
+
+    def grads_done(self, key: BucketKey) -> None:
+        """Every parameter of ``key`` has its gradient for this backward: no later backward reads it."""
+        if key[1] in self.groups[key[0]].persistent:
+            return
+        self.users[key] = 0
+        self._free(key)
+
+    def end_backward(self) -> None:
+        """Backward is over: check the outstanding headers, free every non-persistent bucket, keep the record."""
+        self.verify_headers()
+        for g, gs in enumerate(self.groups):
+            for b in range(len(gs.full)):
+                self._free((g, b))
+        self.users.clear()
+        if self.trace is None and self._recording:
+            self.trace = self._recording
+        self._recording = None
+        self._cursor = None
+
+    def free_all(self) -> None:
+        for g, gs in enumerate(self.groups):
+            for b in range(len(gs.full)):
+                self._free((g, b))
+        self.users.clear()
+
+    def _free(self, key: BucketKey) -> None:
+        handle = self.inflight.pop(key, None)
+        if handle is not None:
+            handle.wait()
+        self.groups[key[0]].free(key[1])
+
+    # ------------------------------------------------------------------ prefetch / reuse / limits
+    def _advance(self, mid: int) -> None:
+        if self._recording is not None:
+            self._recording.append(mid)
+        if self.trace is None or self._cursor is None:
+            return
+        if self._cursor < len(self.trace) and self.trace[self._cursor] == mid:
+            self._cursor += 1
+        else:
+            self._cursor = None  # off the recorded path (see [Note: prefetch order])
+
+    def _upcoming(self) -> Iterator[int]:
+        if self.trace is None or self._cursor is None:
+            return iter(())
+        return iter(self.trace[self._cursor :])
+
+    def _prefetch_plan(self, exclude: set[BucketKey], needed: int) -> list[BucketKey]:
+        plan: list[BucketKey] = []
+        total = 0
+        budget = self.max_live_numel - self.live_numel() - needed
+        for mid in self._upcoming():
+            for k in self.units.get(mid, []):
+                if k in exclude or k in plan or self._live(k) or k in self.inflight:
+                    continue
+                n = self._numel(k)
+                if total + n > min(self.prefetch_numel, budget):
+                    return plan
+                plan.append(k)
+                total += n
+        return plan
+
+    def _reused_soon(self, key: BucketKey) -> bool:
+        distance = 0
+        for mid in self._upcoming():
+            keys = self.units.get(mid, [])
+            if key in keys:
+                return True
+            distance += sum(self._numel(k) for k in keys if not self._live(k))
+            if distance > self.reuse_distance:
+                return False
+        return False
+
+    def _make_room(self, extra: int, protect: set[BucketKey]) -> None:
+        """Free unused live buckets (oldest key first) until ``extra`` more elements fit the live limit."""
+        live = self.live_numel()
+        if live + extra <= self.max_live_numel:
+            return
+        for g, gs in enumerate(self.groups):
+            for b, is_live in enumerate(gs.live):
+                key = (g, b)
+                if is_live and b not in gs.persistent and key not in protect and self.users[key] == 0:
+                    live -= self._numel(key)
+                    self._free(key)
+                    if live + extra <= self.max_live_numel:
+                        return
+
+    # ------------------------------------------------------------------ divergence detection
+    def _header(self, mid: int, *, blocking: bool, label: str | None = None) -> None:
+        if self.coll.world_size == 1:
+            return
+        self._seq += 1
+        header = torch.zeros(self.coll.world_size, 2, dtype=torch.int64)
+        header[self.coll.rank, 0] = self.index.get(mid, -1) + 2  # 1: GatheredParameters, 0: nothing
+        header[self.coll.rank, 1] = self._seq
+        work = dist.all_reduce(header, group=self.coll.group, async_op=True)
+        self._headers.append((work, header, mid, self._seq))
+        if label is not None:
+            self.names[mid] = label
+        if blocking:
+            self.verify_headers()
+
+    def verify_headers(self) -> None:
+        """Wait for the outstanding headers; raise naming the ranks/modules if they do not match."""
+        headers, self._headers = self._headers, []
+        for work, header, mid, seq in headers:
+            name = self.names.get(mid, "?")
+            try:
+                if self.timeout_s is None:
+                    work.wait()
+                else:
+                    work.wait(datetime.timedelta(seconds=self.timeout_s))
+            except RuntimeError as err:
+                limit = f"within {self.timeout_s:g}s" if self.timeout_s is not None else "(process group timeout)"
+                raise RuntimeError(
+                    f"ZeRO-3: rank {self.coll.rank} timed out in parameter gather #{seq} for module {name!r}: "
+                    f"another rank did not gather it {limit} ({err}). The ranks took different code paths (a "
+                    "module skipped or called a different number of times on some rank), or another rank "
+                    "failed. Under ZeRO stage 3 every rank must run the same modules in the same order."
+                ) from err
+            rows = header.tolist()
+            if any(row != rows[0] for row in rows):
+                by_rank = ", ".join(
+                    f"rank {r} gathers {self._name_of_index(row[0] - 2)!r} (gather #{row[1]})"
+                    for r, row in enumerate(rows)
+                )
+                raise RuntimeError(
+                    f"ZeRO-3: ranks diverged at parameter gather #{seq} (this is rank {self.coll.rank}, gathering "
+                    f"{name!r}): {by_rank}. The ranks took different code paths; under ZeRO stage 3 every rank "
+                    "must run the same modules in the same order (make the control flow agree across ranks)."
+                )
+
+    def _name_of_index(self, index: int) -> str:
+        if index == -1:
+            return "GatheredParameters"
+        for mid, i in self.index.items():
+            if i == index:
+                return self.names[mid]
+        return "<nothing: this rank was not gathering>"
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)

@@ -1,0 +1,183 @@
+"""Stage 3's storage of one param group: the compute-dtype parameters exist only as this rank's shards.
+
+[Note: storage swap]
+Stage 3 keeps, per param group, a *partition* buffer in the compute dtype: this rank's shard of every
+bucket of the flat layout (the same layout as stages 1-2, so masters, gradients and optimizer state are
+sharded exactly as there). Each bucket also owns one full-size *gathered* tensor whose storage is
+allocated only while the bucket is live: ``gather`` resizes its storage to the padded bucket size, copies
+this rank's shard in and all-gathers the rest; ``free`` resizes the storage back to 0 bytes. The tensor
+object itself (and therefore every view of it) survives, which is what makes freeing safe: autograd
+saves views of weights for backward (``linear`` saves ``weight.t()``), and those saved views point into
+this same storage, so re-gathering before a module's backward refills exactly what they read (the FSDP
+technique). While a bucket is live its parameters' ``.data`` are views of the gathered tensor; while it
+is free they are 0-element placeholders, so a stray use outside the hooks fails loudly on a shape
+instead of reading freed memory.
+
+Parameters below ``stage3_param_persistence_threshold`` sit in buckets of their own that are gathered
+once and never freed (persistent): they behave like stage 2 parameters.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+import torch
+from torch import nn
+
+from ..layout import FlatLayout, ParamSlot
+from .buffers import GroupState
+from .collectives import DONE, Collectives, Handle
+from .init import gather_init_param, init_shard
+
+
+class ShardedGroup(GroupState):
+    """Partition buffer, per-bucket gathered tensors and fp32 masters of one param group (stage 3).
+
+    A ``GroupState`` for the stage machinery (``layout``, ``params``, ``masters``, ``master_shaped``,
+    ``copy_masters_to_params``, ``numel_bytes``) with its own construction: nothing full-size is kept.
+    """
+
+    def __init__(
+        self,
+        index: int,
+        named_params: Sequence[tuple[str, nn.Parameter]],
+        *,
+        coll: Collectives,
+        bucket_numel: int,
+        breaks: Collection[int],
+        persistent: Collection[int],
+        compute_dtype: torch.dtype,
+        master_device: torch.device,
+        param_device: torch.device,
+        pin_memory: bool = False,
+    ) -> None:
+        # Deliberately not GroupState.__init__: that one materialises the full flat buffer.
+        self.index = index
+        self.params = [p for _, p in named_params]
+        self.names = [n for n, _ in named_params]
+        self.partitioned = True
+        self.rank = coll.rank
+        self.coll = coll
+        self.layout = FlatLayout.build(
+            [(n, p.shape if init_shard(p) is None else init_shard(p).shape, p.dtype) for n, p in named_params],  # type: ignore[union-attr]
+            world_size=coll.world_size,
+            bucket_numel=bucket_numel,
+            breaks=breaks,
+        )
+        self.device = _compute_device(self.params)
+        self.compute_dtype = compute_dtype
+        self.persistent = {b.index for b in self.layout.buckets if all(i in persistent for i in b.params)}
+        pin = pin_memory and param_device.type == "cpu" and torch.cuda.is_available()
+        self.part = torch.empty(self.layout.partition_numel, dtype=compute_dtype, device=param_device, pin_memory=pin)
+        self.aliased = compute_dtype == torch.float32 and master_device == param_device
+        if self.aliased:
+            self.master_flat: torch.Tensor | None = None
+        else:
+            self.master_flat = torch.empty(
+                self.layout.partition_numel, dtype=torch.float32, device=master_device, pin_memory=pin_memory
+            )
+        self._part_views = self.layout.partition_views(self.part)
+        master_views = self._part_views if self.master_flat is None else self.layout.partition_views(self.master_flat)
+        self.full = [torch.empty(b.padded, dtype=compute_dtype, device=self.device) for b in self.layout.buckets]
+        self.live = [True] * len(self.full)
+        self._placeholder = torch.empty(0, dtype=compute_dtype, device=self.device)
+        with torch.no_grad():
+            for b, bucket in enumerate(self.layout.buckets):
+                # One bucket at a time in fp32 (exact for every input dtype); rank 0's values win, as in
+                # stages 0-2. Parameters built under zero.Init are already agreed: gathered, not broadcast.
+                full32 = torch.zeros(bucket.padded, dtype=torch.float32, device=self.device)
+                from_init = True
+                for i in bucket.params:
+                    p = self.params[i]
+                    view = self.in_bucket(full32, i)
+                    if init_shard(p) is not None:
+                        view.copy_(gather_init_param(p).view_as(view))
+                    else:
+                        view.copy_(p.detach())
+                        from_init = False
+                if not from_init:
+                    coll.broadcast(full32)
+                mine = full32.view(coll.world_size, -1)[self.rank]
+                self._part_views[b].copy_(mine)
+                if master_views is not self._part_views:
+                    master_views[b].copy_(mine)
+                self.full[b].copy_(full32)
+                del full32
+                if b not in self.persistent:
+                    self.free(b)
+                else:
+                    self._point_params(b)
+        # One leaf per bucket for the optimizer (see [Note: master weights] in buffers.py).
+        self.masters = [nn.Parameter(piece) for piece in master_views]
+
+    # ------------------------------------------------------------------ views
+    def slot(self, index: int) -> ParamSlot:
+        return self.layout.params[index]
+
+    def in_bucket(self, bucket_tensor: torch.Tensor, index: int) -> torch.Tensor:
+        """Parameter ``index``'s place in a bucket-sized tensor, shaped like the parameter."""
+        slot = self.layout.params[index]
+        start = self.layout.buckets[slot.bucket].start
+        return bucket_tensor[slot.offset - start : slot.end - start].view(slot.shape)
+
+    def _point_params(self, bucket: int) -> None:
+        for i in self.layout.buckets[bucket].params:
+            self.params[i].data = self.in_bucket(self.full[bucket], i)
+
+    # ------------------------------------------------------------------ gather / free (see the note)
+    def gather(self, bucket: int, *, async_op: bool) -> Handle:
+        """Allocate the bucket's gathered tensor and all-gather it; the parameters point into it at once."""
+        if self.live[bucket]:
+            return DONE
+        full = self.full[bucket]
+        full.untyped_storage().resize_(full.numel() * full.element_size())
+        mine = full.view(self.coll.world_size, -1)[self.rank]
+        mine.copy_(self._part_views[bucket], non_blocking=True)
+        self.live[bucket] = True
+        self._point_params(bucket)
+        return self.coll.all_gather(full, mine, async_op=async_op)
+
+    def free(self, bucket: int) -> None:
+        """Drop the bucket's gathered storage (persistent buckets stay)."""
+        if bucket in self.persistent or not self.live[bucket]:
+            return
+        for i in self.layout.buckets[bucket].params:
+            self.params[i].data = self._placeholder
+        self.full[bucket].untyped_storage().resize_(0)
+        self.live[bucket] = False
+
+    def write_back(self, bucket: int) -> None:
+        """After an edit of the gathered (live) bucket on every rank: keep this rank's shard of it as the new
+        compute-dtype partition and fp32 master (used by GatheredParameters)."""
+        mine = self.full[bucket].view(self.coll.world_size, -1)[self.rank]
+        self._part_views[bucket].copy_(mine)
+        if self.master_flat is not None:
+            self.masters[bucket].data.copy_(mine)
+
+    def live_numel(self) -> int:
+        return sum(self.full[b].numel() for b, live in enumerate(self.live) if live and b not in self.persistent)
+
+    # ------------------------------------------------------------------ GroupState interface
+    @torch.no_grad()
+    def copy_masters_to_params(self) -> None:
+        if self.master_flat is None:
+            return  # the masters are the partition buffer itself
+        for view, master in zip(self._part_views, self.masters, strict=True):
+            view.copy_(master.detach(), non_blocking=True)
+
+    def sixteen_bit_outputs(self) -> dict[torch.Tensor, torch.Tensor]:
+        """master -> this rank's 16-bit partition piece (see ``GroupState.sixteen_bit_outputs``)."""
+        if self.master_flat is None or self.part.dtype not in (torch.bfloat16, torch.float16):
+            return {}
+        if self.part.device != self.master_flat.device:
+            return {}
+        return dict(zip(self.masters, self._part_views, strict=True))
+
+    def numel_bytes(self) -> dict[str, int]:
+        live = sum(t.untyped_storage().nbytes() for t in self.full)
+        master = 0 if self.master_flat is None else self.master_flat.numel() * self.master_flat.element_size()
+        return {"params": self.part.numel() * self.part.element_size() + live, "master": master}
+
+
+def _compute_device(params: Sequence[nn.Parameter]) -> torch.device:
+    return params[0].device if params else torch.device("cpu")

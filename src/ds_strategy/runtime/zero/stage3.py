@@ -1,0 +1,271 @@
+"""Stage 3: parameters partitioned at rest, gathered around each module's forward and backward.
+
+Gradients, masters and optimizer state are exactly stage 2's (this class extends ``Stage2``): every
+bucket is reduce-scattered to its owners while backward runs and each rank steps its shards. What stage
+3 adds is the compute-dtype parameters themselves living as shards (``ShardedGroup``, see [Note: storage
+swap]) and the module hooks that gather them when needed (``ParamGatherer``, see [Note: gather units and
+hooks]). After a step only this rank's shards are updated in place: nothing is all-gathered until a
+module next needs its parameters.
+
+[Note: module-aligned buckets]
+The layout is stage 2's, with two changes to the parameter order and the bucket boundaries: buckets
+close where the owning module changes (the first module, in ``named_modules`` order, holding the
+parameter directly), so gathering a module never drags in a neighbour's weights; and parameters below
+``stage3_param_persistence_threshold`` elements move to the end of their group, into buckets of their
+own that stay gathered (persistent).
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Collection, Iterator, Sequence
+from contextlib import contextmanager
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import nn
+
+from .base import BucketKey, StageOptions, ZeroStage
+from .buffers import GroupState
+from .collectives import Collectives, Handle
+from .host_memory import return_freed_memory_to_os
+from .init import init_shard, unpartition_param
+from .param_gather import EXTERNAL_ATTR, ParamGatherer
+from .sharded import ShardedGroup
+from .stage2 import Stage2
+
+log = logging.getLogger("ds_strategy.runtime")
+
+ZERO3_ATTR = "_ds_zero3"  # on each partitioned parameter: its Stage3 and (group, index)
+
+
+@dataclass(frozen=True)
+class Stage3Options:
+    """The ``stage3_*`` and ``offload_param`` keys this stage reads (DeepSpeed's names and meaning)."""
+
+    persistence_threshold: int = 100_000
+    prefetch_numel: int = 50_000_000
+    max_live_numel: int = 1_000_000_000
+    reuse_distance: int = 1_000_000_000
+    param_device: torch.device | None = None  # offload_param: where the shards live (None: compute device)
+    gather_on_save: bool = False
+
+    @classmethod
+    def from_config(cls, config: Any) -> Stage3Options:
+        zero = config.zero_optimization
+        offload = zero.offload_param.device == "cpu"
+        return cls(
+            persistence_threshold=int(zero.stage3_param_persistence_threshold),
+            prefetch_numel=int(zero.stage3_prefetch_bucket_size),
+            max_live_numel=int(zero.stage3_max_live_parameters),
+            reuse_distance=int(zero.stage3_max_reuse_distance),
+            param_device=torch.device("cpu") if offload else None,
+            gather_on_save=bool(zero.stage3_gather_16bit_weights_on_model_save),
+        )
+
+
+class Stage3(Stage2):
+    stage = 3
+    partitioned = True
+    reduces_every_backward = True
+
+    @classmethod
+    def create(
+        cls,
+        groups: Sequence[Sequence[tuple[str, nn.Parameter]]],
+        registration: dict[nn.Parameter, int],
+        *,
+        coll: Collectives,
+        options: StageOptions,
+        module: nn.Module,
+        config: Any,
+    ) -> ZeroStage:
+        return cls(
+            groups, registration, coll=coll, options=options, module=module, s3=Stage3Options.from_config(config)
+        )
+
+    def __init__(
+        self,
+        groups: Sequence[Sequence[tuple[str, nn.Parameter]]],
+        registration: dict[nn.Parameter, int],
+        *,
+        coll: Collectives,
+        options: StageOptions,
+        module: nn.Module,
+        s3: Stage3Options,
+    ) -> None:
+        self.module = module
+        self.s3 = s3
+        if any(p.device.type == "cpu" for named in groups for _, p in named):
+            return_freed_memory_to_os()  # see [Note: glibc keeps freed gather buffers resident]
+        owner: dict[int, int] = {}
+        for n, m in enumerate(module.modules()):
+            for p in m._parameters.values():
+                if p is not None:
+                    owner.setdefault(id(p), n)
+        trainable = {id(p) for named in groups for _, p in named}
+        for p in module.parameters():  # frozen parameters stay whole (see docs/engine.md)
+            if id(p) not in trainable and init_shard(p) is not None:
+                unpartition_param(p)
+        self._plans: list[tuple[set[int], set[int]]] = []
+        ordered = []
+        for named in groups:
+            big = [(n, p) for n, p in named if _numel(p) >= s3.persistence_threshold]
+            small = [(n, p) for n, p in named if _numel(p) < s3.persistence_threshold]
+            items = big + small
+            breaks = {
+                i for i in range(1, len(items)) if owner[id(items[i][1])] != owner[id(items[i - 1][1])] or i == len(big)
+            }
+            self._plans.append((breaks, set(range(len(big), len(items)))))
+            ordered.append(items)
+        super().__init__(ordered, registration, coll=coll, options=options)
+        self.sharded: list[ShardedGroup] = [gs for gs in self.groups if isinstance(gs, ShardedGroup)]
+        for g, gs in enumerate(self.sharded):
+            for i, p in enumerate(gs.params):
+                setattr(p, ZERO3_ATTR, (self, g, i))
+        self._bucket_grads: dict[BucketKey, int] = {}
+        self.gatherer = ParamGatherer(
+            self.sharded,
+            module,
+            coll,
+            prefetch_numel=s3.prefetch_numel,
+            max_live_numel=s3.max_live_numel,
+            reuse_distance=s3.reuse_distance,
+        )
+        for m in module.modules():
+            for p in getattr(m, EXTERNAL_ATTR, []):
+                self.gatherer.add_external(m, p)
+
+    def _make_group(self, index: int, named: Sequence[tuple[str, nn.Parameter]]) -> GroupState:
+        breaks, persistent = self._plans[index]
+        device = next((p.device for _, p in named), torch.device("cpu"))
+        return ShardedGroup(
+            index,
+            named,
+            coll=self.coll,
+            bucket_numel=self.options.bucket_numel,
+            breaks=breaks,
+            persistent=persistent,
+            compute_dtype=self.options.compute_dtype,
+            master_device=self.options.master_device or device,
+            param_device=self.s3.param_device or device,
+            pin_memory=self.options.pin_memory,
+        )
+
+    # ------------------------------------------------------------------ hooks
+    def attach(self) -> None:
+        super().attach()
+        self.gatherer.attach()
+
+    def detach(self) -> None:
+        super().detach()
+        self.gatherer.detach()
+
+    @torch.no_grad()
+    def _on_grad(self, pid: int, param: torch.Tensor) -> None:
+        had_grad = param.grad is not None
+        super()._on_grad(pid, param)
+        if not had_grad:
+            return
+        g, i = self._where[pid]
+        key = (g, self.groups[g].layout.params[i].bucket)
+        self._bucket_grads[key] = self._bucket_grads.get(key, 0) + 1
+        if self._bucket_grads[key] == len(self.groups[g].layout.buckets[key[1]].params):
+            self.gatherer.grads_done(key)  # see [Note: gather units and hooks]
+
+    def _launch(self, key: BucketKey) -> Handle:
+        grads = self.partition_grads[key[0]]
+        if grads.untyped_storage().nbytes() == 0 and grads.numel() > 0:  # released after the last step
+            grads.untyped_storage().resize_(grads.numel() * grads.element_size())
+        return super()._launch(key)
+
+    def _reset_window(self) -> None:
+        """After a step: also release the partition gradients until the next backward lands one (every
+        bucket is launched in every reducing pass and its first landing overwrites, so no zeroing)."""
+        super()._reset_window()
+        for grads in self.partition_grads:
+            grads.untyped_storage().resize_(0)
+
+    def end_backward(self) -> None:
+        super().end_backward()
+        self._bucket_grads.clear()
+        self.gatherer.end_backward()
+
+    @contextmanager
+    def forward_context(self) -> Iterator[None]:
+        try:
+            yield
+        except RuntimeError as err:
+            err.add_note(
+                "ZeRO stage 3 hint: parameters are gathered only while their own module runs. If this forward "
+                "uses a parameter outside its owning module (e.g. `x @ self.embed.weight.T` in a parent), "
+                "register it once before the engine is built: "
+                "ds_strategy.zero.register_external_parameter(parent_module, param)."
+            )
+            raise
+
+    # ------------------------------------------------------------------ step
+    @torch.no_grad()
+    def publish(self, params_written: Collection[int] = ()) -> None:
+        """Masters -> this rank's compute-dtype shards (unless the optimizer pass wrote them: see
+        [Note: the fused optimizer pass]); refresh the buckets that stay gathered."""
+        for g, gs in enumerate(self.groups):
+            if g not in params_written:
+                gs.copy_masters_to_params()
+        handles = []
+        for g, b in self.bucket_order:
+            gs = self.sharded[g]
+            if gs.live[b]:
+                mine = gs.full[b].view(self.coll.world_size, -1)[self.coll.rank]
+                mine.copy_(gs.layout.partition_views(gs.part)[b])
+                handles.append(self.coll.all_gather(gs.full[b], mine, async_op=self.options.async_comm))
+        for h in handles:
+            h.wait()
+
+    # ------------------------------------------------------------------ full access
+    def keys_for(self, params: Sequence[torch.Tensor]) -> list[BucketKey]:
+        """Every bucket (persistent ones included) holding one of ``params``."""
+        keys = set()
+        for p in params:
+            ref = getattr(p, ZERO3_ATTR, None)
+            if ref is not None and ref[0] is self:
+                _, g, i = ref
+                keys.add((g, self.sharded[g].slot(i).bucket))
+        return sorted(keys)
+
+    def gather_for_user(self, keys: Sequence[BucketKey]) -> None:
+        self.gatherer.acquire(keys, "GatheredParameters")
+
+    @torch.no_grad()
+    def release_for_user(self, keys: Sequence[BucketKey], modifier_rank: int | None) -> None:
+        """End of GatheredParameters: take ``modifier_rank``'s edits (broadcast, re-partitioned), free."""
+        if modifier_rank is not None:
+            for g, b in keys:
+                gs = self.sharded[g]
+                self.coll.broadcast(gs.full[b], src=modifier_rank)
+                gs.write_back(b)
+        self.gatherer.release_keys(keys)
+
+    def consolidated_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
+        if not self.s3.gather_on_save:
+            return None
+        full: dict[int, torch.Tensor] = {}
+        for key in self.bucket_order[::-1]:  # one bucket at a time: never the whole model gathered
+            self.gather_for_user([key])
+            gs = self.sharded[key[0]]
+            for i in gs.layout.buckets[key[1]].params:
+                full[id(gs.params[i])] = gs.params[i].detach().to("cpu", copy=True)
+            self.release_for_user([key], None)
+        out = {}
+        for name, value in module.state_dict(keep_vars=True).items():
+            out[name] = full[id(value)] if id(value) in full else value.detach().to("cpu", copy=True)
+        return out
+
+    def memory_bytes(self) -> dict[str, int]:
+        return super().memory_bytes()
+
+
+def _numel(p: torch.Tensor) -> int:
+    info = init_shard(p)
+    return info.numel if info is not None else p.numel()
