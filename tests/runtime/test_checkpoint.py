@@ -1,6 +1,6 @@
 """Exact resume: N steps, save, a fresh engine loads and trains M more == N+M steps uninterrupted.
 
-Bit-identical (``torch.equal``) for every stage 0-2, optimizer offload and fp16/bf16 on CPU: the fp32
+Bit-identical (``torch.equal``) for every stage 0-3, optimizer offload and fp16/bf16 on CPU: the fp32
 masters, optimizer state, lr schedule, loss scale and counters all come back exactly, and the ranks'
 data slices are the same, so there is no tolerance to state. Also: client state round trip, the
 ``latest`` file, the default tag, and every file loading with ``torch.load(weights_only=True)``.
@@ -30,6 +30,8 @@ COMBOS = [
     {"stage": 2, "precision": "fp32", "offload": True},
     {"stage": 2, "precision": "bf16", "offload": False},
     {"stage": 1, "precision": "fp16", "offload": True},
+    {"stage": 3, "precision": "fp32", "offload": False},
+    {"stage": 3, "precision": "bf16", "offload": True},
 ]
 
 SCHEDULER = {

@@ -1,5 +1,6 @@
 """Resume at another world size and another stage, directly: saved by 2 ranks at stage 2, loaded by 1
-rank (stages 0 and 1) and by 4 ranks (stages 1 and 2, another bucket size), and back from 4 ranks to 2.
+rank (stages 0, 1 and 3) and by 4 ranks (stages 1, 2 and 3, another bucket size), and back from 4 ranks
+(stages 1 and 3) to 2.
 
 Two checks per load:
 - the state moved exactly: the fp32 weights and the Adam moments each new rank holds, gathered, are
@@ -125,13 +126,14 @@ def _check(result: dict[str, Any], root: str, tag: str, label: str) -> None:
 def test_two_ranks_to_one_and_four_and_back(tmp_path: Path) -> None:
     root = str(tmp_path)
     run_distributed(_save, world_size=2, args=(root, 2, 200, "w2"))
-    for world, stage, bucket in ((1, 0, 200), (1, 1, 1000), (4, 1, 200), (4, 2, 64)):
+    for world, stage, bucket in ((1, 0, 200), (1, 1, 1000), (4, 1, 200), (4, 2, 64), (4, 3, 200), (1, 3, 1000)):
         results = run_distributed(_load_and_train, world_size=world, args=(root, "w2", stage, bucket))
         _check(results[0], root, "w2", f"2 ranks stage 2 -> {world} ranks stage {stage} bucket {bucket}")
-    # and back: saved by 4 ranks at stage 1, loaded by 2 ranks at stage 2 (and at stage 0)
-    for stage in (2, 0):
-        results = run_distributed(_load_and_train, world_size=2, args=(root, "w2-then-w4-s1", stage, 200))
-        assert results[0]["exact"], f"4 ranks stage 1 -> 2 ranks stage {stage}"
+    # and back: saved by 4 ranks at stage 1, loaded by 2 ranks at stage 2 (and at stage 0); saved by 4 ranks
+    # at stage 3, loaded by 2 ranks at stage 2
+    for tag, stage in (("w2-then-w4-s1", 2), ("w2-then-w4-s1", 0), ("w2-then-w4-s3", 2)):
+        results = run_distributed(_load_and_train, world_size=2, args=(root, tag, stage, 200))
+        assert results[0]["exact"], f"{tag} -> 2 ranks stage {stage}"
         assert results[0]["steps"]
 
 
