@@ -51,9 +51,16 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     run's own); return every rank's JSON-serialisable result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
-        mp.start_processes(
-            _rank_main, args=(world_size, _free_port(), out, fn, args), nprocs=world_size, start_method="spawn"
-        )
+        try:
+            mp.start_processes(
+                _rank_main, args=(world_size, _free_port(), out, fn, args), nprocs=world_size, start_method="spawn"
+            )
+        except mp.ProcessExitedException as err:
+            # Every rank's result reached rank 0 before the file was written: a rank dying afterwards (seen
+            # here: a sporadic SIGABRT inside process-group teardown) does not invalidate the measurement.
+            if not Path(out).exists():
+                raise
+            print(f"note: {err} after the results were collected; teardown failure ignored", flush=True)
         return list(json.loads(Path(out).read_text()))
 
 
