@@ -20,6 +20,7 @@ import torch
 import torch.distributed as dist
 
 from ds_strategy.comm.shm import ShmCommunicator
+from tests.gil import spinner_ticks_during
 from tests.harness import DistributedTestError, run_distributed
 
 pytestmark = [pytest.mark.kernels, pytest.mark.multiprocess]
@@ -317,30 +318,10 @@ def _gil_body(rank: int, world: int) -> tuple[int, float, float]:
     comm = ShmCommunicator.create(timeout=60)
     assert comm is not None
     big = torch.ones(1 << 24)
-    ticks = 0
-    running = True
-
-    def spin() -> None:
-        nonlocal ticks
-        while running:
-            ticks += 1
-
-    thread = threading.Thread(target=spin)
-    thread.start()
     try:
-        before, start = ticks, time.perf_counter()
-        time.sleep(0.1)
-        rate = (ticks - before) / (time.perf_counter() - start)
-        before, start = ticks, time.perf_counter()
-        for _ in range(3):
-            comm.all_reduce(big)
-        elapsed = time.perf_counter() - start
-        during = ticks - before
+        return spinner_ticks_during(lambda: [comm.all_reduce(big) for _ in range(3)])
     finally:
-        running = False
-        thread.join()
         comm.close()
-    return during, rate, elapsed
 
 
 def test_collective_releases_the_gil(cpu_kernels: bool) -> None:
