@@ -11,6 +11,7 @@ import argparse
 import importlib.util
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -64,34 +65,43 @@ def _time_steps(step: Any, batches: list[Any], warmup: int) -> float:
     return (time.perf_counter() - start) / max(1, len(batches) - warmup)
 
 
+def torch_step(module: nn.Module) -> Callable[[Any], None]:
+    """One training step of a torch-wrapped model (DDP, FSDP2) with the engines' optimizer settings."""
+    opt = torch.optim.AdamW(module.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
+
+    def step(b: Any) -> None:
+        loss = module(b)
+        loss.backward()
+        opt.step()
+        opt.zero_grad(set_to_none=True)
+
+    return step
+
+
+def engine_step(peer: str, model: nn.Module, config: dict[str, Any]) -> Callable[[Any], None]:
+    """One training step of DeepSpeed's or our engine, both built by ``initialize`` from the same config."""
+    if peer == "deepspeed":
+        os.environ.setdefault("DS_ACCELERATOR", "cpu")
+        import deepspeed as lib
+    else:
+        import ds_strategy as lib  # type: ignore[no-redef]
+    engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(), config=config)
+
+    def step(b: Any) -> None:
+        loss = engine(b)
+        engine.backward(loss)
+        engine.step()
+
+    return step
+
+
 def _run_one(rank: int, world: int, peer: str, stage: int, offload: bool, shape: dict[str, int], steps: int) -> dict:
     warmup = 2
     model, batches = _model_and_batches(shape, steps + warmup, rank)
     if peer == "torch DDP":
-        ddp = nn.parallel.DistributedDataParallel(model)
-        opt = torch.optim.AdamW(ddp.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
-
-        def step(b: Any) -> None:
-            loss = ddp(b)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
+        step = torch_step(nn.parallel.DistributedDataParallel(model))
     else:
-        if peer == "deepspeed":
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-            import deepspeed as lib
-        else:
-            import ds_strategy as lib  # type: ignore[no-redef]
-        engine, *_ = lib.initialize(
-            model=model, model_parameters=model.parameters(), config=_ds_config(stage, offload, shape["micro"])
-        )
-
-        def step(b: Any) -> None:
-            loss = engine(b)
-            engine.backward(loss)
-            engine.step()
-
+        step = engine_step(peer, model, _ds_config(stage, offload, shape["micro"]))
     seconds = _time_steps(step, batches, warmup)
     params = sum(p.numel() for p in model.parameters())
     return {"seconds_per_step": seconds, "peak_rss": peak_rss_bytes(), "params": params}

@@ -18,10 +18,9 @@ import importlib.util
 import os
 from typing import Any
 
-import torch
 from torch import nn
 
-from benchmarks.bench_engine import _model_and_batches, _time_steps
+from benchmarks.bench_engine import _model_and_batches, _time_steps, engine_step, torch_step
 from benchmarks.common import machine, markdown_table, peak_rss_bytes, run_ranks, write_results
 
 WORLD = 2
@@ -53,38 +52,16 @@ def _run_one(rank: int, world: int, peer: str, stage: int, offload: bool, shape:
     warmup = 2
     model, batches = _model_and_batches(shape, steps + warmup, rank)
     params = sum(p.numel() for p in model.parameters())
-    if peer in ("torch DDP", "torch FSDP2"):
-        if peer == "torch DDP":
-            wrapped: nn.Module = nn.parallel.DistributedDataParallel(model)
-        else:
-            from torch.distributed.fsdp import fully_shard
+    if peer == "torch DDP":
+        step = torch_step(nn.parallel.DistributedDataParallel(model))
+    elif peer == "torch FSDP2":
+        from torch.distributed.fsdp import fully_shard
 
-            for block in model.gpt.blocks:
-                fully_shard(block)
-            wrapped = fully_shard(model)
-        opt = torch.optim.AdamW(wrapped.parameters(), lr=1e-4, weight_decay=0.01, foreach=True)
-
-        def step(b: Any) -> None:
-            loss = wrapped(b)
-            loss.backward()
-            opt.step()
-            opt.zero_grad(set_to_none=True)
-
+        for block in model.gpt.blocks:
+            fully_shard(block)
+        step = torch_step(fully_shard(model))
     else:
-        if peer == "deepspeed":
-            os.environ.setdefault("DS_ACCELERATOR", "cpu")
-            import deepspeed as lib
-        else:
-            import ds_strategy.runtime as lib  # type: ignore[no-redef]
-        engine, *_ = lib.initialize(
-            model=model, model_parameters=model.parameters(), config=_config(stage, offload, shape["micro"])
-        )
-
-        def step(b: Any) -> None:
-            loss = engine(b)
-            engine.backward(loss)
-            engine.step()
-
+        step = engine_step(peer, model, _config(stage, offload, shape["micro"]))
     seconds = _time_steps(step, batches, warmup)
     return {"seconds_per_step": seconds, "peak_rss": peak_rss_bytes(), "params": params}
 
