@@ -119,13 +119,30 @@ def main(argv: list[str] | None = None) -> None:
     cases: list[tuple[str, int, bool]] = [("torch DDP", 0, False)]
     for peer in peers:
         cases += [(peer, 0, False), (peer, 1, False), (peer, 2, False), (peer, 2, True)]
+    labelled = [(peer if peer == "torch DDP" else f"{peer} stage {st}{' + offload' if off else ''}", peer, st, off)
+                for peer, st, off in cases]  # fmt: skip
+    rows, records = run_cases(_run_one, labelled, shape, steps)
+    table = markdown_table(("case", "s/step (slowest rank)", "peak RSS GiB (max rank)"), rows)
+    params = next((r["ranks"][0]["params"] for r in records if "ranks" in r), None)
+    write_results("engine", {"machine": machine(), "shape": shape, "params": params, "cases": records}, table)
+    plot_step_and_rss(rows, "engine")
+    print(table)
+
+
+Case = tuple[str, str, int, bool]  # (label, peer, stage, offload)
+
+
+def run_cases(
+    run_one: Callable[..., dict[str, Any]], cases: list[Case], shape: dict[str, int], steps: int
+) -> tuple[list[tuple[str, str, str]], list[dict[str, Any]]]:
+    """Each case in fresh ranks: table rows (label, s/step of the slowest rank, peak RSS GiB of the largest)
+    and JSON records; a peer that cannot run here is reported in both, not fatal."""
     rows, records = [], []
-    for peer, stage, offload in cases:
-        label = f"{peer} stage {stage}{' + offload' if offload else ''}" if peer != "torch DDP" else peer
+    for label, peer, stage, offload in cases:
         try:
-            per_rank = run_ranks(_run_one, WORLD, peer, stage, offload, shape, steps)
-        except Exception as err:  # a peer that cannot run here is reported, not fatal
-            print(f"{label}: failed: {err}")
+            per_rank = run_ranks(run_one, WORLD, peer, stage, offload, shape, steps)
+        except Exception as err:
+            print(f"{label}: failed: {err}", flush=True)
             records.append({"case": label, "error": str(err)})
             continue
         sec = max(r["seconds_per_step"] for r in per_rank)
@@ -133,15 +150,11 @@ def main(argv: list[str] | None = None) -> None:
         records.append({"case": label, "peer": peer, "stage": stage, "offload": offload, "ranks": per_rank})
         rows.append((label, f"{sec:.3f}", f"{rss / 2**30:.2f}"))
         print(f"{label}: {sec:.3f} s/step, peak RSS {rss / 2**30:.2f} GiB/rank", flush=True)
-    columns = ("case", "s/step (slowest rank)", "peak RSS GiB (max rank)")
-    table = markdown_table(columns, rows)
-    params = records[0]["ranks"][0]["params"] if "ranks" in records[0] else None
-    write_results("engine", {"machine": machine(), "shape": shape, "params": params, "cases": records}, table)
-    _plot(rows)
-    print(table)
+    return rows, records
 
 
-def _plot(rows: list[tuple[str, str, str]]) -> None:
+def plot_step_and_rss(rows: list[tuple[str, str, str]], name: str) -> None:
+    """Two bar charts side by side (s/step, peak RSS per rank) into benchmarks/results/NAME.png."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -157,7 +170,7 @@ def _plot(rows: list[tuple[str, str, str]]) -> None:
     b.set_xlabel("peak RSS per rank (GiB)")
     b.set_yticklabels([])
     fig.tight_layout()
-    fig.savefig(RESULTS / "engine.png", dpi=120)
+    fig.savefig(RESULTS / f"{name}.png", dpi=120)
 
 
 if __name__ == "__main__":

@@ -20,7 +20,14 @@ from typing import Any
 
 from torch import nn
 
-from benchmarks.bench_engine import _model_and_batches, _time_steps, engine_step, torch_step
+from benchmarks.bench_engine import (
+    _model_and_batches,
+    _time_steps,
+    engine_step,
+    plot_step_and_rss,
+    run_cases,
+    torch_step,
+)
 from benchmarks.common import machine, markdown_table, peak_rss_bytes, run_ranks, write_results
 
 WORLD = 2
@@ -134,21 +141,7 @@ def main(argv: list[str] | None = None) -> None:
     if importlib.util.find_spec("deepspeed"):
         cases += [("deepspeed stage 3", "deepspeed", 3, False), ("deepspeed stage 3 + offload", "deepspeed", 3, True)]
     only = {s.strip() for s in args.only.split(",") if s.strip()}
-    rows, records = [], []
-    for label, peer, stage, offload in cases:
-        if only and label not in only:
-            continue
-        try:
-            per_rank = run_ranks(_run_one, WORLD, peer, stage, offload, shape, steps)
-        except Exception as err:  # a peer that cannot run here is reported, not fatal
-            print(f"{label}: failed: {err}", flush=True)
-            records.append({"case": label, "error": str(err)})
-            continue
-        sec = max(r["seconds_per_step"] for r in per_rank)
-        rss = max(r["peak_rss"] for r in per_rank)
-        records.append({"case": label, "peer": peer, "stage": stage, "offload": offload, "ranks": per_rank})
-        rows.append((label, f"{sec:.3f}", f"{rss / 2**30:.2f}"))
-        print(f"{label}: {sec:.3f} s/step, peak RSS {rss / 2**30:.2f} GiB/rank", flush=True)
+    rows, records = run_cases(_run_one, [c for c in cases if not only or c[0] in only], shape, steps)
     table = markdown_table(("case", "s/step (slowest rank)", "peak RSS GiB (max rank)"), rows)
     params = next((r["ranks"][0]["params"] for r in records if "ranks" in r), None)
     malloc = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
@@ -161,27 +154,8 @@ def main(argv: list[str] | None = None) -> None:
         "cases": records,
     }
     write_results(args.name, payload, table)
-    _plot(rows, args.name)
+    plot_step_and_rss(rows, args.name)
     print(table)
-
-
-def _plot(rows: list[tuple[str, str, str]], name: str) -> None:
-    import matplotlib
-
-    matplotlib.use("Agg")
-    import matplotlib.pyplot as plt
-
-    from benchmarks.common import RESULTS
-
-    fig, (a, b) = plt.subplots(1, 2, figsize=(12, 4.5))
-    labels = [r[0] for r in rows]
-    a.barh(labels, [float(r[1]) for r in rows], color="tab:blue")
-    a.set_xlabel("seconds per step (2 ranks, CPU)")
-    b.barh(labels, [float(r[2]) for r in rows], color="tab:orange")
-    b.set_xlabel("peak RSS per rank (GiB)")
-    b.set_yticklabels([])
-    fig.tight_layout()
-    fig.savefig(RESULTS / f"{name}.png", dpi=120)
 
 
 if __name__ == "__main__":
