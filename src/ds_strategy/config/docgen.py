@@ -19,6 +19,38 @@ from .schema import describe, load_schema, resolve, walk_properties
 
 REGENERATE = "python -m ds_strategy.config.docgen > docs/config.md"
 
+# The reference's worked example; the docs test writes it to ds_config.json, validates it and runs
+# EXAMPLE_SCRIPT against it, so both stay true as the schema changes.
+EXAMPLE_CONFIG: dict[str, Any] = {
+    "train_batch_size": 64,
+    "train_micro_batch_size_per_gpu": 4,
+    "gradient_clipping": 1.0,
+    "steps_per_print": 100,
+    "bf16": {"enabled": True},
+    "zero_optimization": {
+        "stage": 2,
+        "overlap_comm": True,
+        "reduce_bucket_size": 50000000,
+        "offload_optimizer": {"device": "cpu", "pin_memory": True},
+    },
+    "optimizer": {"type": "AdamW", "params": {"lr": 3e-4, "betas": [0.9, 0.95], "weight_decay": 0.1}},
+    "scheduler": {
+        "type": "WarmupDecayLR",
+        "params": {"warmup_num_steps": 100, "total_num_steps": 1000, "warmup_max_lr": 3e-4},
+    },
+    "comms_logger": {"enabled": False},
+}
+
+EXAMPLE_SCRIPT = """\
+from ds_strategy.config import load_config
+
+config = load_config("ds_config.json", world_size=8)  # validates; raises ConfigError listing every problem
+b = config.batch
+print(b.train_batch_size, b.train_micro_batch_size_per_gpu, b.gradient_accumulation_steps, b.world_size)
+assert (b.train_batch_size, b.gradient_accumulation_steps) == (64, 2)  # 64 = 4 x 2 x 8: accumulation derived
+print(config.zero_optimization.stage, config.zero_optimization.offload_optimizer.device, config.optimizer.type)
+"""
+
 
 def _cell(text: str) -> str:
     return text.replace("|", "\\|").replace("\n", " ")
@@ -93,6 +125,22 @@ def render_markdown() -> str:
         "",
         "Defaults follow DeepSpeed's code where its documentation differs (`overlap_comm`, `gradient_clipping`, "
         "`steps_per_print`, `stage3_prefetch_bucket_size`).",
+        "",
+        "## A complete example",
+        "",
+        "A `ds_config.json` for ZeRO stage 2 in bf16 with the optimizer offloaded to CPU:",
+        "",
+        "<!-- snippet: file=ds_config.json -->",
+        "```json",
+        json.dumps(EXAMPLE_CONFIG, indent=2),
+        "```",
+        "",
+        "Loading it validates every key and resolves the batch sizes for a world size (the strategy and "
+        "`initialize()` do this for you):",
+        "",
+        "```python",
+        EXAMPLE_SCRIPT.rstrip("\n"),
+        "```",
         "",
         "## Batch size arithmetic",
         "",
