@@ -211,9 +211,27 @@ def _split_arguments(body: str) -> list[str]:
     return args
 
 
+_STREAM = re.compile(r'\bmsg\s*<<((?:[^;"]|"(?:[^"\\]|\\.)*")*);')  # up to the first ';' outside a string
+
+
+def _unescape(literal: str) -> str:
+    return literal.replace("\\n", "\n").replace('\\"', '"').replace("\\\\", "\\")
+
+
+def _stream_parts(body: str) -> list[str | None]:
+    """``msg << "a" << x << "b"``: the operands between top-level ``<<`` (literals as text)."""
+    parts: list[str | None] = []
+    for operand in re.split(r"<<(?=(?:[^\"]*\"[^\"]*\")*[^\"]*$)", body):
+        literal = _STRING.fullmatch(operand.strip())
+        parts.append(_unescape(literal.group(1)) if literal else None)
+    return parts
+
+
 def cpp_messages() -> list[Message]:
     """TORCH_CHECK messages: the arguments after the condition; a string literal is text, anything else an
-    interpolated value."""
+    interpolated value. Messages assembled in an ``std::ostringstream msg`` (then ``TORCH_CHECK(false,
+    msg.str())``) count statement by statement, for statements with a phrase of MIN_PHRASE characters
+    (shorter ones, such as ``msg << " (pid " << pid``, continue a sentence documented with its start)."""
     out: list[Message] = []
     for path in sorted(CSRC.rglob("*")):
         if path.suffix not in (".cpp", ".h", ".cu", ".cuh"):
@@ -223,11 +241,16 @@ def cpp_messages() -> list[Message]:
             parts: list[str | None] = []
             for arg in _split_arguments(match.group(1))[1:]:
                 literal = _STRING.fullmatch(arg.strip())
-                parts.append(literal.group(1) if literal else None)
+                parts.append(_unescape(literal.group(1)) if literal else None)
             if not any(parts):
                 continue
             line = text.count("\n", 0, match.start()) + 1
             out.append(Message(path.relative_to(CSRC).as_posix(), line, "check", _text(parts), _phrase(parts)))
+        for match in _STREAM.finditer(text):
+            parts = _stream_parts(match.group(1))
+            if len(_phrase(parts)) >= MIN_PHRASE:
+                line = text.count("\n", 0, match.start()) + 1
+                out.append(Message(path.relative_to(CSRC).as_posix(), line, "check", _text(parts), _phrase(parts)))
     return out
 
 
