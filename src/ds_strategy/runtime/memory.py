@@ -81,7 +81,9 @@ def estimate_memory(
     if stage not in (0, 1, 2, 3):
         raise ValueError(f"stage must be 0, 1, 2 or 3, got {stage}")
     if offload and stage == 0:
-        raise ValueError("optimizer offload needs ZeRO stage 1 or 2")
+        raise ValueError(
+            "optimizer offload needs ZeRO stage 1, 2 or 3 (stage 0 keeps the optimizer state on every rank)"
+        )
     states = _STATES.get(optimizer.lower())
     if states is None:
         raise ValueError(f"optimizer must be one of {', '.join(_STATES)}, got {optimizer!r}")
