@@ -198,6 +198,7 @@ def _run(argv: list[str], cwd: Path, block: Block, what: str) -> str:
         raise DocsError(f"{what}: still running after {BLOCK_TIMEOUT_S} s\n{out[-4000:]}") from None
     if proc.returncode != 0:
         raise DocsError(f"{what}: exit code {proc.returncode}\n{proc.stdout[-6000:]}")
+    print(f"----- {what}: ok\n{proc.stdout[-3000:]}")  # shown with pytest -s
     return proc.stdout
 
 
@@ -390,10 +391,13 @@ def fresh_dir() -> Iterator[Path]:
 @pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
 def test_page(page: Path, fresh_dir: Path) -> None:
+    failure, notes = None, []
     try:
         notes = run_page(page, fresh_dir)
     except DocsError as exc:
-        pytest.fail(str(exc), pytrace=False)
+        failure = str(exc)
+    if failure is not None:  # outside the except: no chained duplicate of the message
+        pytest.fail(failure, pytrace=False)
     for note in notes:
         warnings.warn(f"docs {note}", UserWarning, stacklevel=1)  # listed in pytest's warnings summary
 
