@@ -249,9 +249,9 @@ def check_command(words: list[str], cwd: Path, block: Block, where: str, notes: 
         words = words[1:]  # FOO=bar cmd
     if not words:
         return
-    prog, args = Path(words[0]).name, words[1:]
-    if prog in SHELL_BUILTINS:
+    if words[0] in SHELL_BUILTINS:
         return
+    prog, args = Path(words[0]).name, words[1:]
     if prog in ("python", "python3") and args[:1] == ["-m"] and len(args) >= 2:
         module, rest = args[1], args[2:]
         if module == "ds_strategy.launcher":
