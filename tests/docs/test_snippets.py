@@ -453,3 +453,9 @@ def test_parse_mode_checks_without_running(tmp_path: Path) -> None:
         run_page(_page(tmp_path, "<!-- snippet: parse -->\n```bash\nds-launch --num_gpu 2 train.py\n```\n"), tmp_path)
     with pytest.raises(DocsError, match="nox session 'nope'"):
         run_page(_page(tmp_path, "<!-- snippet: parse -->\n```bash\nnox -s nope\n```\n"), tmp_path)
+
+
+def test_index_lists_every_page() -> None:
+    index = (DOCS / "index.md").read_text(encoding="utf-8")
+    missing = [p.name for p in PAGES if p.name != "index.md" and f"({p.name})" not in index]
+    assert not missing, f"docs/index.md does not link these pages: {missing}"
