@@ -216,11 +216,20 @@ def run_python(block: Block, cwd: Path) -> None:
 
 
 def run_shell(block: Block, cwd: Path) -> None:
-    """One bash script for the block, so `cd` and `export` carry over; a failure names its doc line."""
-    lines = ["set -eo pipefail", "trap 'echo \"<docs> failed: $__DOC_CMD\" >&2' ERR"]
-    for line, command in shell_commands(block):
-        lines.append(f"__DOC_CMD={shlex.quote(f'{block.page.name}:{line}: {command}')}")
-        lines.append(command)
+    """One bash script for the block, so `cd` and `export` carry over; a failure names its doc line.
+
+    bash/sh blocks run as written (heredocs, loops and continuations work; `$ ` prompts are stripped);
+    console blocks run only their prompted commands."""
+    lines = ["set -eo pipefail"]
+    if block.lang == "console":
+        lines.append("trap 'echo \"<docs> failed: $__DOC_CMD\" >&2' ERR")
+        for line, command in shell_commands(block):
+            lines.append(f"__DOC_CMD={shlex.quote(f'{block.page.name}:{line}: {command}')}")
+            lines.append(command)
+    else:
+        offset = block.line - 2  # script line 3 is the block's first line, doc line block.line + 1
+        lines.append(f"trap 'echo \"<docs> failed: {block.page.name}:$((LINENO + {offset}))\" >&2' ERR")
+        lines += [re.sub(r"^(\s*)\$ ", r"\1", raw) for raw in block.text.splitlines()]
     script = cwd / f"_snippet_{block.page.stem}_{block.line}.sh"
     script.write_text("\n".join(lines) + "\n", encoding="utf-8")
     _run(["bash", script.name], cwd, block, f"{block.where} (shell block)")
@@ -433,8 +442,12 @@ def test_files_shell_state_and_prompts(tmp_path: Path) -> None:
     )
     assert run_page(_page(tmp_path, text), tmp_path) == []
     assert (tmp_path / "out.txt").read_text() == "hello you\n"
-    with pytest.raises(DocsError, match=r"page\.md:3: false"):
+    with pytest.raises(DocsError, match=r"failed: page\.md:3\n"):
         run_page(_page(tmp_path, "```bash\ntrue\nfalse\n```\n"), tmp_path)
+    with pytest.raises(DocsError, match=r"failed: page\.md:4: test \$WHO = y"):
+        run_page(_page(tmp_path, "```console\n$ WHO=x\n$ true\n$ test \\\n  $WHO = y\n```\n"), tmp_path)
+    heredoc = "```bash\ncat > h.txt <<EOF\nline\nEOF\ngrep -q line h.txt\n```\n"
+    run_page(_page(tmp_path, heredoc), tmp_path)
 
 
 def test_json_ds_config_is_validated(tmp_path: Path) -> None:
