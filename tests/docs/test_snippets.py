@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -182,6 +183,7 @@ def _free_port() -> int:
 
 
 def _run(argv: list[str], cwd: Path, block: Block, what: str) -> str:
+    start = time.monotonic()
     try:
         proc = subprocess.run(
             argv,
@@ -198,7 +200,7 @@ def _run(argv: list[str], cwd: Path, block: Block, what: str) -> str:
         raise DocsError(f"{what}: still running after {BLOCK_TIMEOUT_S} s\n{out[-4000:]}") from None
     if proc.returncode != 0:
         raise DocsError(f"{what}: exit code {proc.returncode}\n{proc.stdout[-6000:]}")
-    print(f"----- {what}: ok\n{proc.stdout[-3000:]}")  # shown with pytest -s
+    print(f"----- {what}: ok in {time.monotonic() - start:.1f} s\n{proc.stdout[-3000:]}")  # shown with pytest -s
     return proc.stdout
 
 
