@@ -271,6 +271,8 @@ def check_command(words: list[str], cwd: Path, block: Block, where: str, notes: 
             _run([sys.executable, "-m", module, *rest, "--help"], cwd, block, f"{where}: python -m {module} --help")
         elif module in ("pip", "venv", "pytest", "nox"):
             _run([sys.executable, "-m", module, "--help"], cwd, block, f"{where}: python -m {module} --help")
+            if module == "pytest":
+                _check_test_paths(rest, where)
         else:
             notes.append(f"{where}: python -m {module}: not one of ours, only the interpreter was checked")
         return
@@ -292,6 +294,20 @@ def check_command(words: list[str], cwd: Path, block: Block, where: str, notes: 
             raise DocsError(f"{where}: unknown pip command {args[:1]}")
     elif shutil.which(prog, path=_env()["PATH"]) is None:
         notes.append(f"{where}: {prog} is not installed here; not checked")
+
+
+PYTEST_VALUE_OPTIONS = {"-k", "-m", "-p", "-o", "-c", "-n", "--durations", "--timeout", "--maxfail", "--rootdir"}
+
+
+def _check_test_paths(args: list[str], where: str) -> None:
+    """`python -m pytest tests/x -q`: the paths it names exist in the repository (run from its root)."""
+    skip = False
+    for arg in args:
+        if skip or arg.startswith("-"):
+            skip = arg in PYTEST_VALUE_OPTIONS
+            continue
+        if not (ROOT / arg.split("::")[0]).exists():
+            raise DocsError(f"{where}: pytest path {arg} does not exist in the repository")
 
 
 def _check_launch_flags(args: list[str], cwd: Path, block: Block, where: str) -> None:
@@ -466,6 +482,9 @@ def test_parse_mode_checks_without_running(tmp_path: Path) -> None:
     assert any("srun" in n for n in notes) or shutil.which("srun")
     with pytest.raises(DocsError, match="ds-launch flags"):
         run_page(_page(tmp_path, "<!-- snippet: parse -->\n```bash\nds-launch --num_gpu 2 train.py\n```\n"), tmp_path)
+    with pytest.raises(DocsError, match="pytest path tests/nope does not exist"):
+        text = "<!-- snippet: parse -->\n```bash\npython -m pytest -k x tests/docs tests/nope\n```\n"
+        run_page(_page(tmp_path, text), tmp_path)
     with pytest.raises(DocsError, match="nox session 'nope'"):
         run_page(_page(tmp_path, "<!-- snippet: parse -->\n```bash\nnox -s nope\n```\n"), tmp_path)
 
