@@ -27,6 +27,7 @@ import socket
 import subprocess
 import sys
 import tempfile
+import time
 import warnings
 from collections.abc import Iterator
 from dataclasses import dataclass
@@ -182,6 +183,7 @@ def _free_port() -> int:
 
 
 def _run(argv: list[str], cwd: Path, block: Block, what: str) -> str:
+    start = time.monotonic()
     try:
         proc = subprocess.run(
             argv,
@@ -198,6 +200,7 @@ def _run(argv: list[str], cwd: Path, block: Block, what: str) -> str:
         raise DocsError(f"{what}: still running after {BLOCK_TIMEOUT_S} s\n{out[-4000:]}") from None
     if proc.returncode != 0:
         raise DocsError(f"{what}: exit code {proc.returncode}\n{proc.stdout[-6000:]}")
+    print(f"----- {what}: ok in {time.monotonic() - start:.1f} s\n{proc.stdout[-3000:]}")  # shown with pytest -s
     return proc.stdout
 
 
@@ -215,11 +218,20 @@ def run_python(block: Block, cwd: Path) -> None:
 
 
 def run_shell(block: Block, cwd: Path) -> None:
-    """One bash script for the block, so `cd` and `export` carry over; a failure names its doc line."""
-    lines = ["set -eo pipefail", "trap 'echo \"<docs> failed: $__DOC_CMD\" >&2' ERR"]
-    for line, command in shell_commands(block):
-        lines.append(f"__DOC_CMD={shlex.quote(f'{block.page.name}:{line}: {command}')}")
-        lines.append(command)
+    """One bash script for the block, so `cd` and `export` carry over; a failure names its doc line.
+
+    bash/sh blocks run as written (heredocs, loops and continuations work; `$ ` prompts are stripped);
+    console blocks run only their prompted commands."""
+    lines = ["set -eo pipefail"]
+    if block.lang == "console":
+        lines.append("trap 'echo \"<docs> failed: $__DOC_CMD\" >&2' ERR")
+        for line, command in shell_commands(block):
+            lines.append(f"__DOC_CMD={shlex.quote(f'{block.page.name}:{line}: {command}')}")
+            lines.append(command)
+    else:
+        offset = block.line - 2  # script line 3 is the block's first line, doc line block.line + 1
+        lines.append(f"trap 'echo \"<docs> failed: {block.page.name}:$((LINENO + {offset}))\" >&2' ERR")
+        lines += [re.sub(r"^(\s*)\$ ", r"\1", raw) for raw in block.text.splitlines()]
     script = cwd / f"_snippet_{block.page.stem}_{block.line}.sh"
     script.write_text("\n".join(lines) + "\n", encoding="utf-8")
     _run(["bash", script.name], cwd, block, f"{block.where} (shell block)")
@@ -248,9 +260,9 @@ def check_command(words: list[str], cwd: Path, block: Block, where: str, notes: 
         words = words[1:]  # FOO=bar cmd
     if not words:
         return
-    prog, args = Path(words[0]).name, words[1:]
-    if prog in SHELL_BUILTINS:
+    if words[0] in SHELL_BUILTINS:
         return
+    prog, args = Path(words[0]).name, words[1:]
     if prog in ("python", "python3") and args[:1] == ["-m"] and len(args) >= 2:
         module, rest = args[1], args[2:]
         if module == "ds_strategy.launcher":
@@ -259,6 +271,8 @@ def check_command(words: list[str], cwd: Path, block: Block, where: str, notes: 
             _run([sys.executable, "-m", module, *rest, "--help"], cwd, block, f"{where}: python -m {module} --help")
         elif module in ("pip", "venv", "pytest", "nox"):
             _run([sys.executable, "-m", module, "--help"], cwd, block, f"{where}: python -m {module} --help")
+            if module == "pytest":
+                _check_test_paths(rest, where)
         else:
             notes.append(f"{where}: python -m {module}: not one of ours, only the interpreter was checked")
         return
@@ -280,6 +294,20 @@ def check_command(words: list[str], cwd: Path, block: Block, where: str, notes: 
             raise DocsError(f"{where}: unknown pip command {args[:1]}")
     elif shutil.which(prog, path=_env()["PATH"]) is None:
         notes.append(f"{where}: {prog} is not installed here; not checked")
+
+
+PYTEST_VALUE_OPTIONS = {"-k", "-m", "-p", "-o", "-c", "-n", "--durations", "--timeout", "--maxfail", "--rootdir"}
+
+
+def _check_test_paths(args: list[str], where: str) -> None:
+    """`python -m pytest tests/x -q`: the paths it names exist in the repository (run from its root)."""
+    skip = False
+    for arg in args:
+        if skip or arg.startswith("-"):
+            skip = arg in PYTEST_VALUE_OPTIONS
+            continue
+        if not (ROOT / arg.split("::")[0]).exists():
+            raise DocsError(f"{where}: pytest path {arg} does not exist in the repository")
 
 
 def _check_launch_flags(args: list[str], cwd: Path, block: Block, where: str) -> None:
@@ -390,10 +418,13 @@ def fresh_dir() -> Iterator[Path]:
 @pytest.mark.slow
 @pytest.mark.parametrize("page", PAGES, ids=[p.name for p in PAGES])
 def test_page(page: Path, fresh_dir: Path) -> None:
+    failure, notes = None, []
     try:
         notes = run_page(page, fresh_dir)
     except DocsError as exc:
-        pytest.fail(str(exc), pytrace=False)
+        failure = str(exc)
+    if failure is not None:  # outside the except: no chained duplicate of the message
+        pytest.fail(failure, pytrace=False)
     for note in notes:
         warnings.warn(f"docs {note}", UserWarning, stacklevel=1)  # listed in pytest's warnings summary
 
@@ -429,8 +460,12 @@ def test_files_shell_state_and_prompts(tmp_path: Path) -> None:
     )
     assert run_page(_page(tmp_path, text), tmp_path) == []
     assert (tmp_path / "out.txt").read_text() == "hello you\n"
-    with pytest.raises(DocsError, match=r"page\.md:3: false"):
+    with pytest.raises(DocsError, match=r"failed: page\.md:3\n"):
         run_page(_page(tmp_path, "```bash\ntrue\nfalse\n```\n"), tmp_path)
+    with pytest.raises(DocsError, match=r"failed: page\.md:4: test \$WHO = y"):
+        run_page(_page(tmp_path, "```console\n$ WHO=x\n$ true\n$ test \\\n  $WHO = y\n```\n"), tmp_path)
+    heredoc = "```bash\ncat > h.txt <<EOF\nline\nEOF\ngrep -q line h.txt\n```\n"
+    run_page(_page(tmp_path, heredoc), tmp_path)
 
 
 def test_json_ds_config_is_validated(tmp_path: Path) -> None:
@@ -447,5 +482,14 @@ def test_parse_mode_checks_without_running(tmp_path: Path) -> None:
     assert any("srun" in n for n in notes) or shutil.which("srun")
     with pytest.raises(DocsError, match="ds-launch flags"):
         run_page(_page(tmp_path, "<!-- snippet: parse -->\n```bash\nds-launch --num_gpu 2 train.py\n```\n"), tmp_path)
+    with pytest.raises(DocsError, match="pytest path tests/nope does not exist"):
+        text = "<!-- snippet: parse -->\n```bash\npython -m pytest -k x tests/docs tests/nope\n```\n"
+        run_page(_page(tmp_path, text), tmp_path)
     with pytest.raises(DocsError, match="nox session 'nope'"):
         run_page(_page(tmp_path, "<!-- snippet: parse -->\n```bash\nnox -s nope\n```\n"), tmp_path)
+
+
+def test_index_lists_every_page() -> None:
+    index = (DOCS / "index.md").read_text(encoding="utf-8")
+    missing = [p.name for p in PAGES if p.name != "index.md" and f"({p.name})" not in index]
+    assert not missing, f"docs/index.md does not link these pages: {missing}"
