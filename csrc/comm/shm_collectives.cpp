@@ -284,11 +284,11 @@ RankControl& Communicator::control(int r) const {
 
 char* Communicator::slot(int set, int r) const { return data_ + (static_cast<int64_t>(set) * world_ + r) * slot_bytes_; }
 
-void Communicator::begin_op(OpKind kind, DType dtype, int64_t numel, const char* op) {
+void Communicator::begin_op(OpKind kind, DType dtype, int64_t numel, const char* op, int64_t tag) {
   TORCH_CHECK(!broken_, "shm ", op, ": this communicator timed out earlier (the ranks no longer agree on where ",
               "they are); create a new one");
   ++ops_;
-  current_ = {static_cast<int32_t>(kind), static_cast<int32_t>(dtype), numel};
+  current_ = {static_cast<int32_t>(kind), static_cast<int32_t>(dtype), numel, tag};
   control(rank_).desc[ops_ & 1] = current_;  // made visible by the release store of the first barrier
 }
 
@@ -296,7 +296,8 @@ void Communicator::check_peers(const char* op) const {
   bool same = true;
   for (int r = 0; r < world_; ++r) {
     const OpDesc& d = control(r).desc[ops_ & 1];
-    same = same && d.kind == current_.kind && d.dtype == current_.dtype && d.numel == current_.numel;
+    same = same && d.kind == current_.kind && d.dtype == current_.dtype && d.numel == current_.numel &&
+           d.tag == current_.tag;
   }
   if (same) return;
   // Every rank sees the same descriptors after the barrier, so all of them raise here together and the
@@ -307,6 +308,7 @@ void Communicator::check_peers(const char* op) const {
   for (int r = 0; r < world_; ++r) {
     const OpDesc& d = control(r).desc[ops_ & 1];
     msg << "\n  rank " << r << ": " << kind_name(d.kind) << " " << dtype_name(d.dtype) << " numel=" << d.numel;
+    if (d.tag != 0) msg << " tag=" << d.tag;
   }
   TORCH_CHECK(false, msg.str());
 }
@@ -456,9 +458,16 @@ void Communicator::reduce_scatter(void* out, const void* in_data, int64_t out_nu
   } while (off < out_numel);
 }
 
-void Communicator::all_gather(void* out, const void* in_data, int64_t in_numel, DType dtype, int threads) {
+std::vector<int64_t> Communicator::peer_tags() const {
+  std::vector<int64_t> tags(static_cast<size_t>(world_));
+  for (int r = 0; r < world_; ++r) tags[static_cast<size_t>(r)] = control(r).desc[ops_ & 1].tag;
+  return tags;
+}
+
+void Communicator::all_gather(void* out, const void* in_data, int64_t in_numel, DType dtype, int threads,
+                              int64_t tag) {
   const char* op = "all_gather";
-  begin_op(OpKind::kAllGather, dtype, in_numel, op);
+  begin_op(OpKind::kAllGather, dtype, in_numel, op, tag);
   const int64_t esz = element_size(dtype);
   const char* src = static_cast<const char*>(in_data);
   char* dst = static_cast<char*>(out);

@@ -28,6 +28,7 @@
 #include <atomic>
 #include <cstdint>
 #include <string>
+#include <vector>
 
 #include "../includes/dtypes.h"
 #include "shm_segment.h"
@@ -40,6 +41,7 @@ struct OpDesc {
   int32_t kind;
   int32_t dtype;
   int64_t numel;
+  int64_t tag;  // the caller's label for this call (0: none); must match too, see all_gather
 };
 
 // One cache-line pair per rank so that a rank's stores never invalidate a line another rank polls.
@@ -71,12 +73,16 @@ class Communicator {
 
   void all_reduce(void* data, int64_t numel, DType dtype, bool avg, int threads);
   void reduce_scatter(void* out, const void* in, int64_t out_numel, DType dtype, bool avg, int threads);
-  void all_gather(void* out, const void* in, int64_t in_numel, DType dtype, int threads);
+  // `tag` is compared across ranks like the op, dtype and size (ZeRO-3 passes which module's gather this is,
+  // so ranks on different code paths fail here, naming their modules, instead of pairing wrong buckets).
+  void all_gather(void* out, const void* in, int64_t in_numel, DType dtype, int threads, int64_t tag = 0);
+  // Every rank's tag for the latest collective (valid after it returned or raised a mismatch).
+  std::vector<int64_t> peer_tags() const;
 
  private:
   RankControl& control(int r) const;
   char* slot(int set, int r) const;
-  void begin_op(OpKind kind, DType dtype, int64_t numel, const char* op);
+  void begin_op(OpKind kind, DType dtype, int64_t numel, const char* op, int64_t tag = 0);
   void barrier(const char* op);
   void check_peers(const char* op) const;
   // Raise naming the missing ranks; with dead_only, only when one of them has exited (else return).

@@ -97,7 +97,11 @@ class ShmComm : public torch::CustomClassHolder {
     c.reduce_scatter(output.data_ptr(), input.data_ptr(), output.numel(), dtype, avg, at::get_num_threads());
   }
 
-  void all_gather(at::Tensor output, at::Tensor input) {
+  void all_gather(at::Tensor output, at::Tensor input) { all_gather_tagged(std::move(output), std::move(input), 0); }
+
+  std::vector<int64_t> peer_tags() { return get("peer_tags").peer_tags(); }
+
+  void all_gather_tagged(at::Tensor output, at::Tensor input, int64_t tag) {
     const char* op = "all_gather";
     Communicator& c = get(op);
     check_tensor(output, op, "output");
@@ -111,7 +115,7 @@ class ShmComm : public torch::CustomClassHolder {
     const auto* own = static_cast<const char*>(output.data_ptr()) + rank_ * input.nbytes();
     TORCH_CHECK(!overlaps(output, input) || input.data_ptr() == own, "shm ", op,
                 ": input overlaps output other than as exactly this rank's shard output[rank * n:(rank + 1) * n]");
-    c.all_gather(output.data_ptr(), input.data_ptr(), input.numel(), dtype, at::get_num_threads());
+    c.all_gather(output.data_ptr(), input.data_ptr(), input.numel(), dtype, at::get_num_threads(), tag);
   }
 
  private:
@@ -143,7 +147,9 @@ TORCH_LIBRARY_FRAGMENT(ds_strategy, m) {
       .def("close", &ShmComm::close)
       .def("all_reduce", &ShmComm::all_reduce)
       .def("reduce_scatter", &ShmComm::reduce_scatter)
-      .def("all_gather", &ShmComm::all_gather);
+      .def("all_gather", &ShmComm::all_gather)
+      .def("all_gather_tagged", &ShmComm::all_gather_tagged)
+      .def("peer_tags", &ShmComm::peer_tags);
 }
 
 }  // namespace ds::comm

@@ -229,6 +229,12 @@ def _errors_body(rank: int, world: int) -> dict[str, str]:
     t = torch.ones(5)
     comm.all_reduce(t)
     m["after"] = str(t[0].item())
+    # Tagged all_gather: equal tags gather; different tags raise on every rank, and peer_tags() tells them.
+    g = torch.zeros(4)
+    comm.all_gather(g, torch.full((2,), float(rank + 1)), tag=7)
+    m["tagged"] = str(g.tolist())
+    m["tag_mismatch"] = _expect(RuntimeError, comm.all_gather, torch.zeros(4), torch.ones(2), 100 + rank)
+    m["peer_tags"] = str(comm.peer_tags())
     # In place: reduce_scatter into this rank's shard of the input, all_gather from this rank's shard.
     x = torch.arange(4, dtype=torch.float32) + 10 * rank
     comm.reduce_scatter(x[rank * 2 : rank * 2 + 2], x)
@@ -254,6 +260,10 @@ def test_clear_errors(cpu_kernels: bool) -> None:
         assert "rank 0: all_reduce float32 numel=10" in r["mismatch"]
         assert "rank 1: all_reduce float32 numel=11" in r["mismatch"]
         assert r["after"] == "2.0"
+        assert r["tagged"] == "[1.0, 1.0, 2.0, 2.0]"
+        assert "rank 0: all_gather float32 numel=2 tag=100" in r["tag_mismatch"], r["tag_mismatch"]
+        assert "rank 1: all_gather float32 numel=2 tag=101" in r["tag_mismatch"], r["tag_mismatch"]
+        assert r["peer_tags"] == "[100, 101]"
     assert results[0]["inplace"] == "[10.0, 12.0] [1.0, 1.0, 2.0, 2.0]"
     assert results[1]["inplace"] == "[14.0, 16.0] [1.0, 1.0, 2.0, 2.0]"
 

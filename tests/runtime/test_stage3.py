@@ -210,12 +210,16 @@ def _divergent(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-def test_stage3_divergent_ranks_raise_naming_rank_and_module() -> None:
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["labels-on-shm-gathers", "header-all-reduce"])
+def test_stage3_divergent_ranks_raise_naming_rank_and_module(shm: str) -> None:
+    env = {"DS_STRATEGY_GATHER_TIMEOUT": "5", "DS_STRATEGY_SHM": shm}
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_divergent, world_size=WORLD, timeout=60, env={"DS_STRATEGY_GATHER_TIMEOUT": "5"})
+        run_distributed(_divergent, world_size=WORLD, timeout=60, env=env)
     text = str(info.value)
     assert "ZeRO-3" in text and "diverged" in text, text
     assert "rank 0 gathers 'block.0'" in text and "rank 1 gathers 'head'" in text, text
+    # The path that caught it: the label compared by the shared-memory gather, or the header all-reduce.
+    assert ("the ranks called different collectives" in text) == (shm == "1"), text
 
 
 def _absent(rank: int, world: int) -> None:
@@ -233,12 +237,15 @@ def _absent(rank: int, world: int) -> None:
 
 
 @pytest.mark.multiprocess
-def test_stage3_gather_timeout_names_rank_and_module() -> None:
+@pytest.mark.parametrize("shm", ["1", "0"], ids=["labels-on-shm-gathers", "header-all-reduce"])
+def test_stage3_gather_timeout_names_rank_and_module(shm: str) -> None:
+    env = {"DS_STRATEGY_GATHER_TIMEOUT": "2", "DS_STRATEGY_SHM": shm}
     with pytest.raises(DistributedTestError) as info:
-        run_distributed(_absent, world_size=WORLD, timeout=60, env={"DS_STRATEGY_GATHER_TIMEOUT": "2"})
+        run_distributed(_absent, world_size=WORLD, timeout=60, env=env)
     text = str(info.value)
     assert "ZeRO-3: rank 0 timed out in parameter gather #1 for module 'embed'" in text, text
     assert "within 2s" in text, text
+    assert ("shm all_gather: rank 1 did not arrive" in text) == (shm == "1"), text
 
 
 def _gathered_edit(rank: int, world: int) -> dict[str, Any]:

@@ -199,6 +199,15 @@ class Communicator:
             return "shm"
         return self._torch_path(tensors[0])
 
+    def checks_tags(self, *tensors: torch.Tensor) -> bool:
+        """Whether an all_gather of ``tensors`` compares its ``tag`` across ranks (the shared-memory path)."""
+        return self.path_for(None, *tensors) == "shm" and hasattr(self.fast_path, "peer_tags")
+
+    def peer_tags(self) -> list[int]:
+        """Every rank's tag for the latest fast-path collective (after a tag mismatch; see ``checks_tags``)."""
+        tags = getattr(self.fast_path, "peer_tags", None)
+        return [] if tags is None else list(tags())
+
     def _fast_ok(self, op: str | None, tensors: Sequence[torch.Tensor]) -> bool:
         return (
             self.fast_path is not None
@@ -271,10 +280,11 @@ class Communicator:
         return self._handle([work], average if divide else None, timing, async_op)
 
     def all_gather_into_tensor(
-        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False, tag: int = 0
     ) -> CommHandle:
         """Concatenate every rank's ``input`` into ``output`` (rank order); ``input`` may be a view of
-        this rank's shard of ``output``."""
+        this rank's shard of ``output``. ``tag`` labels the call where ``checks_tags`` says the path
+        compares labels across ranks (a mismatch raises on every rank); other paths ignore it."""
         _check_pair("all_gather_into_tensor", big=output, small=input, world=self.world_size)
         path = self.path_for(None, output, input)
         timing = self._start("all_gather", output, path)
@@ -286,7 +296,10 @@ class Communicator:
             return self._done(timing)
         if path == "shm":
             assert self.fast_path is not None
-            self.fast_path.all_gather(output, input)
+            if tag:
+                self.fast_path.all_gather(output, input, tag=tag)  # type: ignore[call-arg]
+            else:
+                self.fast_path.all_gather(output, input)
             return self._done(timing)
         if path == "gloo" and self.emulate_gloo:
             timing = _relabel(timing, "gloo-ar")

@@ -208,15 +208,24 @@ class ShmCommunicator:
             )
         self._handle.reduce_scatter(output.detach(), input.detach(), op)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None:
-        """``output`` = every rank's ``input`` concatenated in rank order."""
+    def all_gather(self, output: torch.Tensor, input: torch.Tensor, tag: int = 0) -> None:
+        """``output`` = every rank's ``input`` concatenated in rank order. A non-zero ``tag`` labels the call:
+        it must be the same on every rank (like the size and dtype), else every rank raises "the ranks called
+        different collectives" and ``peer_tags()`` tells what each rank passed."""
         self._check("all_gather", output=output, input=input)
         if output.numel() != self.world_size * input.numel():
             raise ValueError(
                 f"shm all_gather: output has {output.numel()} elements; expected world_size ({self.world_size})"
                 f" x input.numel() ({input.numel()}) = {self.world_size * input.numel()}"
             )
-        self._handle.all_gather(output.detach(), input.detach())
+        if tag:
+            self._handle.all_gather_tagged(output.detach(), input.detach(), int(tag))
+        else:
+            self._handle.all_gather(output.detach(), input.detach())
+
+    def peer_tags(self) -> list[int]:
+        """Every rank's tag for the latest collective (meaningful after a mismatch error; 0: untagged)."""
+        return [int(t) for t in self._handle.peer_tags()]
 
     # -- lifetime ---------------------------------------------------------------------------------------
 

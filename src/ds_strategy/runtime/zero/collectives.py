@@ -40,6 +40,9 @@ class Collectives(Communicator):
         """
         return self.reduce_scatter_tensor(output, input, async_op=async_op, input_is_scratch=True)
 
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> CommHandle:
-        """Concatenate every rank's ``input`` into ``output``; ``input`` may be this rank's shard of ``output``."""
-        return self.all_gather_into_tensor(output, input, async_op=async_op)
+    def all_gather(
+        self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False, tag: int = 0
+    ) -> CommHandle:
+        """Concatenate every rank's ``input`` into ``output``; ``input`` may be this rank's shard of ``output``
+        (``tag``: see ``Communicator.all_gather_into_tensor``)."""
+        return self.all_gather_into_tensor(output, input, async_op=async_op, tag=tag)

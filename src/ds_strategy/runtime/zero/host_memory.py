@@ -1,17 +1,18 @@
-"""Give freed gather buffers back to the operating system (stage 3 on CPU, glibc).
+"""Where stage 3's gathered bucket buffers live on the host: the compiled size-keyed pool, or malloc.
 
-[Note: glibc keeps freed gather buffers resident]
+[Note: gathered buckets and host memory]
 Stage 3 allocates a full-size buffer for each bucket before its module runs and frees it right after,
-several times per step. glibc's malloc raises its mmap threshold dynamically (up to 32 MiB) once such a
-block is freed, so later buckets come from the heap, and freed heap memory stays in the process: peak
-RSS then barely shows the parameters that stage 3 no longer keeps (measured on the ~25M-parameter GPT,
-2 ranks: 42% of the theoretical saving). Pinning the mmap and trim thresholds (what
-``MALLOC_MMAP_THRESHOLD_`` / ``MALLOC_TRIM_THRESHOLD_`` do) returns large freed blocks at once, at the
-price of fresh page faults for every large allocation. Measured on that model (stage 2: 2.15-2.26 s/step,
-0.99 GiB; DDP 1.08 GiB): 1 MiB -> 3.25 s, 0.75 GiB; 4 MiB -> 2.50 s, 0.84-0.86 GiB; 8 MiB -> 2.48 s,
-0.91 GiB; 16 MiB -> 2.31 s, 0.95 GiB; glibc's default -> 0.99 GiB. 8 MiB keeps stage 3 within 1.15x of
-stage 2 and still saves ~90% of the theoretical model-state bytes over DDP. A user's own MALLOC_* settings
-win.
+twice per step for every bucket. Through glibc's malloc that churn is costly either way: by default glibc
+raises its mmap threshold (up to 32 MiB) once such a block is freed, later buckets come from the heap and
+freed heap memory stays in the process, so peak RSS barely shows the parameters stage 3 no longer keeps
+(measured on the ~25M-parameter GPT, 2 ranks: 42% of the theoretical saving); pinning the thresholds
+returns the blocks at once but then every multi-MiB allocation of the process, activations included,
+pays fresh page faults (1 MiB: +50% step time; 8 MiB: +15%). So on CPU the buffers come from the host
+pool in csrc/memory/host_pool.cpp: buffers keyed by exact size, reused while warm, the pool holding only
+the peak number of buckets live at once (bounded by stage3_max_live_parameters plus the prefetch).
+``trim()`` gives the cached buffers back (after a full gather such as GatheredParameters over the whole
+model, and when the engine is torn down). Without the compiled kernels the buffers come from torch's
+allocator and the mmap/trim thresholds are pinned at 8 MiB instead (the measured best trade-off then).
 """
 
 from __future__ import annotations
@@ -21,15 +22,54 @@ import ctypes.util
 import os
 from functools import cache
 
+import torch
+
+from ds_strategy.ops.builder import load_cpu_kernels
+
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
 THRESHOLD_BYTES = 8 << 20
 
 
+def pooled(device: torch.device) -> bool:
+    """True when gathered buckets on ``device`` come from the host pool."""
+    return device.type == "cpu" and load_cpu_kernels()
+
+
+def allocate(tensor: torch.Tensor) -> None:
+    """Give ``tensor``'s (empty) storage room for all its elements; the contents are undefined."""
+    nbytes = tensor.numel() * tensor.element_size()
+    if pooled(tensor.device):
+        torch.ops.ds_strategy.host_pool_resize_(tensor, nbytes)
+    else:
+        tensor.untyped_storage().resize_(nbytes)
+
+
+def release(tensor: torch.Tensor) -> None:
+    """Drop ``tensor``'s storage bytes (the tensor and its views survive, with no data behind them)."""
+    if pooled(tensor.device):
+        torch.ops.ds_strategy.host_pool_resize_(tensor, 0)
+    else:
+        tensor.untyped_storage().resize_(0)
+
+
+def trim() -> int:
+    """Free the pool's cached buffers (those in use stay); bytes freed."""
+    return int(torch.ops.ds_strategy.host_pool_trim()) if load_cpu_kernels() else 0
+
+
+def pool_stats() -> tuple[int, int]:
+    """(bytes in use, bytes cached) of the host pool; zeros without the compiled kernels."""
+    if not load_cpu_kernels():
+        return 0, 0
+    in_use, cached = torch.ops.ds_strategy.host_pool_stats()
+    return int(in_use), int(cached)
+
+
 @cache
 def return_freed_memory_to_os() -> bool:
-    """Pin glibc's mmap/trim thresholds at 8 MiB for this process, once; False where that does not apply
-    (not glibc, or the user chose the thresholds through MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_)."""
+    """Without the pool: pin glibc's mmap/trim thresholds at 8 MiB for this process, once; False where that
+    does not apply (not glibc, or the user chose them through MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_)."""
     if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
         return False
     name = ctypes.util.find_library("c")

@@ -24,13 +24,18 @@ executes, so all ranks issue the same collectives in the same order.
 
 [Note: divergence detection]
 If ranks run different modules (data-dependent control flow), their all-gathers would pair up wrongly:
-a hang, or silently wrong weights when sizes happen to match. Every fetch therefore all-reduces a tiny
-header (module index, fetch number) in the same stream of collectives. A fetch that must block on its
-own buckets first checks every outstanding header; a fetch served by prefetched buckets leaves its
-header in flight and it is checked at the next blocking fetch or at the end of backward (so prefetch
-overlap is kept). A mismatch raises a RuntimeError on every rank naming each rank's module; a header
-that does not complete within the gather timeout (``DS_STRATEGY_GATHER_TIMEOUT`` seconds, default: the
-process group's timeout) raises one naming this rank and the module it was gathering.
+a hang, or silently wrong weights when sizes happen to match. Every fetch therefore carries a label
+(module index, fetch number) that the ranks compare. Where the buckets go through the shared-memory
+path (CPU ranks on one node), the label rides on the all-gathers themselves: the path compares it with
+the op, dtype and size after its first barrier, so a mismatch raises on every rank at no extra cost, and
+one label all-reduce per iteration (end of backward, or of a no-grad forward) catches ranks whose
+divergence never reached a gather. On other paths every fetch all-reduces a tiny header in the same
+stream of collectives; a fetch that must block on its own buckets first checks every outstanding header,
+a fetch served by prefetched buckets leaves its header in flight until the next blocking fetch or the end
+of backward (so prefetch overlap is kept). Either way a mismatch raises a RuntimeError on every rank
+naming each rank's module, and a gather or header that does not complete within the gather timeout
+(``DS_STRATEGY_GATHER_TIMEOUT`` seconds, default: the process group's, or the shared-memory path's,
+timeout) raises one naming this rank and the module it was gathering.
 """
 
 from __future__ import annotations
@@ -96,6 +101,10 @@ class ParamGatherer:
             if isinstance(m, READS_CHILD_PARAMETERS):
                 params += list(m.parameters())
             self.units[id(m)] = self.keys_of(params)
+        # Labels ride on the all-gathers where the path compares them (see [Note: divergence detection]).
+        probe = next((gs.full[0] for gs in groups if gs.full), None)
+        self.tagged = coll.world_size > 1 and probe is not None and coll.checks_tags(probe)
+        self._last_mid = -1
         self.users: dict[BucketKey, int] = defaultdict(int)
         self.inflight: dict[BucketKey, Handle] = {}
         self.trace: list[int] | None = None
@@ -147,7 +156,7 @@ class ParamGatherer:
 
     def _on_root_end(self, module: nn.Module, args: Any, output: Any) -> None:
         if not torch.is_grad_enabled():  # no backward follows: nothing stays gathered for it
-            self.verify_headers()
+            self.check_agreement()
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         self.fetch(module)
@@ -172,9 +181,9 @@ class ParamGatherer:
         plan = self._prefetch_plan(set(keys), sum(self._numel(k) for k in need))
         if need or plan:
             self._make_room(sum(self._numel(k) for k in need + plan), protect=set(keys))
-        self._header(id(module), blocking=bool(need))
+        tag = self._label(id(module), blocking=bool(need))
         for k in need + plan:
-            self.inflight[k] = self.groups[k[0]].gather(k[1], async_op=True)
+            self.inflight[k] = self._gather(k, tag, id(module))
             self.gathers += 1
         self.misses += bool(need)
         self.peak_live = max(self.peak_live, self.live_numel())
@@ -194,9 +203,10 @@ class ParamGatherer:
     def acquire(self, keys: Sequence[BucketKey], label: str) -> None:
         """Gather ``keys`` for temporary full access (GatheredParameters); every rank must call it."""
         need = [k for k in keys if not self._live(k) and k not in self.inflight]
-        self._header(-1, blocking=True, label=label)
+        self.names[-1] = label
+        tag = self._label(-1, blocking=True)
         for k in need:
-            self.inflight[k] = self.groups[k[0]].gather(k[1], async_op=True)
+            self.inflight[k] = self._gather(k, tag, -1)
         for k in keys:
             handle = self.inflight.pop(k, None)
             if handle is not None:
@@ -217,8 +227,8 @@ class ParamGatherer:
         self._free(key)
 
     def end_backward(self) -> None:
-        """Backward is over: check the outstanding headers, free every non-persistent bucket, keep the record."""
-        self.verify_headers()
+        """Backward is over: check that the ranks agree, free every non-persistent bucket, keep the record."""
+        self.check_agreement()
         for g, gs in enumerate(self.groups):
             for b in range(len(gs.full)):
                 self._free((g, b))
@@ -297,17 +307,48 @@ class ParamGatherer:
                         return
 
     # ------------------------------------------------------------------ divergence detection
-    def _header(self, mid: int, *, blocking: bool, label: str | None = None) -> None:
+    def _label(self, mid: int, *, blocking: bool) -> int:
+        """Count a fetch of ``mid`` and label it; the label to pass to its gathers (0 where headers carry it)."""
         if self.coll.world_size == 1:
-            return
+            return 0
         self._seq += 1
+        self._last_mid = mid
+        if self.tagged:
+            return self._seq << 20 | (self.index.get(mid, -1) + 2)
+        self._header(mid, self._seq, blocking=blocking)
+        return 0
+
+    def check_agreement(self) -> None:
+        """End of an iteration: wait for the headers in flight, or (labels on gathers) compare the last label."""
+        if self.tagged and self.coll.world_size > 1:
+            self._header(self._last_mid, self._seq, blocking=True)
+        else:
+            self.verify_headers()
+
+    def _gather(self, key: BucketKey, tag: int, mid: int) -> Handle:
+        """All-gather one bucket; a failure of its collective names this rank's module and the others'."""
+        fast = self.coll.fast_path if tag else None
+        saved = None
+        if fast is not None and self.timeout_s is not None:
+            saved, fast.timeout = fast.timeout, self.timeout_s  # type: ignore[attr-defined]
+        try:
+            return self.groups[key[0]].gather(key[1], async_op=True, tag=tag)
+        except RuntimeError as err:
+            tags = self.coll.peer_tags() if "different collectives" in str(err) else []
+            if tags:
+                rows = [[t & 0xFFFFF, t >> 20] for t in tags]
+                raise self._diverged(mid, tag >> 20, rows) from err
+            raise self._timed_out(mid, tag >> 20, err, fast_timeout=fast) from err
+        finally:
+            if saved is not None:
+                fast.timeout = saved  # type: ignore[union-attr]
+
+    def _header(self, mid: int, seq: int, *, blocking: bool) -> None:
         header = torch.zeros(self.coll.world_size, 2, dtype=torch.int64)
         header[self.coll.rank, 0] = self.index.get(mid, -1) + 2  # 1: GatheredParameters, 0: nothing
-        header[self.coll.rank, 1] = self._seq
+        header[self.coll.rank, 1] = seq
         work = dist.all_reduce(header, group=self.coll.group, async_op=True)
-        self._headers.append((work, header, mid, self._seq))
-        if label is not None:
-            self.names[mid] = label
+        self._headers.append((work, header, mid, seq))
         if blocking:
             self.verify_headers()
 
@@ -315,31 +356,37 @@ class ParamGatherer:
         """Wait for the outstanding headers; raise naming the ranks/modules if they do not match."""
         headers, self._headers = self._headers, []
         for work, header, mid, seq in headers:
-            name = self.names.get(mid, "?")
             try:
                 if self.timeout_s is None:
                     work.wait()
                 else:
                     work.wait(datetime.timedelta(seconds=self.timeout_s))
             except RuntimeError as err:
-                limit = f"within {self.timeout_s:g}s" if self.timeout_s is not None else "(process group timeout)"
-                raise RuntimeError(
-                    f"ZeRO-3: rank {self.coll.rank} timed out in parameter gather #{seq} for module {name!r}: "
-                    f"another rank did not gather it {limit} ({err}). The ranks took different code paths (a "
-                    "module skipped or called a different number of times on some rank), or another rank "
-                    "failed. Under ZeRO stage 3 every rank must run the same modules in the same order."
-                ) from err
+                raise self._timed_out(mid, seq, err) from err
             rows = header.tolist()
             if any(row != rows[0] for row in rows):
-                by_rank = ", ".join(
-                    f"rank {r} gathers {self._name_of_index(row[0] - 2)!r} (gather #{row[1]})"
-                    for r, row in enumerate(rows)
-                )
-                raise RuntimeError(
-                    f"ZeRO-3: ranks diverged at parameter gather #{seq} (this is rank {self.coll.rank}, gathering "
-                    f"{name!r}): {by_rank}. The ranks took different code paths; under ZeRO stage 3 every rank "
-                    "must run the same modules in the same order (make the control flow agree across ranks)."
-                )
+                raise self._diverged(mid, seq, rows)
+
+    def _timed_out(self, mid: int, seq: int, err: Exception, fast_timeout: Any = None) -> RuntimeError:
+        seconds = self.timeout_s if self.timeout_s is not None else getattr(fast_timeout, "timeout", None)
+        limit = f"within {seconds:g}s" if seconds is not None else "(process group timeout)"
+        return RuntimeError(
+            f"ZeRO-3: rank {self.coll.rank} timed out in parameter gather #{seq} for module "
+            f"{self.names.get(mid, '?')!r}: another rank did not gather it {limit} ({err}). The ranks took "
+            "different code paths (a module skipped or called a different number of times on some rank), or "
+            "another rank failed. Under ZeRO stage 3 every rank must run the same modules in the same order."
+        )
+
+    def _diverged(self, mid: int, seq: int, rows: list[list[int]]) -> RuntimeError:
+        """``rows``: each rank's (module index + 2, fetch number); 0 as index + 2 means it was not gathering."""
+        by_rank = ", ".join(
+            f"rank {r} gathers {self._name_of_index(row[0] - 2)!r} (gather #{row[1]})" for r, row in enumerate(rows)
+        )
+        return RuntimeError(
+            f"ZeRO-3: ranks diverged at parameter gather #{seq} (this is rank {self.coll.rank}, gathering "
+            f"{self.names.get(mid, '?')!r}): {by_rank}. The ranks took different code paths; under ZeRO stage 3 "
+            "every rank must run the same modules in the same order (make the control flow agree across ranks)."
+        )
 
     def _name_of_index(self, index: int) -> str:
         if index == -1:

@@ -4,8 +4,9 @@
 Stage 3 keeps, per param group, a *partition* buffer in the compute dtype: this rank's shard of every
 bucket of the flat layout (the same layout as stages 1-2, so masters, gradients and optimizer state are
 sharded exactly as there). Each bucket also owns one full-size *gathered* tensor whose storage is
-allocated only while the bucket is live: ``gather`` resizes its storage to the padded bucket size, copies
-this rank's shard in and all-gathers the rest; ``free`` resizes the storage back to 0 bytes. The tensor
+allocated only while the bucket is live: ``gather`` gives its storage the padded bucket's bytes (from the
+host pool on CPU: [Note: gathered buckets and host memory]), copies this rank's shard in and all-gathers
+the rest; ``free`` takes the bytes back, leaving a 0-byte storage. The tensor
 object itself (and therefore every view of it) survives, which is what makes freeing safe: autograd
 saves views of weights for backward (``linear`` saves ``weight.t()``), and those saved views point into
 this same storage, so re-gathering before a module's backward refills exactly what they read (the FSDP
@@ -25,6 +26,7 @@ import torch
 from torch import nn
 
 from ..layout import FlatLayout, ParamSlot
+from . import host_memory
 from .buffers import GroupState
 from .collectives import DONE, Collectives, Handle
 from .init import gather_init_param, init_shard
@@ -125,17 +127,17 @@ class ShardedGroup(GroupState):
             self.params[i].data = self.in_bucket(self.full[bucket], i)
 
     # ------------------------------------------------------------------ gather / free (see the note)
-    def gather(self, bucket: int, *, async_op: bool) -> Handle:
+    def gather(self, bucket: int, *, async_op: bool, tag: int = 0) -> Handle:
         """Allocate the bucket's gathered tensor and all-gather it; the parameters point into it at once."""
         if self.live[bucket]:
             return DONE
         full = self.full[bucket]
-        full.untyped_storage().resize_(full.numel() * full.element_size())
+        host_memory.allocate(full)
         mine = full.view(self.coll.world_size, -1)[self.rank]
         mine.copy_(self._part_views[bucket], non_blocking=True)
         self.live[bucket] = True
         self._point_params(bucket)
-        return self.coll.all_gather(full, mine, async_op=async_op)
+        return self.coll.all_gather(full, mine, async_op=async_op, tag=tag)
 
     def free(self, bucket: int) -> None:
         """Drop the bucket's gathered storage (persistent buckets stay)."""
@@ -143,7 +145,7 @@ class ShardedGroup(GroupState):
             return
         for i in self.layout.buckets[bucket].params:
             self.params[i].data = self._placeholder
-        self.full[bucket].untyped_storage().resize_(0)
+        host_memory.release(self.full[bucket])
         self.live[bucket] = False
 
     def write_back(self, bucket: int) -> None:

@@ -26,10 +26,10 @@ from typing import Any
 import torch
 from torch import nn
 
+from . import host_memory
 from .base import BucketKey, StageOptions, ZeroStage
 from .buffers import GroupState
 from .collectives import Collectives, Handle
-from .host_memory import return_freed_memory_to_os
 from .init import init_shard, unpartition_param
 from .param_gather import EXTERNAL_ATTR, ParamGatherer
 from .sharded import ShardedGroup
@@ -97,8 +97,9 @@ class Stage3(Stage2):
     ) -> None:
         self.module = module
         self.s3 = s3
-        if any(p.device.type == "cpu" for named in groups for _, p in named):
-            return_freed_memory_to_os()  # see [Note: glibc keeps freed gather buffers resident]
+        devices = {p.device for named in groups for _, p in named}
+        if any(d.type == "cpu" and not host_memory.pooled(d) for d in devices):
+            host_memory.return_freed_memory_to_os()  # see [Note: gathered buckets and host memory]
         owner: dict[int, int] = {}
         for n, m in enumerate(module.modules()):
             for p in m._parameters.values():
@@ -161,6 +162,7 @@ class Stage3(Stage2):
     def detach(self) -> None:
         super().detach()
         self.gatherer.detach()
+        host_memory.trim()
 
     @torch.no_grad()
     def _on_grad(self, pid: int, param: torch.Tensor) -> None:
@@ -197,6 +199,8 @@ class Stage3(Stage2):
         try:
             yield
         except RuntimeError as err:
+            if str(err).startswith("ZeRO-3:"):  # our own gather errors say what happened already
+                raise
             err.add_note(
                 "ZeRO stage 3 hint: parameters are gathered only while their own module runs. If this forward "
                 "uses a parameter outside its owning module (e.g. `x @ self.embed.weight.T` in a parent), "
@@ -246,6 +250,7 @@ class Stage3(Stage2):
                 self.coll.broadcast(gs.full[b], src=modifier_rank)
                 gs.write_back(b)
         self.gatherer.release_keys(keys)
+        host_memory.trim()  # a wide gather would otherwise stay cached in the pool (see host_memory.py)
 
     def consolidated_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
         if not self.s3.gather_on_save:
