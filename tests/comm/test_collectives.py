@@ -523,3 +523,58 @@ def test_auto_routes_cpu_floats_to_shared_memory(request: pytest.FixtureRequest)
         results = run_distributed(_auto_body, world_size=world)
         mean = sum(range(world)) / world
         assert results[0] == ("ShmCommunicator", "shm", "gloo", [mean, mean])
+
+
+# -- asynchronous fast path (comm/worker.py) ---------------------------------------------------------------
+
+
+def _background_body(rank: int, world: int, use_async: str) -> dict[str, Any]:
+    os.environ["DS_STRATEGY_SHM_ASYNC"] = use_async
+    comm = Communicator(fast_path=True)
+    gen = torch.Generator().manual_seed(rank)
+    shards = [torch.randn(1000 + 17 * i, generator=gen) for i in range(6)]
+    outs = [torch.empty(world * s.numel()) for s in shards]
+    handles = []
+    for i, (out, shard) in enumerate(zip(outs, shards, strict=True)):
+        handles.append(comm.all_gather_into_tensor(out, shard, async_op=True))
+        if i == 2:  # a synchronous call between queued ones keeps its place in the order
+            mid = torch.full((5,), float(rank + 1))
+            comm.all_reduce(mid)
+    grads = torch.randn(world * 64, generator=gen)
+    mine = torch.empty(64)
+    handles.append(comm.reduce_scatter_tensor(mine, grads.clone(), async_op=True))
+    for h in handles:
+        h.wait()
+    # The references, through gloo.
+    ref_outs = []
+    for shard in shards:
+        parts = [torch.empty_like(shard) for _ in range(world)]
+        dist.all_gather(parts, shard)
+        ref_outs.append(torch.cat(parts))
+    ref_grads = grads.clone()
+    dist.all_reduce(ref_grads)
+    # A mismatch is raised on every rank: by wait() when found on the background thread, else by the call.
+    try:
+        comm.all_gather_into_tensor(torch.empty(world * (3 + rank)), torch.ones(3 + rank), async_op=True).wait()
+        error = ""
+    except RuntimeError as err:
+        error = str(err)
+    threaded = comm._worker is not None
+    comm.close()
+    return {
+        "gathers_equal": all(torch.equal(o, r) for o, r in zip(outs, ref_outs, strict=True)),
+        "mid": mid.tolist(),
+        "reduced_equal": torch.allclose(mine, ref_grads.view(world, -1)[rank]),
+        "error": error,
+        "threaded": threaded,
+    }
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("use_async", ["1", "0"])
+def test_async_fast_path_keeps_order_and_reports_errors(use_async: str, cpu_kernels: bool) -> None:
+    for res in run_distributed(_background_body, world_size=2, args=(use_async,)):
+        assert res["threaded"] == (use_async == "1")
+        assert res["gathers_equal"] and res["reduced_equal"], res
+        assert res["mid"] == [3.0] * 5
+        assert "the ranks called different collectives" in res["error"], res["error"]

@@ -18,10 +18,12 @@ shared-memory fast path (``ds_strategy.comm.shm.ShmCommunicator``) when every ra
 this node and the compiled kernels load; everything else goes to torch.distributed. The fast path is
 decided once, collectively, in the constructor: ``fast_path=False`` or ``DS_STRATEGY_SHM=0`` disables it,
 ``fast_path=True`` insists on it (an error when unavailable; the argument wins over the variable), and a
-fast-path object may be injected (tests use a double). Fast-path operations complete synchronously; their
-handles are already done. The choice depends only on the op, dtype and device, which torch.distributed
-already requires to match across ranks, so every rank of a collective takes the same path (non-contiguous
-all_reduce inputs are reduced through a contiguous copy for the same reason).
+fast-path object may be injected (tests use a double). Synchronous fast-path calls are done on return;
+``async_op=True`` ones run on one background thread in call order (``DS_STRATEGY_SHM_ASYNC=0`` runs them
+inline; see [Note: asynchronous fast path] in worker.py). The choice depends only on the op, dtype and
+device, which torch.distributed already requires to match across ranks, so every rank of a collective
+takes the same path (non-contiguous all_reduce inputs are reduced through a contiguous copy for the same
+reason).
 
 [Note: gloo reduce_scatter and all_gather through all_reduce]
 gloo's reduce_scatter and all_gather are slower than its all_reduce for large messages (2 ranks, 64 MB
@@ -49,8 +51,10 @@ import torch
 import torch.distributed as dist
 
 from ds_strategy.comm.logger import CommsLogger, Timing
+from ds_strategy.comm.worker import CollectiveWorker
 
 SHM_ENV = "DS_STRATEGY_SHM"
+SHM_ASYNC_ENV = "DS_STRATEGY_SHM_ASYNC"
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FAST_OPS = ("sum", "avg")
 
@@ -151,6 +155,12 @@ class Communicator:
         self.emulate_gloo = emulate_gloo
         self._device_backends = _parse_backend(self.backend)
         self.fast_path: FastPath | None = self._open_fast_path(fast_path)
+        # async_op fast-path calls run on one background thread (see [Note: asynchronous fast path]).
+        off = os.environ.get(SHM_ASYNC_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+        # Not for an injected fast path: a test double may itself use torch.distributed, which must stay
+        # on the caller's thread.
+        injected = fast_path is not None and not isinstance(fast_path, bool)
+        self._worker = CollectiveWorker() if self.fast_path is not None and not (off or injected) else None
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def _open_fast_path(self, fast_path: FastPath | bool | None) -> FastPath | None:
@@ -170,6 +180,9 @@ class Communicator:
 
     def close(self) -> None:
         """Release the fast path's shared memory (torch.distributed's groups are the caller's)."""
+        if self._worker is not None:
+            worker, self._worker = self._worker, None
+            worker.close()
         if self.fast_path is not None:
             fast, self.fast_path = self.fast_path, None
             fast.close()
@@ -254,9 +267,9 @@ class Communicator:
                 output.view(-1).copy_(input.view(-1))
             return self._done(timing)
         if path == "shm":
-            assert self.fast_path is not None
-            self.fast_path.reduce_scatter(output, input, name)
-            return self._done(timing)
+            fast = self.fast_path
+            assert fast is not None
+            return self._fast(lambda: fast.reduce_scatter(output, input, name), timing, async_op)
         _check_avg(name, output)
         if path == "gloo" and self.emulate_gloo:
             timing = _relabel(timing, "gloo-ar")
@@ -295,12 +308,11 @@ class Communicator:
                 mine.copy_(input.view(-1))
             return self._done(timing)
         if path == "shm":
-            assert self.fast_path is not None
+            fast = self.fast_path
+            assert fast is not None
             if tag:
-                self.fast_path.all_gather(output, input, tag=tag)  # type: ignore[call-arg]
-            else:
-                self.fast_path.all_gather(output, input)
-            return self._done(timing)
+                return self._fast(lambda: fast.all_gather(output, input, tag=tag), timing, async_op)  # type: ignore[call-arg]
+            return self._fast(lambda: fast.all_gather(output, input), timing, async_op)
         if path == "gloo" and self.emulate_gloo:
             timing = _relabel(timing, "gloo-ar")
             if mine.data_ptr() != input.data_ptr():
@@ -377,11 +389,9 @@ class Communicator:
                 then()
             return self._done(timing)
         if path == "shm":
-            assert self.fast_path is not None
-            self.fast_path.all_reduce(tensor, name)
-            if then is not None:
-                then()
-            return self._done(timing)
+            fast = self.fast_path
+            assert fast is not None
+            return self._fast(lambda: fast.all_reduce(tensor, name), timing, async_op, then)
         _check_avg(name, tensor)
         torch_op, divide = self._torch_op(name, path)
         work = dist.all_reduce(tensor, op=torch_op, group=self.group, async_op=True)
@@ -408,6 +418,20 @@ class Communicator:
             return None
         nbytes = tensor.numel() * tensor.element_size()
         return self.logger.start(op, nbytes=nbytes, world_size=self.world_size, path=path, device=tensor.device)
+
+    def _fast(
+        self, run: Callable[[], None], timing: Timing | None, async_op: bool, then: Callable[[], None] | None = None
+    ) -> CommHandle:
+        """A fast-path call: queued to the worker when asynchronous, else run now (after anything queued)."""
+        if self._worker is not None and async_op:
+            return CommHandle([self._worker.submit(run)], then, timing=timing, logger=self.logger)  # type: ignore[list-item]
+        if self._worker is not None:
+            self._worker.run(run)
+        else:
+            run()
+        if then is not None:
+            then()
+        return self._done(timing)
 
     def _done(self, timing: Timing | None) -> CommHandle:
         handle = CommHandle(timing=timing, logger=self.logger)

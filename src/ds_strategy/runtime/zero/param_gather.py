@@ -104,9 +104,11 @@ class ParamGatherer:
         # Labels ride on the all-gathers where the path compares them (see [Note: divergence detection]).
         probe = next((gs.full[0] for gs in groups if gs.full), None)
         self.tagged = coll.world_size > 1 and probe is not None and coll.checks_tags(probe)
+        if self.tagged and self.timeout_s is not None:  # the gathers' own waits are the shm kernel's
+            coll.fast_path.timeout = self.timeout_s  # type: ignore[union-attr]
         self._last_mid = -1
         self.users: dict[BucketKey, int] = defaultdict(int)
-        self.inflight: dict[BucketKey, Handle] = {}
+        self.inflight: dict[BucketKey, _Gather] = {}
         self.trace: list[int] | None = None
         self._recording: list[int] | None = None
         self._cursor: int | None = None
@@ -325,23 +327,20 @@ class ParamGatherer:
         else:
             self.verify_headers()
 
-    def _gather(self, key: BucketKey, tag: int, mid: int) -> Handle:
-        """All-gather one bucket; a failure of its collective names this rank's module and the others'."""
-        fast = self.coll.fast_path if tag else None
-        saved = None
-        if fast is not None and self.timeout_s is not None:
-            saved, fast.timeout = fast.timeout, self.timeout_s  # type: ignore[attr-defined]
+    def _gather(self, key: BucketKey, tag: int, mid: int) -> _Gather:
+        """All-gather one bucket (asynchronously); its failure will name this rank's module and the others'."""
         try:
-            return self.groups[key[0]].gather(key[1], async_op=True, tag=tag)
+            return _Gather(self, self.groups[key[0]].gather(key[1], async_op=True, tag=tag), tag, mid)
         except RuntimeError as err:
-            tags = self.coll.peer_tags() if "different collectives" in str(err) else []
-            if tags:
-                rows = [[t & 0xFFFFF, t >> 20] for t in tags]
-                raise self._diverged(mid, tag >> 20, rows) from err
-            raise self._timed_out(mid, tag >> 20, err, fast_timeout=fast) from err
-        finally:
-            if saved is not None:
-                fast.timeout = saved  # type: ignore[union-attr]
+            raise self._gather_failed(err, tag, mid) from err
+
+    def _gather_failed(self, err: RuntimeError, tag: int, mid: int) -> RuntimeError:
+        if not tag:
+            return err
+        tags = self.coll.peer_tags() if "different collectives" in str(err) else []
+        if tags:
+            return self._diverged(mid, tag >> 20, [[t & 0xFFFFF, t >> 20] for t in tags])
+        return self._timed_out(mid, tag >> 20, err, fast_timeout=self.coll.fast_path)
 
     def _header(self, mid: int, seq: int, *, blocking: bool) -> None:
         header = torch.zeros(self.coll.world_size, 2, dtype=torch.int64)
@@ -395,6 +394,21 @@ class ParamGatherer:
             if i == index:
                 return self.names[mid]
         return "<nothing: this rank was not gathering>"
+
+
+class _Gather:
+    """An in-flight bucket gather whose failure is reported as a ZeRO-3 gather error (see the notes)."""
+
+    __slots__ = ("_gatherer", "_handle", "_mid", "_tag")
+
+    def __init__(self, gatherer: ParamGatherer, handle: Handle, tag: int, mid: int) -> None:
+        self._gatherer, self._handle, self._tag, self._mid = gatherer, handle, tag, mid
+
+    def wait(self) -> None:
+        try:
+            self._handle.wait()
+        except RuntimeError as err:
+            raise self._gatherer._gather_failed(err, self._tag, self._mid) from err
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

@@ -1,0 +1,91 @@
+"""One background thread that runs a communicator's shared-memory collectives in submission order.
+
+[Note: asynchronous fast path]
+The shared-memory kernels are synchronous: a call returns when every rank has passed through it, so the
+caller waits for the slowest rank at each one. Run inline, an ``async_op=True`` collective (a ZeRO-3
+prefetch, a reduce-scatter launched while backward continues) therefore overlaps nothing and exposes
+every bit of skew between the ranks. Here such calls are queued to one daemon thread per communicator;
+the kernels release the GIL, so the caller computes while the thread waits for the peers and copies. One
+thread and a FIFO keep the per-rank order of collectives identical on every rank. A synchronous call
+made while jobs are queued goes through the queue too (and waits), else it runs inline. The thread is a
+daemon so that a rank stuck waiting for a dead peer (bounded by the kernels' timeout anyway) never holds
+up interpreter exit.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Callable
+
+import torch
+
+
+class Job:
+    """A queued collective: ``wait()`` blocks until it ran and re-raises its error (like ``dist.Work``)."""
+
+    __slots__ = ("_done", "_error", "_fn")
+
+    def __init__(self, fn: Callable[[], None]) -> None:
+        self._fn = fn
+        self._done = threading.Event()
+        self._error: BaseException | None = None
+
+    def run(self) -> None:
+        try:
+            self._fn()
+        except BaseException as err:  # handed to the waiter, never lost in the thread
+            self._error = err
+        finally:
+            self._done.set()
+
+    def wait(self) -> None:
+        self._done.wait()
+        if self._error is not None:
+            raise self._error
+
+    def is_completed(self) -> bool:
+        return self._done.is_set()
+
+
+class CollectiveWorker:
+    """FIFO executor of fast-path collectives on one daemon thread (see [Note: asynchronous fast path])."""
+
+    def __init__(self, name: str = "ds_strategy-shm") -> None:
+        self._queue: queue.SimpleQueue[Job | None] = queue.SimpleQueue()
+        self._pending = 0  # submitted, not finished (only the owning thread submits)
+        self._lock = threading.Lock()
+        threads = torch.get_num_threads()  # the kernels' OpenMP team size follows the caller's setting
+        self._thread = threading.Thread(target=self._loop, args=(threads,), name=name, daemon=True)
+        self._thread.start()
+
+    def _loop(self, threads: int) -> None:
+        torch.set_num_threads(threads)
+        while (job := self._queue.get()) is not None:
+            job.run()
+            with self._lock:
+                self._pending -= 1
+
+    def idle(self) -> bool:
+        with self._lock:
+            return self._pending == 0
+
+    def submit(self, fn: Callable[[], None]) -> Job:
+        job = Job(fn)
+        with self._lock:
+            self._pending += 1
+        self._queue.put(job)
+        return job
+
+    def run(self, fn: Callable[[], None]) -> None:
+        """Run ``fn`` now, after whatever is queued (inline when nothing is)."""
+        if self.idle():
+            fn()
+        else:
+            self.submit(fn).wait()
+
+    def close(self) -> None:
+        """Finish the queued jobs, then stop the thread."""
+        self.submit(lambda: None).wait()
+        self._queue.put(None)
+        self._thread.join(timeout=5)
