@@ -15,7 +15,16 @@ import torch
 import torch.distributed as dist
 
 import ds_strategy
-from ds_strategy.demo.__main__ import CHECKPOINT, CONSOLIDATED, PLOT, QUICK, parse_args, plan_for, strip_prefix, weights_match
+from ds_strategy.demo.__main__ import (
+    CHECKPOINT,
+    CONSOLIDATED,
+    PLOT,
+    QUICK,
+    parse_args,
+    plan_for,
+    strip_prefix,
+    weights_match,
+)
 from ds_strategy.demo.measure import (
     MIB,
     RunRecorder,
@@ -55,14 +64,25 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
     started = time.monotonic()
     proc = subprocess.run(
-        [sys.executable, "-m", "ds_strategy.demo", "--quick", "--out", str(out), "--trained-weights", str(trained_path)],
+        [
+            sys.executable,
+            "-m",
+            "ds_strategy.demo",
+            "--quick",
+            "--out",
+            str(out),
+            "--trained-weights",
+            str(trained_path),
+        ],
         env=env,
         capture_output=True,
         text=True,
         timeout=240,
     )
     wall = time.monotonic() - started
-    assert proc.returncode == 0, f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    assert proc.returncode == 0, (
+        f"exit {proc.returncode}\nstdout:\n{proc.stdout[-4000:]}\nstderr:\n{proc.stderr[-4000:]}"
+    )
     print(f"demo --quick: {wall:.1f} s")
     stdout = proc.stdout
     assert "terminate called" not in proc.stderr, proc.stderr[-2000:]
@@ -175,7 +195,7 @@ def test_recorder_collects_each_rank_measured_memory_on_rank_zero() -> None:
     assert res["losses"] == [0.5, 1.5, 2.5]  # mean over ranks of (rank + step)
     if not r0["resets"]:
         pytest.skip("this platform cannot reset the peak RSS")
-    growth = [p - s for p, s in zip(res["peak_rss"], res["setup_rss"])]
+    growth = [p - s for p, s in zip(res["peak_rss"], res["setup_rss"], strict=True)]
     assert growth[1] >= 90 * MIB, growth  # rank 1's allocation, measured on rank 1
     assert growth[0] < growth[1] - 64 * MIB, growth  # and not assumed for rank 0
     assert res["tokens_per_s"] > 0

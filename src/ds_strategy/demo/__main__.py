@@ -29,10 +29,10 @@ from dataclasses import dataclass, replace
 from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+import lightning as L
 from ds_strategy.demo.data import VOCAB_SIZE, CharDataset, corpus_text, decode
 from ds_strategy.demo.measure import RunRecorder, RunResult
 from ds_strategy.demo.model import GPT, GPTConfig
@@ -57,10 +57,22 @@ class Plan:
     sample_chars: int = 200
 
 
-FULL = Plan(model=GPTConfig(vocab_size=VOCAB_SIZE, block_size=64, n_layer=2, n_head=4, n_embd=128), zero3_steps=800,
-            brief_steps=100, batch_size=16, lr=3e-3)
-QUICK = Plan(model=GPTConfig(vocab_size=VOCAB_SIZE, block_size=16, n_layer=1, n_head=2, n_embd=32), zero3_steps=3,
-             brief_steps=2, batch_size=4, lr=3e-3, max_chars=20_000, sample_chars=40)
+FULL = Plan(
+    model=GPTConfig(vocab_size=VOCAB_SIZE, block_size=64, n_layer=2, n_head=4, n_embd=128),
+    zero3_steps=700,
+    brief_steps=80,
+    batch_size=16,
+    lr=3e-3,
+)
+QUICK = Plan(
+    model=GPTConfig(vocab_size=VOCAB_SIZE, block_size=16, n_layer=1, n_head=2, n_embd=32),
+    zero3_steps=3,
+    brief_steps=2,
+    batch_size=4,
+    lr=3e-3,
+    max_chars=20_000,
+    sample_chars=40,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -191,6 +203,12 @@ def main(argv: list[str] | None = None) -> int:
         f"ds_strategy demo: a {n_params / 1e6:.2f}M-parameter GPT on pydoc's topics ({len(dataset.data):,} bytes), "
         f"{args.devices} CPU processes, output in {out}"
     )
+    if is_rank_zero():
+        # Built (or found in the cache) once, before Lightning starts rank 1, which then loads it from the cache.
+        from ds_strategy.ops import load_cpu_kernels
+
+        kernels = "C++ (" + torch.ops.ds_strategy.simd_isa() + ")" if load_cpu_kernels() else "pure-torch fallbacks"
+        say(f"kernels: {kernels}")
     checkpoint = out / CHECKPOINT
     if is_rank_zero() and checkpoint.exists():
         shutil.rmtree(checkpoint)  # a fresh run; Lightning would otherwise keep the old tag beside the new one
@@ -204,7 +222,10 @@ def main(argv: list[str] | None = None) -> int:
     trained: dict[str, Any] = {}
     first: L.Trainer | None = None
     for i, (strategy, steps, callbacks) in enumerate(runs, 1):
-        say(f"\n[{i}/{len(runs)}] Trainer(strategy={strategy!r}, accelerator='cpu', devices={args.devices}): {steps} steps")
+        say(
+            f"\n[{i}/{len(runs)}] Trainer(strategy={strategy!r}, accelerator='cpu', devices={args.devices}): "
+            f"{steps} steps"
+        )
         trainer, recorder = fit(strategy, plan, steps, dataset, args.devices, callbacks)
         first = first or trainer
         if strategy == "zero3":
@@ -260,7 +281,9 @@ def report(
     sample = decode(bare.eval().generate(prompt, plan.sample_chars)[0].tolist())
     console.print("\nsample from the bare GPT (consolidated weights):", highlight=False)
     console.print(sample, markup=False, highlight=False)
-    console.print(f"\ncheckpoint (sharded): {checkpoint}\nconsolidated fp32:    {consolidated}\nplot:                 {png}")
+    console.print(
+        f"\ncheckpoint (sharded): {checkpoint}\nconsolidated fp32:    {consolidated}\nplot:                 {png}"
+    )
 
 
 def _wait_for_workers(trainer: L.Trainer) -> None:

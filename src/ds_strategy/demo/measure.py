@@ -22,9 +22,9 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import lightning as L
 import torch
 
+import lightning as L
 from ds_strategy.accelerator import get_accelerator
 
 MIB = 1024 * 1024
@@ -122,7 +122,9 @@ class RunRecorder(L.Callback):
         self._setup_rss = rank_memory()[0]
         self._reset = reset_peak_memory()
 
-    def on_train_batch_start(self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int) -> None:
+    def on_train_batch_start(
+        self, trainer: L.Trainer, pl_module: L.LightningModule, batch: Any, batch_idx: int
+    ) -> None:
         # The first step pays one-time costs (buffers, kernel warm-up): timed from the second when there is one.
         warmup = 1 if trainer.max_steps > 2 else 0
         if trainer.global_step == warmup and self._timed_from is None:

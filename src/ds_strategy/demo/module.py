@@ -5,9 +5,9 @@ from __future__ import annotations
 import math
 from typing import Any
 
-import lightning as L
 import torch
 
+import lightning as L
 from ds_strategy.demo.model import GPT, GPTConfig
 
 WARMUP_STEPS = 10

@@ -20,7 +20,7 @@ def last_loss(result: RunResult) -> float:
 
 def max_loss_gap(result: RunResult, reference: RunResult) -> float:
     """Largest |loss difference| per step over the steps both runs made (same seed, same data order)."""
-    pairs = list(zip(result.losses, reference.losses))
+    pairs = list(zip(result.losses, reference.losses, strict=False))  # the shorter run's steps
     return max(abs(a - b) for a, b in pairs) if pairs else float("nan")
 
 
