@@ -210,8 +210,10 @@ def main(argv: list[str] | None = None) -> int:
         kernels = "C++ (" + torch.ops.ds_strategy.simd_isa() + ")" if load_cpu_kernels() else "pure-torch fallbacks"
         say(f"kernels: {kernels}")
     checkpoint = out / CHECKPOINT
-    if is_rank_zero() and checkpoint.exists():
-        shutil.rmtree(checkpoint)  # a fresh run; Lightning would otherwise keep the old tag beside the new one
+    if is_rank_zero() and checkpoint.is_dir():
+        shutil.rmtree(checkpoint)  # a fresh checkpoint, not one tag replacing another in an old directory
+    elif is_rank_zero() and checkpoint.exists():
+        checkpoint.unlink()
 
     runs: list[tuple[str, int, list[L.Callback]]] = [
         ("zero3", plan.zero3_steps, [SaveAtTrainEnd(checkpoint)]),
@@ -243,9 +245,11 @@ def main(argv: list[str] | None = None) -> int:
         return 0
 
     train_s = time.perf_counter() - started
-    report(results, plan, args, out, checkpoint, trained)
-    _wait_for_workers(first)
-    say(f"\ntotal {time.perf_counter() - started:.0f} s (training {train_s:.0f} s)")
+    try:
+        report(results, plan, args, out, checkpoint, trained)
+    finally:
+        _wait_for_workers(first)
+    say(f"\ntotal {time.perf_counter() - started:.0f} s (three fits {train_s:.0f} s)")
     return 0
 
 
