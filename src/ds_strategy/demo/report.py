@@ -56,8 +56,10 @@ def plot(results: Sequence[RunResult], path: Path, title: str = "") -> Path:
     import matplotlib.pyplot as plt
 
     fig, (ax_loss, ax_state, ax_rss) = plt.subplots(1, 3, figsize=(15, 4.5), gridspec_kw={"width_ratios": [3, 2, 2]})
-    for r in results:
-        ax_loss.plot(range(1, r.steps + 1), r.losses, label=f"{r.name} ({r.steps} steps)", linewidth=1.2)
+    for r, style in zip(
+        results, ["-", "--", ":", "-."] * len(results), strict=False
+    ):  # curves that coincide stay visible
+        ax_loss.plot(range(1, r.steps + 1), r.losses, style, label=f"{r.name} ({r.steps} steps)", linewidth=1.2)
     ax_loss.set_xlabel("optimizer step")
     ax_loss.set_ylabel("training loss (mean over ranks)")
     ax_loss.set_title("loss")
