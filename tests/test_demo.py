@@ -265,3 +265,26 @@ def test_cli() -> None:
     assert plan_for(parse_args(["--steps", "7"])).brief_steps == 7  # brief runs never longer than the main one
     with pytest.raises(SystemExit):
         parse_args(["--steps", "0"])
+
+
+def test_recorder_in_one_process_whatever_all_gather_returns() -> None:
+    """Lightning's all_gather gives (1, ...) with a one-rank process group and the tensor itself without one."""
+    for gather in (lambda t: t.unsqueeze(0), lambda t: t):
+        trainer = SimpleNamespace(
+            max_steps=2,
+            global_step=0,
+            world_size=1,
+            is_global_zero=True,
+            strategy=SimpleNamespace(engine=None),
+            lightning_module=torch.nn.Linear(2, 2),
+            optimizers=[],
+        )
+        rec = RunRecorder("one", gather=gather)
+        rec.setup(trainer, None, "fit")  # type: ignore[arg-type]
+        for step in range(2):
+            trainer.global_step = step
+            rec.on_train_batch_start(trainer, None, None, step)  # type: ignore[arg-type]
+            batch = (torch.zeros(1, 4, dtype=torch.long), torch.zeros(1, 4, dtype=torch.long))
+            rec.on_train_batch_end(trainer, None, torch.tensor(3.0 - step), batch, step)  # type: ignore[arg-type]
+        rec.on_train_end(trainer, None)  # type: ignore[arg-type]
+        assert rec.result is not None and rec.result.losses == [3.0, 2.0] and rec.result.state_bytes == [24]

@@ -107,6 +107,10 @@ def is_rank_zero() -> bool:
     return int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0
 
 
+def processes(n: int) -> str:
+    return f"{n} CPU process" + ("es" if n != 1 else "")
+
+
 def say(message: str) -> None:
     if is_rank_zero():
         print(message, flush=True)
@@ -201,7 +205,7 @@ def main(argv: list[str] | None = None) -> int:
     n_params = sum(p.numel() for p in GPT(plan.model).parameters())
     say(
         f"ds_strategy demo: a {n_params / 1e6:.2f}M-parameter GPT on pydoc's topics ({len(dataset.data):,} bytes), "
-        f"{args.devices} CPU processes, output in {out}"
+        f"{processes(args.devices)}, output in {out}"
     )
     if is_rank_zero():
         # Built (or found in the cache) once, before Lightning starts rank 1, which then loads it from the cache.
@@ -263,7 +267,7 @@ def report(
     console = Console()
     if not console.is_terminal:
         console = Console(width=120)  # a pipe or a log file: rich would assume 80 columns
-    title = f"small GPT on pydoc topics, {args.devices} CPU processes, same seed and data order"
+    title = f"small GPT on pydoc topics, {processes(args.devices)}, same seed and data order"
     console.print()
     console.print(comparison_table(results, title=title))
     png = plot(results, out / PLOT, title=title)

@@ -145,16 +145,17 @@ class RunRecorder(L.Callback):
         state = model_state_bytes(trainer)
         local_stats = torch.tensor([self._tokens, elapsed, peak, self._setup_rss, state], dtype=torch.float64)
         gather = self.gather or trainer.strategy.all_gather
-        losses = _stacked(gather(local_losses), trainer.world_size)
-        stats = _stacked(gather(local_stats), trainer.world_size)
-        resets = _stacked(gather(torch.tensor([float(self._reset)])), trainer.world_size)
+        losses = _stacked(gather(local_losses), local_losses)
+        stats = _stacked(gather(local_stats), local_stats)
+        local_reset = torch.tensor([float(self._reset)])
+        resets = _stacked(gather(local_reset), local_reset)
         if trainer.is_global_zero:
             self.result = summarize(self.name, losses, stats, peak_is_per_run=bool(resets.min().item() > 0))
 
 
-def _stacked(gathered: torch.Tensor, world_size: int) -> torch.Tensor:
-    """Lightning's all_gather returns the tensor itself in a single process, (world, ...) otherwise."""
-    return gathered.unsqueeze(0) if world_size == 1 else gathered
+def _stacked(gathered: torch.Tensor, local: torch.Tensor) -> torch.Tensor:
+    """(world, ...): Lightning's all_gather returns the tensor itself when no process group exists."""
+    return gathered.unsqueeze(0) if gathered.dim() == local.dim() else gathered
 
 
 def mib(values: Sequence[int]) -> list[float]:
