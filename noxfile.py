@@ -35,7 +35,7 @@ def tests(session: nox.Session) -> None:
 
 @nox.session
 def demo(session: nox.Session) -> None:
-    """The main job: a small GPT trained on 2 CPU processes, with a summary table at the end."""
+    """The main job: zero3 beside zero2 and DDP on 2 CPU processes, table, PNG, checkpoint (docs/demo.md)."""
     _install(session, "[docs]")
     session.run("python", "-m", "ds_strategy.demo", *session.posargs)
 

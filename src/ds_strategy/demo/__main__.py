@@ -1,111 +1,308 @@
-"""``python -m ds_strategy.demo``: train a small GPT on pydoc's topics on 2 CPU processes.
+"""``python -m ds_strategy.demo``: ZeRO stage 3 on 2 CPU processes, beside ZeRO stage 2 and DDP.
 
-For now the run uses Lightning's DDP with our fused global-norm kernel for gradient monitoring and
-overflow detection; it grows into the ZeRO strategies as they land.
+1. ``Trainer(strategy="zero3", accelerator="cpu", devices=2)`` trains a small GPT (byte-level) on the
+   documentation topics that ship with Python (``pydoc_data``), with Lightning's progress bar, and saves a
+   sharded checkpoint at the end of training (``trainer.save_checkpoint`` from a callback, while the engine
+   still holds the partitions).
+2. The same model, data and seed train briefly under ``"zero2"`` and Lightning's ``"ddp"``.
+3. Rank 0 prints a table per strategy: loss (first, last, largest gap to DDP), tokens/s, and each rank's
+   peak memory, measured on that rank and all-gathered (demo/measure.py); writes a PNG of the loss curves
+   and the memory per rank.
+4. ``ds-zero-to-fp32`` consolidates the zero3 checkpoint into one fp32 state dict, which a bare ``GPT``
+   (plain torch, no strategy) loads; its weights are compared with the trained ones and it writes a sample.
+
+The three fits share two processes: the first Trainer re-runs this command as rank 1 (Lightning's
+subprocess launcher), and every later Trainer finds the ranks and the process group already there.
 """
 
 from __future__ import annotations
 
 import argparse
-import resource
+import logging
+import os
+import shutil
+import subprocess
+import sys
 import time
+import warnings
+from dataclasses import dataclass, replace
+from pathlib import Path
 from typing import Any
 
-import lightning as L
 import torch
 from torch.utils.data import DataLoader
 
+import lightning as L
 from ds_strategy.demo.data import VOCAB_SIZE, CharDataset, corpus_text, decode
+from ds_strategy.demo.measure import RunRecorder, RunResult
 from ds_strategy.demo.model import GPT, GPTConfig
-from ds_strategy.ops import load_cpu_kernels, multi_tensor_l2norm
+from ds_strategy.demo.module import GPTModule
+
+PROMPT = "The "
+CHECKPOINT = "zero3.ckpt"  # a directory: ZeroStrategy checkpoints are sharded
+CONSOLIDATED = "zero3_fp32.pt"
+PLOT = "demo.png"
 
 
-class GPTModule(L.LightningModule):
-    def __init__(self, cfg: GPTConfig, lr: float) -> None:
-        super().__init__()
-        self.model = GPT(cfg)
-        self.lr = lr
-        self.losses: list[float] = []
-        self.started = 0.0
-        self.tokens = 0
+@dataclass(frozen=True)
+class Plan:
+    """Model size and run lengths; ``--quick`` shrinks everything to a smoke test."""
 
-    def training_step(self, batch: tuple[torch.Tensor, torch.Tensor], batch_idx: int) -> torch.Tensor:
-        if batch_idx == 0:
-            self.started = time.perf_counter()
-        idx, targets = batch
-        loss = self.model.loss(idx, targets)
-        self.tokens += idx.numel()
-        self.losses.append(loss.item())
-        self.log("loss", loss, prog_bar=True)
-        return loss
+    model: GPTConfig
+    zero3_steps: int
+    brief_steps: int  # zero2 and ddp
+    batch_size: int
+    lr: float
+    max_chars: int | None = None  # corpus prefix (None: all of it)
+    sample_chars: int = 200
 
-    def on_before_optimizer_step(self, optimizer: Any) -> None:
-        # One fused pass over every gradient: global L2 norm and inf/nan detection.
-        grads = [p.grad for p in self.parameters() if p.grad is not None]
-        norm, found_inf = multi_tensor_l2norm(grads)
-        if found_inf.item():
-            raise FloatingPointError(f"non-finite gradient at step {self.global_step}")
-        self.log("grad_norm", norm, prog_bar=True)
 
-    def configure_optimizers(self) -> torch.optim.Optimizer:
-        return torch.optim.AdamW(self.parameters(), lr=self.lr, weight_decay=0.01)
+FULL = Plan(
+    model=GPTConfig(vocab_size=VOCAB_SIZE, block_size=64, n_layer=2, n_head=4, n_embd=128),
+    zero3_steps=700,
+    brief_steps=80,
+    batch_size=16,
+    lr=3e-3,
+)
+QUICK = Plan(
+    model=GPTConfig(vocab_size=VOCAB_SIZE, block_size=16, n_layer=1, n_head=2, n_embd=32),
+    zero3_steps=3,
+    brief_steps=2,
+    batch_size=4,
+    lr=3e-3,
+    max_chars=20_000,
+    sample_chars=40,
+)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
-    parser = argparse.ArgumentParser(prog="python -m ds_strategy.demo", description=__doc__)
-    parser.add_argument("--steps", type=int, default=80, help="optimizer steps (default 80)")
+    parser = argparse.ArgumentParser(
+        prog="python -m ds_strategy.demo",
+        description="Train a small GPT with ZeRO stage 3 on CPU processes, beside ZeRO stage 2 and DDP; print a "
+        "comparison table, write a loss/memory PNG, consolidate the checkpoint and sample from it.",
+    )
+    parser.add_argument("--steps", type=int, default=None, help=f"zero3 optimizer steps (default {FULL.zero3_steps})")
     parser.add_argument("--devices", type=int, default=2, help="CPU processes (default 2)")
-    parser.add_argument("--batch-size", type=int, default=16, help="micro batch per process")
-    parser.add_argument("--lr", type=float, default=3e-3)
-    return parser.parse_args(argv)
+    parser.add_argument("--out", type=Path, default=Path("ds_strategy_demo"), help="output directory")
+    parser.add_argument("--quick", action="store_true", help="a tiny model and 2-3 steps per run (a smoke test)")
+    # For tests: where to torch.save the zero3 run's trained weights (gathered from every rank).
+    parser.add_argument("--trained-weights", type=Path, default=None, help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.steps is not None and args.steps < 1:
+        parser.error("--steps must be at least 1")
+    if args.devices < 1:
+        parser.error("--devices must be at least 1")
+    return args
 
 
-def main(argv: list[str] | None = None) -> None:
-    args = parse_args(argv)
-    L.seed_everything(0, verbose=False)
-    cfg = GPTConfig(vocab_size=VOCAB_SIZE)
-    dataset = CharDataset(corpus_text(), cfg.block_size)
-    loader = DataLoader(dataset, batch_size=args.batch_size, shuffle=True, num_workers=0, drop_last=True)
-    module = GPTModule(cfg, args.lr)
-    kernels = load_cpu_kernels()  # build once in the launching process; the workers load it from the cache
+def plan_for(args: argparse.Namespace) -> Plan:
+    plan = QUICK if args.quick else FULL
+    if args.steps is not None:
+        plan = replace(plan, zero3_steps=args.steps, brief_steps=min(plan.brief_steps, args.steps))
+    return plan
+
+
+def is_rank_zero() -> bool:
+    """Rank 0 is the process the user started; Lightning gives the ones it starts LOCAL_RANK >= 1."""
+    return int(os.environ.get("LOCAL_RANK", "0")) == 0 and int(os.environ.get("NODE_RANK", "0")) == 0
+
+
+def processes(n: int) -> str:
+    return f"{n} CPU process" + ("es" if n != 1 else "")
+
+
+def say(message: str) -> None:
+    if is_rank_zero():
+        print(message, flush=True)
+
+
+def quiet_lightning() -> None:
+    """The demo's own lines tell what runs where; Lightning's per-Trainer banners and the advice for
+    GPU-sized jobs (dataloader workers, logging interval) would only bury them."""
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)
+    logging.getLogger("lightning.fabric").setLevel(logging.WARNING)
+    for pattern in (
+        ".*does not have many workers.*",
+        ".*smaller than the logging interval.*",
+        # deprecations inside Lightning itself, with this torch
+        ".*isinstance.treespec, LeafSpec.*",
+        ".*torch.distributed.nn.functional.all_gather is deprecated.*",
+        # the 2nd and 3rd Trainer find the process group of the 1st: nothing to re-initialise
+        ".*ignored because torch.distributed is already initialised.*",
+    ):
+        warnings.filterwarnings("ignore", message=pattern)
+
+
+class SaveAtTrainEnd(L.Callback):
+    """``trainer.save_checkpoint`` at the end of training, while the ZeRO engine still holds the partitions
+    (after ``fit`` it is released, and a save would write one plain file of weights)."""
+
+    def __init__(self, path: Path) -> None:
+        self.path = path
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        trainer.save_checkpoint(self.path)
+
+
+def fit(
+    strategy: str, plan: Plan, steps: int, dataset: CharDataset, devices: int, callbacks: list[L.Callback]
+) -> tuple[L.Trainer, RunRecorder]:
+    L.seed_everything(0, verbose=False)  # the same initial weights and data order for every strategy
+    module = GPTModule(plan.model, plan.lr, schedule_steps=plan.zero3_steps)
+    loader = DataLoader(dataset, batch_size=plan.batch_size, shuffle=True, drop_last=True)
+    recorder = RunRecorder(strategy)
+    per_epoch = len(dataset) // (plan.batch_size * devices)
     trainer = L.Trainer(
         accelerator="cpu",
-        devices=args.devices,
-        strategy="ddp",
-        max_steps=args.steps,
+        devices=devices,
+        strategy=strategy,
+        max_steps=steps,
+        max_epochs=-(-steps // max(per_epoch, 1)),  # what the progress bar shows as the last epoch
+        callbacks=[recorder, *callbacks],
         logger=False,
         enable_checkpointing=False,
         enable_model_summary=False,
+        num_sanity_val_steps=0,
     )
     trainer.fit(module, loader)
-    if trainer.is_global_zero:
-        _summary(module, args, kernels)
+    return trainer, recorder
 
 
-def _summary(module: GPTModule, args: argparse.Namespace, kernels: bool) -> None:
-    from rich.console import Console
-    from rich.table import Table
+def consolidate(checkpoint: Path, output: Path) -> list[str]:
+    """The command that turns the sharded checkpoint into one fp32 file: the ``ds-zero-to-fp32`` console
+    script installed beside this Python, else the module it runs."""
+    script = Path(sys.executable).parent / "ds-zero-to-fp32"
+    if script.is_file():
+        command = [str(script), str(checkpoint), str(output)]
+    elif shutil.which("ds-zero-to-fp32"):
+        command = ["ds-zero-to-fp32", str(checkpoint), str(output)]
+    else:
+        command = [sys.executable, "-m", "ds_strategy.runtime.checkpoint.consolidate", str(checkpoint), str(output)]
+    subprocess.run(command, check=True, stdout=subprocess.DEVNULL)
+    return command
 
-    elapsed = time.perf_counter() - module.started
-    isa = torch.ops.ds_strategy.simd_isa() if kernels else "fallback (no compiler)"
-    table = Table(title="ds_strategy demo: small GPT on pydoc topics, CPU")
-    for col in ("processes", "steps", "first loss", "last loss", "tokens/s (all ranks)", "peak RSS rank 0", "kernel"):
-        table.add_column(col)
-    peak_mb = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss / 1024
-    table.add_row(
-        str(args.devices),
-        str(len(module.losses)),
-        f"{module.losses[0]:.3f}",
-        f"{sum(module.losses[-10:]) / len(module.losses[-10:]):.3f}",
-        f"{module.tokens * args.devices / elapsed:,.0f}",
-        f"{peak_mb:,.0f} MB",
-        isa,
+
+def strip_prefix(state_dict: dict[str, Any], prefix: str = "model.") -> dict[str, Any]:
+    """GPTModule keeps the network as ``self.model``: its state-dict keys start with ``model.``."""
+    return {k.removeprefix(prefix): v for k, v in state_dict.items()}
+
+
+def weights_match(a: dict[str, Any], b: dict[str, Any]) -> tuple[bool, float]:
+    """(same keys and bit-identical values, largest absolute difference)."""
+    if a.keys() != b.keys():
+        return False, float("inf")
+    gap = max((float((a[k].float() - b[k].float()).abs().max()) for k in a if a[k].numel()), default=0.0)
+    return all(torch.equal(a[k], b[k]) for k in a), gap
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    plan = plan_for(args)
+    quiet_lightning()
+    out: Path = args.out.resolve()
+    started = time.perf_counter()
+    dataset = CharDataset(corpus_text(plan.max_chars), plan.model.block_size)
+    n_params = sum(p.numel() for p in GPT(plan.model).parameters())
+    say(
+        f"ds_strategy demo: a {n_params / 1e6:.2f}M-parameter GPT on pydoc's topics ({len(dataset.data):,} bytes), "
+        f"{processes(args.devices)}, output in {out}"
     )
-    Console().print(table)
-    prompt = torch.tensor([list(b"def ")])
-    sample = module.model.eval().generate(prompt, 120)
-    Console().print(f"[bold]sample:[/bold] {decode(sample[0].tolist())!r}")
+    if is_rank_zero():
+        # Built (or found in the cache) once, before Lightning starts rank 1, which then loads it from the cache.
+        from ds_strategy.ops import load_cpu_kernels
+
+        kernels = "C++ (" + torch.ops.ds_strategy.simd_isa() + ")" if load_cpu_kernels() else "pure-torch fallbacks"
+        say(f"kernels: {kernels}")
+    checkpoint = out / CHECKPOINT
+    if is_rank_zero() and checkpoint.is_dir():
+        shutil.rmtree(checkpoint)  # a fresh checkpoint, not one tag replacing another in an old directory
+    elif is_rank_zero() and checkpoint.exists():
+        checkpoint.unlink()
+
+    runs: list[tuple[str, int, list[L.Callback]]] = [
+        ("zero3", plan.zero3_steps, [SaveAtTrainEnd(checkpoint)]),
+        ("zero2", plan.brief_steps, []),
+        ("ddp", plan.brief_steps, []),
+    ]
+    results: list[RunResult] = []
+    trained: dict[str, Any] = {}
+    first: L.Trainer | None = None
+    for i, (strategy, steps, callbacks) in enumerate(runs, 1):
+        say(
+            f"\n[{i}/{len(runs)}] Trainer(strategy={strategy!r}, accelerator='cpu', devices={args.devices}): "
+            f"{steps} steps"
+        )
+        trainer, recorder = fit(strategy, plan, steps, dataset, args.devices, callbacks)
+        first = first or trainer
+        if strategy == "zero3":
+            trained = strip_prefix(trainer.strategy.lightning_module_state_dict())  # gathered at teardown
+        if recorder.result is not None:
+            results.append(recorder.result)
+
+    assert first is not None
+    rank = first.global_rank
+    if torch.distributed.is_initialized():
+        # Every rank leaves the process group together: no collective thread is left running at exit.
+        torch.distributed.barrier()
+        torch.distributed.destroy_process_group()
+    if rank != 0:
+        return 0
+
+    train_s = time.perf_counter() - started
+    try:
+        report(results, plan, args, out, checkpoint, trained)
+    finally:
+        _wait_for_workers(first)
+    say(f"\ntotal {time.perf_counter() - started:.0f} s (three fits {train_s:.0f} s)")
+    return 0
+
+
+def report(
+    results: list[RunResult], plan: Plan, args: argparse.Namespace, out: Path, checkpoint: Path, trained: dict[str, Any]
+) -> None:
+    from rich.console import Console
+
+    from ds_strategy.demo.report import comparison_table, plot
+
+    console = Console()
+    if not console.is_terminal:
+        console = Console(width=120)  # a pipe or a log file: rich would assume 80 columns
+    title = f"small GPT on pydoc topics, {processes(args.devices)}, same seed and data order"
+    console.print()
+    console.print(comparison_table(results, title=title))
+    png = plot(results, out / PLOT, title=title)
+
+    consolidated = out / CONSOLIDATED
+    command = consolidate(checkpoint, consolidated)
+    state = strip_prefix(torch.load(consolidated, weights_only=True))
+    bare = GPT(plan.model)  # plain torch: no strategy, no process group
+    bare.load_state_dict(state, strict=True)
+    same, gap = weights_match(state, trained)
+    verdict = "bit-identical" if same else f"DIFFERENT (largest difference {gap:.2e})"
+    console.print(f"\nconsolidated: {Path(command[0]).name} {checkpoint.name} -> {consolidated.name}")
+    console.print(f"consolidated weights vs the zero3 run's gathered weights: {len(state)} tensors, {verdict}")
+    if args.trained_weights is not None:
+        torch.save(trained, args.trained_weights)
+
+    torch.manual_seed(0)
+    prompt = torch.tensor([list(PROMPT.encode())])
+    sample = decode(bare.eval().generate(prompt, plan.sample_chars)[0].tolist())
+    console.print("\nsample from the bare GPT (consolidated weights):", highlight=False)
+    console.print(sample, markup=False, highlight=False)
+    console.print(
+        f"\ncheckpoint (sharded): {checkpoint}\nconsolidated fp32:    {consolidated}\nplot:                 {png}"
+    )
+
+
+def _wait_for_workers(trainer: L.Trainer) -> None:
+    """Rank 0 returns only after the ranks Lightning started have exited (no orphans)."""
+    launcher = getattr(trainer.strategy, "launcher", None)
+    for proc in getattr(launcher, "procs", []):
+        try:
+            proc.wait(timeout=60)
+        except subprocess.TimeoutExpired:
+            proc.kill()
 
 
 if __name__ == "__main__":
-    main()
+    sys.exit(main())
