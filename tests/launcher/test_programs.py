@@ -12,9 +12,9 @@ from typing import Any
 import pytest
 
 from ds_strategy.launcher import launch
+from ds_strategy.launcher import supervise as supervise_module
 from ds_strategy.launcher.programs import EXIT_MISSING_PROGRAM, MissingProgramError
 from ds_strategy.launcher.runners import Command
-from ds_strategy.launcher import supervise as supervise_module
 from ds_strategy.launcher.supervise import supervise
 from tests.launcher.common import LAUNCH, env
 
@@ -47,7 +47,12 @@ def _one_error_line(proc: subprocess.CompletedProcess[str]) -> str:
     ("flags", "program", "option", "advice"),
     [
         (["--launcher", "srun"], "'srun'", "--launcher slurm (or srun)", "SLURM login or compute node"),
-        (["--launcher", "slurm", "-H", "hostfile"], "'srun'", "--launcher slurm (or srun)", "or use --launcher ssh or pdsh"),
+        (
+            ["--launcher", "slurm", "-H", "hostfile"],
+            "'srun'",
+            "--launcher slurm (or srun)",
+            "or use --launcher ssh or pdsh",
+        ),
         (["--launcher", "openmpi", "-H", "hostfile"], "'mpirun'", "--launcher openmpi (or mpirun)", "Open MPI"),
         (["--launcher", "mpirun", "-H", "hostfile"], "'mpirun'", "--launcher openmpi (or mpirun)", "Open MPI"),
         (["--launcher", "mpich", "-H", "hostfile"], "'mpirun'", "--launcher mpich", "install MPICH"),

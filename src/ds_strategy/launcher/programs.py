@@ -19,8 +19,7 @@ EXIT_MISSING_PROGRAM = 127
 
 # What to do when a program is missing, by program name, else by launcher (mpirun is Open MPI's or MPICH's).
 _ADVICE: dict[str, str] = {
-    "ssh": "install an OpenSSH client (e.g. 'apt-get install openssh-client') or add the directory holding "
-    "ssh to PATH",
+    "ssh": "install an OpenSSH client (e.g. 'apt-get install openssh-client') or add the directory holding ssh to PATH",
     "pdsh": "install pdsh or add its directory to PATH, or use --launcher ssh",
     "srun": "run ds-launch on a SLURM login or compute node where srun is on PATH, or use --launcher ssh or pdsh",
     "openmpi": "install Open MPI or add its bin directory to PATH (e.g. 'module load openmpi'), "
@@ -77,4 +76,3 @@ def require_script_program(user_script: str, environ: Mapping[str, str]) -> None
     raise MissingProgramError(
         f"--no_python runs {user_script!r} as a program, but {why}: {fix}, or drop --no_python to run it with Python"
     )
-

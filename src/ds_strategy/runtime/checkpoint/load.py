@@ -122,7 +122,9 @@ def _plan(
         if rank < meta["world_size"]:
             plan.rng = source.rank_data(rank)["rng"]
         else:
-            plan.notes.append(f"rank {rank} has no saved RNG state (saved by {ranks(meta['world_size'])}); kept its own")
+            plan.notes.append(
+                f"rank {rank} has no saved RNG state (saved by {ranks(meta['world_size'])}); kept its own"
+            )
     return plan
 
 
