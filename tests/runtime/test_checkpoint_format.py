@@ -8,6 +8,7 @@ import pytest
 import torch
 
 from ds_strategy.runtime.checkpoint import CheckpointError, check_safe, to_plain
+from ds_strategy.runtime.checkpoint.format import ranks
 from ds_strategy.runtime.checkpoint.reshard import fill_flat_range, full_param, index_by_name
 from ds_strategy.runtime.layout import FlatLayout
 
@@ -54,3 +55,7 @@ def test_reshard_round_trip(old_world: int, new_world: int, old_bucket: int, new
     for slot in new.params:
         padding[slot.offset : slot.end] = False
     assert torch.all(new_flat[padding] == 0)
+
+
+def test_rank_counts_in_words() -> None:
+    assert [ranks(n) for n in (0, 1, 2, 16)] == ["0 ranks", "1 rank", "2 ranks", "16 ranks"]

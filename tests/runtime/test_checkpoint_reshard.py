@@ -144,7 +144,10 @@ def test_resave_at_another_world_size_is_identical(tmp_path: Path) -> None:
 
     root = str(tmp_path)
     run_distributed(_save, world_size=2, args=(root, 2, 200, "a"))
-    run_distributed(_resave, world_size=1, args=(root, "a", "a-by-1"))
+    (lines,) = run_distributed(_resave, world_size=1, args=(root, "a", "a-by-1"))
+    # The log lines count ranks in words: "1 rank", never "1 ranks".
+    assert any("(saved by 2 ranks at stage 2; now 1 rank at stage 0)" in line for line in lines), lines
+    assert any(line.endswith("a-by-1 (1 rank, stage 0)") for line in lines), lines
     w_a, w_b = consolidate_fp32_state_dict(root, "a"), consolidate_fp32_state_dict(root, "a-by-1")
     o_a, o_b = consolidate_optimizer_state(root, "a"), consolidate_optimizer_state(root, "a-by-1")
     assert list(w_a) == list(w_b)
@@ -156,8 +159,25 @@ def test_resave_at_another_world_size_is_identical(tmp_path: Path) -> None:
         assert o_a[name]["step"] == o_b[name]["step"] == N
 
 
-def _resave(rank: int, world: int, root: str, tag: str, new_tag: str) -> None:
-    engine = _engine(world, 0, 1000, seed=9)
-    engine.load_checkpoint(root, tag=tag)
-    engine.save_checkpoint(root, tag=new_tag)
-    engine.destroy()
+def _resave(rank: int, world: int, root: str, tag: str, new_tag: str) -> list[str]:
+    """Load ``tag`` and save it as ``new_tag``; return the checkpoint log lines."""
+    import logging
+
+    class Lines(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            lines.append(record.getMessage())
+
+    lines: list[str] = []
+    handler, logger = Lines(), logging.getLogger("ds_strategy.runtime.checkpoint")
+    level = logger.level
+    logger.addHandler(handler)
+    logger.setLevel(logging.INFO)  # whatever DS_STRATEGY_LOG_LEVEL says
+    try:
+        engine = _engine(world, 0, 1000, seed=9)
+        engine.load_checkpoint(root, tag=tag)
+        engine.save_checkpoint(root, tag=new_tag)
+        engine.destroy()
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(level)
+    return lines

@@ -12,6 +12,7 @@ from pathlib import Path
 from .cli import LaunchArgs, parse_args
 from .environment import EnvError, exported_variables, user_variables
 from .hostfile import HostfileError, Node, WorldPlan, parse_hostfile, resolve_plan
+from .programs import EXIT_MISSING_PROGRAM, MissingProgramError, require_launcher_programs, require_script_program
 from .slurm import expand_nodelist
 
 
@@ -98,6 +99,8 @@ def _run_local(args: LaunchArgs, decision: Decision, user_vars: Mapping[str, str
     from .local import LocalJob, run_local, worker_command
 
     os.environ.update(user_vars)
+    if args.no_python:
+        require_script_program(args.user_script, os.environ)
     job = LocalJob(
         node=decision.plan.nodes[0],
         num_nodes=decision.num_nodes,
@@ -147,6 +150,13 @@ def _run_multi_host(args: LaunchArgs, decision: Decision, user_vars: Mapping[str
     names = [f"node {i} ({host})" for i, host in enumerate(decision.plan.hosts)]
     if decision.launcher != "ssh":
         names = [decision.launcher]  # one pdsh / mpirun / srun process for the whole job
+    try:
+        require_launcher_programs(decision.launcher, commands, os.environ)  # before anything is started
+    except MissingProgramError as exc:
+        if not args.dry_run:
+            raise
+        # A dry run may be prepared on another machine than the one that launches: warn, still show the commands.
+        print(f"ds-launch: warning: {exc}", file=sys.stderr)
     for cmd in commands:
         env = " ".join(f"{k}={shlex.quote(v)}" for k, v in cmd.env.items())
         print(f"ds-launch: {env + ' ' if env else ''}{shlex.join(cmd.argv)}", file=sys.stderr)
@@ -156,7 +166,8 @@ def _run_multi_host(args: LaunchArgs, decision: Decision, user_vars: Mapping[str
 
 
 def run(argv: Sequence[str] | None = None) -> int:
-    """The whole launcher; returns the exit status (0, the failed rank's code, 128+signal, 2 for usage)."""
+    """The whole launcher; returns the exit status (0, the failed rank's code, 128+signal, 2 for usage, 127 for
+    a program such as ssh / mpirun / srun that is not found)."""
     args = parse_args(argv)
     try:
         user_vars = user_variables(args.env, os.environ, Path.cwd())
@@ -170,6 +181,9 @@ def run(argv: Sequence[str] | None = None) -> int:
     except (HostfileError, EnvError) as exc:
         print(f"ds-launch: error: {exc}", file=sys.stderr)
         return 2
+    except MissingProgramError as exc:
+        print(f"ds-launch: error: {exc}", file=sys.stderr)
+        return EXIT_MISSING_PROGRAM
     except KeyboardInterrupt:
         # Ctrl-C before any worker started (during rendezvous): nothing to stop.
         print("ds-launch: interrupted", file=sys.stderr)

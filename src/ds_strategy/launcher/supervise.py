@@ -17,6 +17,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
+from .programs import MissingProgramError
 from .runners import Command
 
 _STOP_SIGNALS = (signal.SIGINT, signal.SIGTERM, signal.SIGHUP)
@@ -51,12 +52,22 @@ def stop_all(procs: Sequence[subprocess.Popen[bytes]], grace: float = 10.0) -> N
 
 
 def supervise(commands: Sequence[Command], *, names: Sequence[str], poll: float = 0.1) -> int:
-    """Start every command, wait for all; return 0, the first failure's exit status, or 128+signal."""
+    """Start every command, wait for all; return 0, the first failure's exit status, or 128+signal.
+
+    Raises MissingProgramError (after stopping those already started) when a command cannot be started."""
     previous = {sig: signal.signal(sig, _raise_stop) for sig in _STOP_SIGNALS}
     procs: list[subprocess.Popen[bytes]] = []
     try:
         for cmd in commands:
-            procs.append(subprocess.Popen(cmd.argv, env={**os.environ, **cmd.env}, start_new_session=True))
+            try:
+                procs.append(subprocess.Popen(cmd.argv, env={**os.environ, **cmd.env}, start_new_session=True))
+            except OSError as exc:
+                # The programs were found before (programs.py); this is a race or a permission problem.
+                stop_all(procs)
+                raise MissingProgramError(
+                    f"could not start {cmd.argv[0]!r} ({exc.strerror or exc}); stopped every process already "
+                    f"started: check that {cmd.argv[0]} is installed and executable here"
+                ) from exc
         while True:
             codes = [p.poll() for p in procs]
             for name, code in zip(names, codes, strict=True):

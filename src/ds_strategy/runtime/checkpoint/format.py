@@ -41,6 +41,11 @@ class CheckpointError(RuntimeError):
     """A checkpoint cannot be written or read; the message names the file or key and what was expected."""
 
 
+def ranks(count: int) -> str:
+    """``1 rank``, ``2 ranks``: a world size as messages write it."""
+    return f"{count} rank" if count == 1 else f"{count} ranks"
+
+
 def rank_file(rank: int) -> str:
     return f"zero_rank_{rank:05d}_optim_states.pt"
 

@@ -19,7 +19,7 @@ from ds_strategy.log import get_logger
 
 from ..layout import FlatLayout
 from . import rng
-from .format import MODEL, CheckpointError, expect_format, read
+from .format import MODEL, CheckpointError, expect_format, ranks, read
 from .partition import Source, scalar_value
 from .save import module_entries
 from .store import rank_reader, read_meta, resolve
@@ -122,7 +122,9 @@ def _plan(
         if rank < meta["world_size"]:
             plan.rng = source.rank_data(rank)["rng"]
         else:
-            plan.notes.append(f"rank {rank} has no saved RNG state (saved by {meta['world_size']} ranks); kept its own")
+            plan.notes.append(
+                f"rank {rank} has no saved RNG state (saved by {ranks(meta['world_size'])}); kept its own"
+            )
     return plan
 
 
@@ -175,11 +177,11 @@ def load_checkpoint(
     meta = plan.meta
     if engine.coll.rank == 0:
         log.info(
-            "loaded checkpoint %s (saved by %d ranks at stage %d; now %d ranks at stage %d)%s",
+            "loaded checkpoint %s (saved by %s at stage %d; now %s at stage %d)%s",
             plan.tag_dir,
-            meta["world_size"],
+            ranks(meta["world_size"]),
             meta["stage"],
-            engine.coll.world_size,
+            ranks(engine.coll.world_size),
             stage_of(engine),
             "".join(f"; {n}" for n in plan.notes),
         )

@@ -32,6 +32,7 @@ from .format import (
     check_safe,
     fsync_dir,
     rank_file,
+    ranks,
 )
 from .partition import saved_group
 from .store import check_tag, publish, staging_dir
@@ -194,7 +195,7 @@ def save_checkpoint(
 
     agree(coll, adopt, "save_checkpoint (node-local shards)")
     if rank == 0:
-        log.info("saved checkpoint %s (%d ranks, stage %d)", final, coll.world_size, engine.stage.stage)
+        log.info("saved checkpoint %s (%s, stage %d)", final, ranks(coll.world_size), engine.stage.stage)
     return final
 
 

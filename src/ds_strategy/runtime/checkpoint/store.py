@@ -19,7 +19,17 @@ from pathlib import Path
 from typing import Any
 
 from ..layout import FlatLayout
-from .format import LATEST, META, CheckpointError, expect_format, fsync_dir, pause_for_tests, rank_file, read
+from .format import (
+    LATEST,
+    META,
+    CheckpointError,
+    expect_format,
+    fsync_dir,
+    pause_for_tests,
+    rank_file,
+    ranks,
+    read,
+)
 
 _REQUIRED_META = ("stage", "world_size", "groups", "module_entries", "state_keys", "files", "counters")
 
@@ -120,7 +130,7 @@ def read_meta(tag_dir: Path) -> dict[str, Any]:
         file = tag_dir / name
         if not file.is_file():
             raise CheckpointError(
-                f"checkpoint file {file} is missing (the checkpoint was written by {meta['world_size']} ranks; "
+                f"checkpoint file {file} is missing (the checkpoint was written by {ranks(meta['world_size'])}; "
                 "when several nodes saved to local disks, copy every node's files into this directory)"
             )
         actual = file.stat().st_size
