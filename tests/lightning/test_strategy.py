@@ -218,3 +218,28 @@ def test_import_ds_strategy_registers_the_names_in_any_import_order(code: str) -
     )
     out = subprocess.run([sys.executable, "-c", check], capture_output=True, text=True, timeout=120, check=False)
     assert out.returncode == 0 and out.stdout.strip().endswith("ok"), out.stderr[-3000:]
+
+
+@pytest.mark.parametrize(("initialised", "timeout", "passed"), [(False, None, "default"), (True, None, None),
+                                                                  (True, 60, 60)])  # fmt: skip
+def test_a_reused_process_group_gets_no_default_timeout(
+    monkeypatch: pytest.MonkeyPatch, initialised: bool, timeout: int | None, passed: object
+) -> None:
+    """A second fit in one process reuses the group: only a timeout the user chose is passed on (and warned
+    about by init_distributed), not Lightning's default."""
+    from datetime import timedelta
+
+    from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+    from lightning.fabric.plugins.environments import LightningEnvironment
+
+    seen: dict[str, object] = {}
+    monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # the strategy writes both: restored after the test
+    monkeypatch.setenv("MASTER_PORT", "29500")
+    monkeypatch.setattr(strategy_module, "init_distributed", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(torch.distributed, "is_initialized", lambda: initialised)
+    kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
+    strategy = zl.ZeroStrategy(stage=2, cluster_environment=LightningEnvironment(), **kwargs)
+    strategy._process_group_backend = "gloo"
+    strategy.setup_distributed()
+    want = {"default": default_pg_timeout, None: None}.get(passed, timedelta(seconds=60))  # type: ignore[arg-type]
+    assert seen["timeout"] == want

@@ -127,8 +127,6 @@ def quiet_lightning() -> None:
         # deprecations inside Lightning itself, with this torch
         ".*isinstance.treespec, LeafSpec.*",
         ".*torch.distributed.nn.functional.all_gather is deprecated.*",
-        # the 2nd and 3rd Trainer find the process group of the 1st: nothing to re-initialise
-        ".*ignored because torch.distributed is already initialised.*",
     ):
         warnings.filterwarnings("ignore", message=pattern)
 

@@ -259,11 +259,14 @@ class ZeroStrategy(ParallelStrategy):
         # env:// (not tcp://) so that under torchrun the workers join the elastic agent's store.
         os.environ["MASTER_ADDR"] = env.main_address
         os.environ["MASTER_PORT"] = str(env.main_port)
+        # A group from an earlier fit in this process is reused: only a timeout the user chose is worth a
+        # warning that it cannot apply any more.
+        reused_default = torch.distributed.is_initialized() and self._timeout == default_pg_timeout
         init_distributed(
             dist_backend=self._process_group_backend,
             rank=env.global_rank(),
             world_size=env.world_size(),
-            timeout=self._timeout,
+            timeout=None if reused_default else self._timeout,
         )
 
     def set_world_ranks(self) -> None:
