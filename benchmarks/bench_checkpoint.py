@@ -94,6 +94,14 @@ def _consolidate(rank: int, world: int, case: Case, root: str) -> dict[str, Any]
     return {"seconds": seconds, "peak_rss": peak_rss_bytes(), "entries": len(state)}
 
 
+def _one_rank(rank: int, world: int, job: tuple[str, Case], shape: dict[str, int], root: str) -> dict[str, Any]:
+    """A 1-rank job on a saved checkpoint: "consolidate" it, or "load" it at 1 rank."""
+    what, case = job
+    if what == "consolidate":
+        return _consolidate(rank, world, case, root)
+    return _load_other_world(rank, world, case, shape, root)
+
+
 def _bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -111,9 +119,10 @@ def main(argv: list[str] | None = None) -> None:
         saved = dict(run_each(_save_load, WORLD, cases, shape, work, fresh=fresh))
         sizes = {c: _bytes(Path(_dir(work, c)) / "t0") for c, r in saved.items() if not isinstance(r, Exception)}
         done = [c for c in cases if c in sizes]
-        consolidated = dict(run_each(_consolidate, 1, done, work, fresh=fresh))
-        ours = [c for c in done if c[0] == "ds_strategy"]
-        other_world = dict(run_each(_load_other_world, 1, ours, shape, work, fresh=fresh))
+        jobs = [("consolidate", c) for c in done] + [("load", c) for c in done if c[0] == "ds_strategy"]
+        one_rank = dict(run_each(_one_rank, 1, jobs, shape, work, fresh=fresh))
+        consolidated = {c: r for (what, c), r in one_rank.items() if what == "consolidate"}
+        other_world = {c: r for (what, c), r in one_rank.items() if what == "load"}
     finally:
         shutil.rmtree(work, ignore_errors=True)
     rows, records = [], []

@@ -68,7 +68,7 @@ def bus_factor(op: str, world: int) -> float:
 
 
 def _iters(size: int, quick: bool) -> int:
-    return max(3, min(400, int((64 if quick else 256) * MB / max(size, 1))))
+    return max(1 if quick else 3, min(400, int((16 if quick else 256) * MB / max(size, 1))))
 
 
 def _time_interleaved(impls: dict[str, Callable[[], Any]], size: int, quick: bool) -> dict[str, float]:
@@ -80,7 +80,7 @@ def _time_interleaved(impls: dict[str, Callable[[], Any]], size: int, quick: boo
         for _ in range(2):
             fn()
     best = dict.fromkeys(impls, float("inf"))
-    for _ in range(3 if quick else 7):
+    for _ in range(2 if quick else 7):
         for name, fn in impls.items():
             dist.barrier()
             start = time.perf_counter()
@@ -92,7 +92,7 @@ def _time_interleaved(impls: dict[str, Callable[[], Any]], size: int, quick: boo
 
 def _copy_bandwidth(quick: bool) -> float:
     """Bytes copied per second by this rank while every rank copies at once."""
-    n = (64 if quick else 256) * MB
+    n = (16 if quick else 256) * MB
     src = torch.ones(n, dtype=torch.uint8)
     dst = torch.empty_like(src)
     return n / _time_interleaved({"copy": lambda: dst.copy_(src)}, n, quick)["copy"]
