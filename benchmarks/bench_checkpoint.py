@@ -17,6 +17,7 @@ import importlib.util
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -53,23 +54,24 @@ def _dir(root: str, case: Case) -> str:
     return str(Path(root) / f"{case[0]}-{case[1]}")
 
 
+def _median_seconds(action: Callable[[str], Any]) -> float:
+    """Median over REPEATS of ``action(tag)`` for tags t0, t1, ...; every rank starts and ends together."""
+    seconds = []
+    for i in range(REPEATS):
+        _barrier()
+        start = time.perf_counter()
+        action(f"t{i}")
+        _barrier()
+        seconds.append(time.perf_counter() - start)
+    return sorted(seconds)[REPEATS // 2]
+
+
 def _save_load(rank: int, world: int, case: Case, shape: dict[str, int], root: str) -> dict[str, Any]:
     engine, params = _engine(*case, shape, rank)
     root = _dir(root, case)
-    saves, loads = [], []
-    for i in range(REPEATS):
-        _barrier()
-        start = time.perf_counter()
-        engine.save_checkpoint(root, tag=f"t{i}")
-        _barrier()
-        saves.append(time.perf_counter() - start)
-    for i in range(REPEATS):
-        _barrier()
-        start = time.perf_counter()
-        engine.load_checkpoint(root, tag=f"t{i}")
-        _barrier()
-        loads.append(time.perf_counter() - start)
-    return {"save_s": sorted(saves)[REPEATS // 2], "load_s": sorted(loads)[REPEATS // 2], "params": params}
+    save = _median_seconds(lambda tag: engine.save_checkpoint(root, tag=tag))
+    load = _median_seconds(lambda tag: engine.load_checkpoint(root, tag=tag))
+    return {"save_s": save, "load_s": load, "params": params}
 
 
 def _load_other_world(rank: int, world: int, case: Case, shape: dict[str, int], root: str) -> dict[str, Any]:

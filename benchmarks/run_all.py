@@ -55,6 +55,10 @@ def write_summary(runs: dict[str, dict[str, Any]], quick: bool) -> dict[str, Any
     from benchmarks.common import machine, markdown_table, results_dir
 
     out = results_dir()
+    # Benchmarks not run now keep the wall time (and error) of the summary of the run that wrote their results.
+    earlier_summary = json.loads((out / "summary.json").read_text()) if (out / "summary.json").exists() else {}
+    previous = earlier_summary.get("benchmarks", {})
+    quick = quick or (not runs and earlier_summary.get("quick", False))  # --summary-only keeps the mark
     summary: dict[str, Any] = {
         "date": datetime.datetime.now(datetime.timezone.utc).strftime("%Y-%m-%d %H:%M UTC"),
         "machine": machine(),
@@ -63,7 +67,8 @@ def write_summary(runs: dict[str, dict[str, Any]], quick: bool) -> dict[str, Any
         "benchmarks": {},
     }
     for name in BENCHMARKS:
-        entry: dict[str, Any] = {"peers": PEERS[name], **runs.get(name, {})}
+        earlier = {k: v for k, v in previous.get(name, {}).items() if k in ("wall_s", "error")}
+        entry: dict[str, Any] = {"peers": PEERS[name], **runs.get(name, earlier)}
         path = out / f"{name}.json"
         if path.exists() and "error" not in entry:
             payload = json.loads(path.read_text())
@@ -119,8 +124,9 @@ def main(argv: list[str] | None = None) -> None:
         runs[name]["wall_s"] = time.monotonic() - start
         print(f"=== {name}: {runs[name]['wall_s']:.0f} s{' (FAILED)' if 'error' in runs[name] else ''} ===", flush=True)
     write_summary(runs, args.quick)
-    total = sum(r["wall_s"] for r in runs.values())
-    print("wall time: " + ", ".join(f"{n} {r['wall_s']:.0f} s" for n, r in runs.items()) + f"; total {total:.0f} s")
+    if runs:
+        total = sum(r["wall_s"] for r in runs.values())
+        print("wall time: " + ", ".join(f"{n} {r['wall_s']:.0f} s" for n, r in runs.items()) + f"; total {total:.0f} s")
     failed = [n for n, r in runs.items() if "error" in r]
     if failed:
         sys.exit(f"failed: {', '.join(failed)}")
