@@ -17,6 +17,7 @@ nox.options.sessions = ["tests"]
 nox.options.reuse_venv = "yes"
 
 TORCH = shlex.split(os.environ.get("DS_STRATEGY_TORCH", "torch==2.13.0"))
+DEEPSPEED = os.environ.get("DS_STRATEGY_DEEPSPEED", "deepspeed==0.19.8")  # the bench session's yardstick
 SOURCES = ["src", "tests", "benchmarks", "examples", "noxfile.py", "setup.py"]
 
 
@@ -42,9 +43,22 @@ def demo(session: nox.Session) -> None:
 
 @nox.session
 def bench(session: nox.Session) -> None:
-    """Every benchmark beside its peers in one run; results in benchmarks/results/ (JSON, markdown, PNG)."""
+    """Every benchmark beside its peers (torch DDP / FSDP2 / optimizers, DeepSpeed) in one run; results in
+    benchmarks/results/ (JSON, markdown, PNG, summary.md). ``nox -s bench -- --quick`` is the smoke run.
+
+    DeepSpeed is installed as the yardstick (DS_STRATEGY_DEEPSPEED, default deepspeed==0.19.8; its ops are
+    JIT-built on first use, for its CPU accelerator); DS_STRATEGY_BENCH_DEEPSPEED=0 leaves it out (its
+    columns are then absent; a .nox/bench that already has it needs ``--reuse-venv=no`` once)."""
     _install(session, "[bench]")
-    session.run("python", "-m", "benchmarks.run_all", *session.posargs)
+    if os.environ.get("DS_STRATEGY_BENCH_DEEPSPEED", "1") != "0":
+        # --no-build-isolation: its setup.py imports torch (the pinned one above); DS_BUILD_OPS=0: no
+        # ahead-of-time CUDA ops, the CPU ones are JIT-built by the benchmarks.
+        session.install("setuptools", "wheel")
+        session.install("--no-build-isolation", DEEPSPEED, env={"DS_BUILD_OPS": "0"})
+    session.run("python", "-m", "ds_strategy.ops", "build")  # kernel build time stays out of the timings
+    # The benchmarks measure CPU training: DeepSpeed must pick its CPU accelerator (benchmarks/__init__.py
+    # sets it as well, for runs outside nox).
+    session.run("python", "-m", "benchmarks.run_all", *session.posargs, env={"DS_ACCELERATOR": "cpu"})
 
 
 @nox.session

@@ -1,4 +1,5 @@
-"""Checkpoint save / load / consolidation on 2 CPU ranks: ds_strategy beside DeepSpeed (when installed).
+"""Checkpoint save / load / consolidation on 2 CPU ranks: ds_strategy beside DeepSpeed (when installed), at
+ZeRO stages 1, 2 and 3 (stage 3 with the end-to-end benchmark's stage3_* keys).
 
 GPT-like model (11 layers, d=512, seq 256, ~35M params, fp32, AdamW), one training step so the optimizer
 state exists, then per case: save time (every rank; ours fsyncs every file, DeepSpeed does not), bytes
@@ -13,79 +14,77 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
-import os
 import shutil
 import tempfile
 import time
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.bench_engine import _model_and_batches
-from benchmarks.common import machine, markdown_table, peak_rss_bytes, run_ranks, write_results
+from benchmarks.common import machine, markdown_table, peak_rss_bytes, results_dir, run_each, write_results
+from benchmarks.training import QUICK_SHAPE, build_engine, ds_config, model_and_batches
 
 WORLD = 2
 REPEATS = 3
+STAGES = (1, 2, 3)
 
 
-def _config(stage: int, micro: int) -> dict[str, Any]:
-    return {
-        "train_micro_batch_size_per_gpu": micro,
-        "gradient_accumulation_steps": 1,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
-        "zero_optimization": {"stage": stage},
-        "steps_per_print": 10**9,
-    }
-
-
-def _engine(peer: str, stage: int, shape: dict[str, int], rank: int) -> tuple[Any, Any]:
-    model, batches = _model_and_batches(shape, 1, rank)
-    if peer == "deepspeed":
-        os.environ.setdefault("DS_ACCELERATOR", "cpu")
-        import deepspeed as lib
-    else:
-        import ds_strategy.runtime as lib  # type: ignore[no-redef]
-    engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(), config=_config(stage, shape["micro"]))
+def _engine(peer: str, stage: int, shape: dict[str, int], rank: int) -> tuple[Any, int]:
+    """The engine after one training step, and the model's parameter count (counted before stage 3
+    partitions the parameters)."""
+    model, batches = model_and_batches(shape, 1, rank)
+    params = sum(p.numel() for p in model.parameters())
+    engine = build_engine(peer, model, ds_config(stage, False, shape["micro"]))
     loss = engine(batches[0])
     engine.backward(loss)
     engine.step()
-    return engine, model
+    return engine, params
 
 
 def _barrier() -> None:
     torch.distributed.barrier()
 
 
-def _save_load(rank: int, world: int, peer: str, stage: int, shape: dict[str, int], root: str) -> dict[str, Any]:
-    engine, model = _engine(peer, stage, shape, rank)
-    saves, loads = [], []
+Case = tuple[str, int]  # (peer, stage)
+
+
+def _dir(root: str, case: Case) -> str:
+    return str(Path(root) / f"{case[0]}-{case[1]}")
+
+
+def _median_seconds(action: Callable[[str], Any]) -> float:
+    """Median over REPEATS of ``action(tag)`` for tags t0, t1, ...; every rank starts and ends together."""
+    seconds = []
     for i in range(REPEATS):
         _barrier()
         start = time.perf_counter()
-        engine.save_checkpoint(root, tag=f"t{i}")
+        action(f"t{i}")
         _barrier()
-        saves.append(time.perf_counter() - start)
-    for i in range(REPEATS):
-        _barrier()
-        start = time.perf_counter()
-        engine.load_checkpoint(root, tag=f"t{i}")
-        _barrier()
-        loads.append(time.perf_counter() - start)
-    params = sum(p.numel() for p in model.parameters())
-    return {"save_s": sorted(saves)[REPEATS // 2], "load_s": sorted(loads)[REPEATS // 2], "params": params}
+        seconds.append(time.perf_counter() - start)
+    return sorted(seconds)[REPEATS // 2]
 
 
-def _load_other_world(rank: int, world: int, stage: int, shape: dict[str, int], root: str) -> dict[str, Any]:
-    engine, _ = _engine("ds_strategy", stage, shape, rank)
+def _save_load(rank: int, world: int, case: Case, shape: dict[str, int], root: str) -> dict[str, Any]:
+    engine, params = _engine(*case, shape, rank)
+    root = _dir(root, case)
+    save = _median_seconds(lambda tag: engine.save_checkpoint(root, tag=tag))
+    load = _median_seconds(lambda tag: engine.load_checkpoint(root, tag=tag))
+    return {"save_s": save, "load_s": load, "params": params}
+
+
+def _load_other_world(rank: int, world: int, case: Case, shape: dict[str, int], root: str) -> dict[str, Any]:
+    engine, _ = _engine(*case, shape, rank)
     start = time.perf_counter()
-    engine.load_checkpoint(root, tag="t0")
+    engine.load_checkpoint(_dir(root, case), tag="t0")
     return {"load_s": time.perf_counter() - start}
 
 
-def _consolidate(rank: int, world: int, peer: str, root: str) -> dict[str, Any]:
+def _consolidate(rank: int, world: int, case: Case, root: str) -> dict[str, Any]:
+    root = _dir(root, case)
     start = time.perf_counter()
-    if peer == "deepspeed":
+    if case[0] == "deepspeed":
         from deepspeed.utils.zero_to_fp32 import get_fp32_state_dict_from_zero_checkpoint
 
         state = get_fp32_state_dict_from_zero_checkpoint(root, tag="t0")
@@ -97,6 +96,14 @@ def _consolidate(rank: int, world: int, peer: str, root: str) -> dict[str, Any]:
     return {"seconds": seconds, "peak_rss": peak_rss_bytes(), "entries": len(state)}
 
 
+def _one_rank(rank: int, world: int, job: tuple[str, Case], shape: dict[str, int], root: str) -> dict[str, Any]:
+    """A 1-rank job on a saved checkpoint: "consolidate" it, or "load" it at 1 rank."""
+    what, case = job
+    if what == "consolidate":
+        return _consolidate(rank, world, case, root)
+    return _load_other_world(rank, world, case, shape, root)
+
+
 def _bytes(path: Path) -> int:
     return sum(f.stat().st_size for f in path.rglob("*") if f.is_file())
 
@@ -105,45 +112,54 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--quick", action="store_true", help="small model (smoke run)")
     args = parser.parse_args(argv)
-    shape = {"layers": 11, "d": 512, "seq": 256, "micro": 2}
-    if args.quick:
-        shape = {"layers": 2, "d": 128, "seq": 64, "micro": 2}
+    shape = QUICK_SHAPE if args.quick else {"layers": 11, "d": 512, "seq": 256, "micro": 2}
     peers = ["ds_strategy"] + (["deepspeed"] if importlib.util.find_spec("deepspeed") else [])
+    cases = [(peer, stage) for stage in STAGES for peer in peers]
+    fresh = not args.quick  # smoke runs: every case in one set of processes per phase
+    work = tempfile.mkdtemp(prefix="bench_ckpt_")
+    try:
+        saved = dict(run_each(_save_load, WORLD, cases, shape, work, fresh=fresh))
+        sizes = {c: _bytes(Path(_dir(work, c)) / "t0") for c, r in saved.items() if not isinstance(r, Exception)}
+        done = [c for c in cases if c in sizes]
+        jobs = [("consolidate", c) for c in done] + [("load", c) for c in done if c[0] == "ds_strategy"]
+        one_rank = dict(run_each(_one_rank, 1, jobs, shape, work, fresh=fresh))
+        consolidated = {c: r for (what, c), r in one_rank.items() if what == "consolidate"}
+        other_world = {c: r for (what, c), r in one_rank.items() if what == "load"}
+    finally:
+        shutil.rmtree(work, ignore_errors=True)
     rows, records = [], []
     params = None
-    for stage in (1, 2):
-        for peer in peers:
-            label = f"{peer} stage {stage}"
-            work = Path(tempfile.mkdtemp(prefix="bench_ckpt_"))
-            try:
-                per_rank = run_ranks(_save_load, WORLD, peer, stage, shape, str(work))
-                size = _bytes(work / "t0")
-                cons = run_ranks(_consolidate, 1, peer, str(work))[0]
-                other = run_ranks(_load_other_world, 1, stage, shape, str(work))[0] if peer == "ds_strategy" else None
-            except Exception as err:  # a peer that cannot run here is reported, not fatal
-                print(f"{label}: failed: {err}", flush=True)
-                records.append({"case": label, "error": str(err)})
-                continue
-            finally:
-                shutil.rmtree(work, ignore_errors=True)
-            params = per_rank[0]["params"]
-            save = max(r["save_s"] for r in per_rank)
-            load = max(r["load_s"] for r in per_rank)
-            record = {"case": label, "peer": peer, "stage": stage, "ranks": per_rank, "bytes": size}
-            record.update({"consolidate": cons, "load_at_1_rank": other})
-            records.append(record)
-            rows.append(
-                (
-                    label,
-                    f"{save:.2f}",
-                    f"{load:.2f}",
-                    f"{size / 2**20:.0f}",
-                    f"{other['load_s']:.2f}" if other else "needs offline conversion",
-                    f"{cons['seconds']:.2f}",
-                    f"{cons['peak_rss'] / 2**20:.0f}",
-                )
+    for case in cases:
+        peer, stage = case
+        label = f"{peer} stage {stage}"
+        per_rank, cons, other = saved[case], consolidated.get(case), other_world.get(case)
+        error = next((r for r in (per_rank, cons, other) if isinstance(r, Exception)), None)
+        if error is not None:  # a peer that cannot run here is reported, not fatal
+            print(f"{label}: failed: {error}", flush=True)
+            records.append({"case": label, "peer": peer, "stage": stage, "error": str(error)})
+            continue
+        assert isinstance(per_rank, list) and cons is not None
+        cons = cons[0]
+        other = other[0] if isinstance(other, list) else None
+        params = per_rank[0]["params"]
+        save = max(r["save_s"] for r in per_rank)
+        load = max(r["load_s"] for r in per_rank)
+        size = sizes[case]
+        record = {"case": label, "peer": peer, "stage": stage, "ranks": per_rank, "bytes": size}
+        record.update({"consolidate": cons, "load_at_1_rank": other})
+        records.append(record)
+        rows.append(
+            (
+                label,
+                f"{save:.2f}",
+                f"{load:.2f}",
+                f"{size / 2**20:.0f}",
+                f"{other['load_s']:.2f}" if other else "needs offline conversion",
+                f"{cons['seconds']:.2f}",
+                f"{cons['peak_rss'] / 2**20:.0f}",
             )
-            print(" | ".join(rows[-1]), flush=True)
+        )
+        print(" | ".join(rows[-1]), flush=True)
     columns = (
         "case (2 ranks)",
         "save s",
@@ -166,13 +182,30 @@ def main(argv: list[str] | None = None) -> None:
     print(table + note)
 
 
+def headlines(payload: dict[str, Any]) -> list[tuple[str, str]]:
+    """(figure, value) pairs for benchmarks/results/summary.md: ours over DeepSpeed at each stage."""
+    ok = {(r["peer"], r["stage"]): r for r in payload.get("cases", []) if "error" not in r}
+    out = []
+    for stage in STAGES:
+        ours, ds = ok.get(("ds_strategy", stage)), ok.get(("deepspeed", stage))
+        if not (ours and ds):
+            continue
+        figures = {
+            "save": (max(r["save_s"] for r in ours["ranks"]), max(r["save_s"] for r in ds["ranks"])),
+            "load": (max(r["load_s"] for r in ours["ranks"]), max(r["load_s"] for r in ds["ranks"])),
+            "bytes on disk": (ours["bytes"], ds["bytes"]),
+            "consolidate": (ours["consolidate"]["seconds"], ds["consolidate"]["seconds"]),
+        }
+        text = ", ".join(f"{k} {a / b:.2f}x" for k, (a, b) in figures.items())
+        out.append((f"ds_strategy stage {stage} vs DeepSpeed (ours / theirs)", text))
+    return out
+
+
 def _plot(rows: list[tuple[str, ...]]) -> None:
     import matplotlib
 
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
-
-    from benchmarks.common import RESULTS
 
     fig, axes = plt.subplots(1, 3, figsize=(14, 4))
     labels = [r[0] for r in rows]
@@ -188,7 +221,8 @@ def _plot(rows: list[tuple[str, ...]]) -> None:
     for ax in axes[1:]:
         ax.set_yticklabels([])
     fig.tight_layout()
-    fig.savefig(RESULTS / "checkpoint.png", dpi=120)
+    fig.savefig(results_dir() / "checkpoint.png", dpi=120)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

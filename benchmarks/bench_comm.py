@@ -27,7 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from benchmarks.common import RESULTS, machine, markdown_table, run_ranks, write_results
+from benchmarks.common import machine, markdown_table, results_dir, run_ranks, write_results
 
 WORLD = 2
 SIZES_MB = (1, 16, 128)
@@ -68,7 +68,7 @@ def bus_factor(op: str, world: int) -> float:
 
 
 def _iters(size: int, quick: bool) -> int:
-    return max(3, min(400, int((64 if quick else 256) * MB / max(size, 1))))
+    return max(1 if quick else 3, min(400, int((16 if quick else 256) * MB / max(size, 1))))
 
 
 def _time_interleaved(impls: dict[str, Callable[[], Any]], size: int, quick: bool) -> dict[str, float]:
@@ -80,7 +80,7 @@ def _time_interleaved(impls: dict[str, Callable[[], Any]], size: int, quick: boo
         for _ in range(2):
             fn()
     best = dict.fromkeys(impls, float("inf"))
-    for _ in range(3 if quick else 7):
+    for _ in range(2 if quick else 7):
         for name, fn in impls.items():
             dist.barrier()
             start = time.perf_counter()
@@ -92,7 +92,7 @@ def _time_interleaved(impls: dict[str, Callable[[], Any]], size: int, quick: boo
 
 def _copy_bandwidth(quick: bool) -> float:
     """Bytes copied per second by this rank while every rank copies at once."""
-    n = (64 if quick else 256) * MB
+    n = (16 if quick else 256) * MB
     src = torch.ones(n, dtype=torch.uint8)
     dst = torch.empty_like(src)
     return n / _time_interleaved({"copy": lambda: dst.copy_(src)}, n, quick)["copy"]
@@ -101,7 +101,6 @@ def _copy_bandwidth(quick: bool) -> float:
 def _deepspeed_all_reduce(rank: int, world: int) -> tuple[Callable[[torch.Tensor], Any] | None, str]:
     """DeepSpeed's CPU shm all-reduce as its CPU accelerator uses it: deepspeed.comm on the existing gloo
     group, then deepspeed.comm.inference_all_reduce -> torch.ops.deepspeed.inference_all_reduce_."""
-    os.environ.setdefault("DS_ACCELERATOR", "cpu")
     os.environ["LOCAL_SIZE"] = str(world)  # DeepSpeed's shm op only engages when LOCAL_SIZE == world size
     try:
         import deepspeed
@@ -153,6 +152,23 @@ def _rank(rank: int, world: int, quick: bool) -> dict[str, Any]:
             for name, seconds in _time_interleaved(impls, size, quick).items():
                 out["times"][f"{op}/{mb}/{name}"] = seconds
     comm.close()
+    return out
+
+
+def headlines(payload: dict[str, Any]) -> list[tuple[str, str]]:
+    """(figure, value) pairs for benchmarks/results/summary.md: our speed-up over gloo (and DeepSpeed's shm
+    all-reduce where it ran) per op and size."""
+    by = {(r["op"], r["MB"], r["impl"]): r["ms"] for r in payload["rows"]}
+    out = []
+    for op in OPS:
+        for mb in SIZES_MB:
+            ours = by.get((op, mb, "ours"))
+            if ours is None:
+                continue
+            peers = [
+                f"{impl} {by[(op, mb, impl)] / ours:.2f}x" for impl in ("gloo", "deepspeed") if (op, mb, impl) in by
+            ]
+            out.append((f"{op} {mb} MB: speed-up vs", ", ".join(peers)))
     return out
 
 
@@ -257,7 +273,7 @@ def main(argv: list[str] | None = None) -> None:
         "dev_shm_left": {"ours": ours_left, "deepspeed": deepspeed_left},
     }  # fmt: skip
     write_results("comm", payload, table)
-    _plot(rows, RESULTS / "comm.png")
+    _plot(rows, results_dir() / "comm.png")
     print(table)
     print(json.dumps({"copy_bandwidth_GBps": round(copy_bw / 1e9, 2)}))
 

@@ -20,18 +20,15 @@ from __future__ import annotations
 import argparse
 import contextlib
 import ctypes
-import os
 import statistics
 import time
 import traceback
 from collections.abc import Callable
 from typing import Any
 
-os.environ.setdefault("DS_ACCELERATOR", "cpu")  # before deepspeed is imported (lazily, below)
-
 import torch
 
-from benchmarks.common import RESULTS, machine, markdown_table, write_results
+from benchmarks.common import machine, markdown_table, results_dir, write_results
 from ds_strategy.ops import CPUAdam, fused_adam_step, load_cpu_kernels, multi_tensor_l2norm
 from ds_strategy.ops.isa import detect_isa
 
@@ -173,6 +170,24 @@ def full_phase(numel: int, threads: int, reps: int, grad_dtype: torch.dtype) -> 
     )
 
 
+def headlines(payload: dict[str, Any]) -> list[tuple[str, str]]:
+    """(figure, value) pairs for benchmarks/results/summary.md: speed-ups of ours (best round) over each peer
+    in every bare-step configuration, and over the torch composition in every full-phase configuration."""
+    out = []
+    for config, results in payload["bare_step"].items():
+        ours = results["ds_strategy CPUAdam"]["min_s"]
+        ceiling = next(r for n, r in results.items() if n.startswith("ceiling"))["min_s"]
+        peers = ", ".join(
+            f"{n} {r['min_s'] / ours:.2f}x" for n, r in results.items() if n.startswith(("torch", "Deep"))
+        )
+        out.append((f"bare step {config}: speed-up vs", f"{peers}; {100 * ceiling / ours:.0f}% of ceiling"))
+    for config, results in payload["full_phase"].items():
+        ours, theirs = results.values()
+        out.append((f"full bf16-offload phase {config}: speed-up vs torch composed (median)",
+                    f"{theirs['median_s'] / ours['median_s']:.2f}x"))  # fmt: skip
+    return out
+
+
 def _plot(payload: dict[str, Any]) -> None:
     import matplotlib
 
@@ -205,7 +220,8 @@ def _plot(payload: dict[str, Any]) -> None:
     ax2.set_title("bf16 offload optimizer phase (median)")
     ax2.legend(fontsize=8)
     fig.tight_layout()
-    fig.savefig(RESULTS / "optim.png", dpi=120)
+    fig.savefig(results_dir() / "optim.png", dpi=120)
+    plt.close(fig)
 
 
 def main(argv: list[str] | None = None) -> None:

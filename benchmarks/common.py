@@ -8,7 +8,7 @@ import platform
 import resource
 import socket
 import tempfile
-from collections.abc import Callable, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +17,7 @@ import torch.distributed as dist
 import torch.multiprocessing as mp
 
 RESULTS = Path(__file__).resolve().parent / "results"
+RESULTS_ENV = "DS_STRATEGY_BENCH_RESULTS"  # another results folder (smoke tests: never the committed results)
 
 
 def _free_port() -> int:
@@ -64,22 +65,62 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
         return list(json.loads(Path(out).read_text()))
 
 
+def results_dir() -> Path:
+    """benchmarks/results, or the folder named by $DS_STRATEGY_BENCH_RESULTS; created on first use."""
+    path = Path(os.environ.get(RESULTS_ENV) or RESULTS)
+    path.mkdir(parents=True, exist_ok=True)
+    return path
+
+
+def _cpu_model() -> str:
+    try:
+        with open("/proc/cpuinfo") as f:
+            return next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), "")
+    except OSError:
+        return ""
+
+
 def machine() -> dict[str, Any]:
     return {
         "cpu": platform.processor() or platform.machine(),
+        "cpu_model": _cpu_model(),
         "cores": os.cpu_count(),
+        "memory_gib": round(os.sysconf("SC_PAGE_SIZE") * os.sysconf("SC_PHYS_PAGES") / 2**30, 1),
+        "os": platform.platform(),
         "python": platform.python_version(),
         "torch": torch.__version__,
     }
 
 
 def write_results(name: str, payload: dict[str, Any], table: str) -> None:
-    RESULTS.mkdir(parents=True, exist_ok=True)
-    (RESULTS / f"{name}.json").write_text(json.dumps(payload, indent=2))
-    (RESULTS / f"{name}.md").write_text(table + "\n")
+    out = results_dir()
+    (out / f"{name}.json").write_text(json.dumps(payload, indent=2))
+    (out / f"{name}.md").write_text(table + "\n")
 
 
 def markdown_table(columns: Sequence[str], rows: Sequence[Sequence[object]]) -> str:
     lines = ["| " + " | ".join(columns) + " |", "|" + "---|" * len(columns)]
     lines += ["| " + " | ".join(str(c) for c in row) + " |" for row in rows]
     return "\n".join(lines)
+
+
+def _each(rank: int, world: int, fn: Callable[..., Any], items: Sequence[Any], args: tuple[Any, ...]) -> list[Any]:
+    return [fn(rank, world, item, *args) for item in items]
+
+
+def run_each(
+    fn: Callable[..., Any], world_size: int, items: Sequence[Any], *args: Any, fresh: bool = True
+) -> Iterator[tuple[Any, list[Any] | Exception]]:
+    """``fn(rank, world_size, item, *args)`` for every item, yielding (item, every rank's result) as each
+    finishes: each item in its own fresh processes (``fresh``: its peak RSS is its own) or all of them one
+    after another in one set of processes (smoke runs: one start-up of torch and the peers instead of one
+    per item). An item that fails yields its exception instead (unfresh: every item of the set does): a
+    peer that cannot run here is reported by the caller, not fatal."""
+    for group in [[item] for item in items] if fresh else [list(items)]:
+        try:
+            per_rank = run_ranks(_each, world_size, fn, group, args)
+        except Exception as err:
+            yield from ((item, err) for item in group)
+            continue
+        for i, item in enumerate(group):
+            yield item, [results[i] for results in per_rank]

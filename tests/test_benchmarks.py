@@ -1,0 +1,72 @@
+"""Smoke test of the benchmark suite (``nox -s bench``): ``python -m benchmarks.run_all --quick`` into a
+temporary folder (never the committed benchmarks/results) writes every benchmark's JSON, markdown table and
+PNG plus the summary, every peer that is installed ran, and the files parse."""
+
+from __future__ import annotations
+
+import importlib.util
+import json
+import os
+import subprocess
+import sys
+import time
+from pathlib import Path
+
+import pytest
+from benchmarks.run_all import BENCHMARKS
+
+ROOT = Path(__file__).resolve().parents[1]
+PNG = b"\x89PNG\r\n\x1a\n"
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+@pytest.mark.kernels
+def test_run_all_quick_writes_every_result(tmp_path: Path, cpu_kernels: bool) -> None:
+    committed = {p: p.stat().st_mtime_ns for p in (ROOT / "benchmarks" / "results").glob("*")}
+    env = {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+    }
+    start = time.monotonic()
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.run_all", "--quick", "--results", str(tmp_path)],
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=480, check=False,
+    )  # fmt: skip
+    wall = time.monotonic() - start
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "wall time:" in proc.stdout, proc.stdout[-2000:]
+
+    for name in BENCHMARKS:
+        payload = json.loads((tmp_path / f"{name}.json").read_text())
+        assert payload["machine"]["cores"] >= 1, name
+        assert "|---|" in (tmp_path / f"{name}.md").read_text(), name
+        assert (tmp_path / f"{name}.png").read_bytes()[:8] == PNG, name
+
+    summary = json.loads((tmp_path / "summary.json").read_text())
+    assert summary["quick"] is True and summary["machine"]["cores"] >= 1
+    assert list(summary["benchmarks"]) == list(BENCHMARKS)
+    for name, entry in summary["benchmarks"].items():
+        assert "error" not in entry and entry["headlines"] and entry["wall_s"] > 0, (name, entry)
+    text = (tmp_path / "summary.md").read_text()
+    assert all(f"## {name} " in text for name in BENCHMARKS), text
+
+    e2e = json.loads((tmp_path / "e2e.json").read_text())
+    ran = {r["case"] for r in e2e["cases"] if "error" not in r}
+    assert [r for r in e2e["cases"] if "error" in r] == []
+    expected = {"torch DDP", "torch FSDP2", "ds_strategy stage 0", "ds_strategy stage 3 + offload"}
+    if importlib.util.find_spec("deepspeed"):
+        expected |= {"deepspeed stage 0", "deepspeed stage 2 + offload", "deepspeed stage 3 + offload"}
+    assert expected <= ran, ran
+    derived = e2e["derived"]
+    assert derived["stage3_over_stage2_step"] > 0 and derived["paired_stage3_over_stage2_step"] > 0
+    assert derived["theoretical_stage3_saving_bytes"] == 16 * e2e["params"] * (1 - 1 / e2e["world_size"])
+    assert "stage3_rss_saving_fraction_of_theory" in derived
+
+    checkpoint = json.loads((tmp_path / "checkpoint.json").read_text())
+    assert [r for r in checkpoint["cases"] if "error" in r] == []
+    assert {(r["peer"], r["stage"]) for r in checkpoint["cases"]} >= {("ds_strategy", s) for s in (1, 2, 3)}
+
+    after = {p: p.stat().st_mtime_ns for p in (ROOT / "benchmarks" / "results").glob("*")}
+    assert after == committed, "the smoke run touched the committed results"
+    print(f"run_all --quick: {wall:.0f} s")
