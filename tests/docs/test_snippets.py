@@ -171,6 +171,8 @@ def _env() -> dict[str, str]:
     env["PATH"] = os.pathsep.join([str(Path(sys.executable).parent), env.get("PATH", "")])
     env["PYTHONUNBUFFERED"] = "1"
     env["MPLBACKEND"] = "Agg"
+    # A page that runs a benchmark must never overwrite the committed results (benchmarks/common.py).
+    env["DS_STRATEGY_BENCH_RESULTS"] = tempfile.mkdtemp(prefix="ds-docs-bench-")
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)  # a page runs as a user's fresh shell would
     return env
