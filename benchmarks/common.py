@@ -27,6 +27,16 @@ def _free_port() -> int:
 
 
 def peak_rss_bytes() -> int:
+    """This process's peak RSS. Linux: VmHWM, the high-water mark of the current address space. Not
+    ru_maxrss: that keeps the RSS of the pre-exec copy of the parent, so a rank spawned by a parent that has
+    grown (run_all runs the optimizer benchmark in-process first) would report the parent's size."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("VmHWM:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
