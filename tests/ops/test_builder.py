@@ -19,10 +19,11 @@ from tests.harness import run_distributed
 TINY_SOURCE = 'extern "C" int ds_tiny_answer() { return 42; }\n'
 
 
-def _tiny_spec(root: Path, isa: str = "scalar") -> LibrarySpec:
+def _tiny_spec(root: Path, isa: str = "scalar", write: bool = True) -> LibrarySpec:
     src = root / "src"
-    src.mkdir(parents=True, exist_ok=True)
-    (src / "tiny.cpp").write_text(TINY_SOURCE)
+    if write:
+        src.mkdir(parents=True, exist_ok=True)
+        (src / "tiny.cpp").write_text(TINY_SOURCE)
     return LibrarySpec(name="ds_tiny", sources=(src / "tiny.cpp",), root=src, isa=isa, cflags=("-O0",))
 
 
@@ -93,7 +94,9 @@ def test_live_lock_holder_times_out_naming_the_lock(tmp_path: Path, monkeypatch:
 
 
 def _build_tiny_concurrently(rank: int, world_size: int, root: str) -> bool:
-    spec = _tiny_spec(Path(root))
+    # The source was written before the race: rewriting it here could hand the other rank a truncated
+    # file to hash (another cache key) or compile.
+    spec = _tiny_spec(Path(root), write=False)
     return build_library(spec, root=Path(root) / "cache").built_here
 
 

@@ -33,10 +33,12 @@ accelerator's: ``gloo`` on CPU, ``cpu:gloo,cuda:nccl`` on CUDA (so CPU tensors c
 
 from __future__ import annotations
 
+import atexit
 import datetime
 import logging
 import os
 import socket
+import sys
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
@@ -327,6 +329,7 @@ def _init_single(backend: str, timeout: datetime.timedelta | None, device_type: 
 
 
 def _finish(info: DistributedInfo, device_type: str, how: str | None = None) -> DistributedInfo:
+    _destroy_at_normal_exit()
     if device_type == "cuda" and info.local_rank is not None:
         accelerator = get_accelerator("cuda")
         if info.local_rank < accelerator.device_count():
@@ -336,6 +339,41 @@ def _finish(info: DistributedInfo, device_type: str, how: str | None = None) -> 
         where = f", master {info.master_addr}:{info.master_port}" if info.master_addr else ""
         log.info("init_distributed: %d process(es) via %s, backend %s%s", info.world_size, via, info.backend, where)
     return info
+
+
+# ---- teardown ------------------------------------------------------------------------------------------
+# [Note: destroying the group at exit]
+# A script that never calls destroy_process_group() leaves gloo's worker threads to interpreter
+# finalisation, and a rank can then abort after a successful run ("terminate called without an active
+# exception", SIGABRT; pytorch/pytorch#190489), which a launcher reports as a failed rank. The group this
+# module created is therefore destroyed by an atexit handler - only on a normal exit: after an uncaught
+# exception another rank may still be inside a collective, and tearing down then can block (torchtitan
+# destroys only after success for the same reason). A group the caller made is the caller's to destroy.
+
+_exit_state = {"registered": False, "failed": False}
+
+
+def _destroy_at_normal_exit() -> None:
+    if _exit_state["registered"]:
+        return
+    _exit_state["registered"] = True
+    previous = sys.excepthook
+
+    def note_failure(*exc_info: object) -> None:
+        _exit_state["failed"] = True
+        previous(*exc_info)  # type: ignore[arg-type]
+
+    sys.excepthook = note_failure
+    atexit.register(_destroy_if_clean)
+
+
+def _destroy_if_clean() -> None:
+    if _exit_state["failed"] or not dist.is_initialized():
+        return
+    try:
+        dist.destroy_process_group()
+    except Exception as err:  # at exit: report, never raise
+        log.debug("init_distributed: destroying the process group at exit failed: %s", err)
 
 
 # ---- helpers -------------------------------------------------------------------------------------------
