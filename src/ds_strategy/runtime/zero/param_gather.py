@@ -61,6 +61,7 @@ EXTERNAL_ATTR = "_ds_external_params"
 # (MultiheadAttention passes ``out_proj.weight`` to the functional attention): their unit is the subtree.
 READS_CHILD_PARAMETERS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 TIMEOUT_ENV = "DS_STRATEGY_GATHER_TIMEOUT"
+_INDEX_BITS = 20  # a gather label: fetch number << 20 | (module index + 2), see [Note: divergence detection]
 
 
 class ParamGatherer:
@@ -316,7 +317,7 @@ class ParamGatherer:
         self._seq += 1
         self._last_mid = mid
         if self.tagged:
-            return self._seq << 20 | (self.index.get(mid, -1) + 2)
+            return self._seq << _INDEX_BITS | (self.index.get(mid, -1) + 2)
         self._header(mid, self._seq, blocking=blocking)
         return 0
 
@@ -337,10 +338,11 @@ class ParamGatherer:
     def _gather_failed(self, err: RuntimeError, tag: int, mid: int) -> RuntimeError:
         if not tag:
             return err
+        seq = tag >> _INDEX_BITS
         tags = self.coll.peer_tags() if "different collectives" in str(err) else []
-        if tags:
-            return self._diverged(mid, tag >> 20, [[t & 0xFFFFF, t >> 20] for t in tags])
-        return self._timed_out(mid, tag >> 20, err, fast_timeout=self.coll.fast_path)
+        if tags:  # each rank's label back to (module index + 2, fetch number), as the headers carry them
+            return self._diverged(mid, seq, [[t & ((1 << _INDEX_BITS) - 1), t >> _INDEX_BITS] for t in tags])
+        return self._timed_out(mid, seq, err, fast_timeout=self.coll.fast_path)
 
     def _header(self, mid: int, seq: int, *, blocking: bool) -> None:
         header = torch.zeros(self.coll.world_size, 2, dtype=torch.int64)
