@@ -156,7 +156,7 @@ class Communicator:
         self._device_backends = _parse_backend(self.backend)
         self.fast_path: FastPath | None = self._open_fast_path(fast_path)
         # async_op fast-path calls run on one background thread (see [Note: asynchronous fast path]).
-        off = os.environ.get(SHM_ASYNC_ENV, "1").strip().lower() in ("0", "false", "no", "off")
+        off = _env_off(SHM_ASYNC_ENV)
         # Not for an injected fast path: a test double may itself use torch.distributed, which must stay
         # on the caller's thread.
         injected = fast_path is not None and not isinstance(fast_path, bool)
@@ -168,7 +168,7 @@ class Communicator:
             return None
         if fast_path is not None and fast_path is not True:
             return fast_path  # injected
-        if fast_path is None and os.environ.get(SHM_ENV, "1").strip().lower() in ("0", "false", "no", "off"):
+        if fast_path is None and _env_off(SHM_ENV):
             return None
         opened = None if self.world_size == 1 else _create_shm(self.group)
         if opened is None and fast_path is True:
@@ -455,6 +455,10 @@ class Communicator:
 
 
 # ---- helpers -------------------------------------------------------------------------------------------
+
+
+def _env_off(name: str) -> bool:
+    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def reduce_op_name(op: ReduceOpLike) -> str:
