@@ -578,3 +578,26 @@ def test_async_fast_path_keeps_order_and_reports_errors(use_async: str, cpu_kern
         assert res["gathers_equal"] and res["reduced_equal"], res
         assert res["mid"] == [3.0] * 5
         assert "the ranks called different collectives" in res["error"], res["error"]
+
+
+def test_worker_starts_on_first_job_and_stops_cleanly() -> None:
+    """The thread exists only once an asynchronous call came, runs jobs in order, re-raises their errors,
+    and is gone after close (also registered at exit: no thread is left to interpreter finalisation)."""
+    from ds_strategy.comm.worker import CollectiveWorker
+
+    worker = CollectiveWorker()
+    assert worker._thread is None and worker.idle()
+    order: list[int] = []
+    jobs = [worker.submit(lambda i=i: order.append(i)) for i in range(5)]
+    thread = worker._thread
+    assert thread is not None and thread.daemon
+    failing = worker.submit(lambda: (_ for _ in ()).throw(RuntimeError("peer mismatch")))
+    for job in jobs:
+        job.wait()
+    with pytest.raises(RuntimeError, match="peer mismatch"):
+        failing.wait()
+    worker.run(lambda: order.append(5))  # after the queue: inline once idle
+    assert order == [0, 1, 2, 3, 4, 5] and worker.idle()
+    worker.close()
+    worker.close()  # idempotent
+    assert not thread.is_alive() and worker._thread is None
