@@ -267,9 +267,6 @@ class Stage3(Stage2):
             out[name] = full[id(value)] if id(value) in full else value.detach().to("cpu", copy=True)
         return out
 
-    def memory_bytes(self) -> dict[str, int]:
-        return super().memory_bytes()
-
 
 def _numel(p: torch.Tensor) -> int:
     info = init_shard(p)
