@@ -218,10 +218,7 @@ class ShmCommunicator:
                 f"shm all_gather: output has {output.numel()} elements; expected world_size ({self.world_size})"
                 f" x input.numel() ({input.numel()}) = {self.world_size * input.numel()}"
             )
-        if tag:
-            self._handle.all_gather_tagged(output.detach(), input.detach(), int(tag))
-        else:
-            self._handle.all_gather(output.detach(), input.detach())
+        self._handle.all_gather_tagged(output.detach(), input.detach(), int(tag))  # untagged: tag 0
 
     def peer_tags(self) -> list[int]:
         """Every rank's tag for the latest collective (meaningful after a mismatch error; 0: untagged)."""
