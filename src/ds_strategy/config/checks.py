@@ -27,6 +27,16 @@ def cross_checks(config: dict[str, Any]) -> list[ConfigProblem]:
             ConfigProblem("bf16.enabled", "fp16.enabled and bf16.enabled are both true; enable at most one")
         )
 
+    fp16 = _section(config, "fp16")
+    if fp16.get("auto_cast") is True and fp16.get("enabled") is False:
+        problems.append(
+            ConfigProblem(
+                "fp16.auto_cast",
+                "casts the forward's floating inputs to fp16, but fp16.enabled is false (the model is not fp16); "
+                "enable fp16 or remove auto_cast",
+            )
+        )
+
     zero = _section(config, "zero_optimization")
     stage = zero.get("stage") if zero.get("stage") in (0, 1, 2, 3) else None
     param = _section(zero, "offload_param")
