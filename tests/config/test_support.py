@@ -148,3 +148,17 @@ def test_re_resolving_a_loaded_config_does_not_warn_again() -> None:
         warnings.simplefilter("error")
         again = load_config(loaded, world_size=4)
     assert again.batch.train_batch_size == 8
+
+
+def test_keys_marked_x_ignored_are_never_classified_as_acted_on() -> None:
+    def ignored(path: str) -> bool:
+        node: dict[str, Any] = resolve(load_schema())
+        for part in path.split("."):
+            props = node.get("properties", {})
+            if part not in props:
+                return False  # per-type params: never x-ignored
+            node = resolve(props[part])
+        return bool(node.get("x-ignored"))
+
+    acted = [p for p in PATHS if ignored(p) and SUPPORT[p].kind == ACTED]
+    assert not acted, f"the loader drops x-ignored keys, so they cannot be acted on: {acted}"

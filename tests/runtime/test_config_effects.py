@@ -6,12 +6,15 @@ sub_group_size. Each case shows the effect against what the key's absence (or an
 
 from __future__ import annotations
 
+import weakref
 from pathlib import Path
 from typing import Any
 
 import pytest
 import torch
 from torch import nn
+from torch.utils._python_dispatch import TorchDispatchMode
+from torch.utils._pytree import tree_flatten
 
 from tests.harness import run_distributed
 from tests.runtime.common import batches, config, engine_run, make_model, make_tied, token_batches
@@ -227,6 +230,35 @@ def test_torch_adam_selects_torch_optim_except_with_offload() -> None:
         torch.testing.assert_close(out["torch"][1][name], master, rtol=1e-5, atol=1e-6)
 
 
+class PeakNewMemory(TorchDispatchMode):
+    """Peak bytes held by tensors that ops inside the mode allocate (an input's storage is not new)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.live = self.peak = 0
+        self._seen: set[int] = set()
+
+    def __torch_dispatch__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
+        flat = tree_flatten((args, kwargs or {}))[0]
+        inputs = {t.untyped_storage().data_ptr() for t in flat if isinstance(t, torch.Tensor)}
+        out = func(*args, **(kwargs or {}))
+        for t in tree_flatten(out)[0]:
+            if not isinstance(t, torch.Tensor):
+                continue
+            key, size = t.untyped_storage().data_ptr(), t.untyped_storage().nbytes()
+            if key in inputs or key in self._seen or size == 0:
+                continue
+            self._seen.add(key)
+            self.live += size
+            self.peak = max(self.peak, self.live)
+            weakref.finalize(t, self._free, key, size)
+        return out
+
+    def _free(self, key: int, size: int) -> None:
+        self._seen.discard(key)
+        self.live -= size
+
+
 def _sub_groups(rank: int, world: int, precision: str, client: bool) -> dict[str, Any]:
     import ds_strategy.runtime as rt
 
@@ -236,19 +268,31 @@ def _sub_groups(rank: int, world: int, precision: str, client: bool) -> dict[str
         cfg = config(stage=2, precision=precision, bucket=64, zero_optimization={"stage": 2, "sub_group_size": size})
         cfg["zero_optimization"].update(reduce_bucket_size=64, allgather_bucket_size=64)
         model = make_model()
-        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1) if client else None
+        optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1, foreach=True) if client else None
         engine, opt, _, _ = rt.initialize(model=model, optimizer=optimizer, config=cfg)
         seen: list[int] = []
+        peaks: list[int] = []
         step = opt.step
 
-        def spy(*args: Any, _opt: Any = opt, _step: Any = step, **kwargs: Any) -> Any:
-            seen.append(sum(p.numel() for g in _opt.param_groups for p in g["params"] if p.grad is not None))
-            return _step(*args, **kwargs)
+        def spy(*args: Any, _opt: Any = opt, _step: Any = step, _log: Any = (seen, peaks), **kwargs: Any) -> Any:
+            _log[0].append(sum(p.numel() for g in _opt.param_groups for p in g["params"] if p.grad is not None))
+            with PeakNewMemory() as memory:
+                result = _step(*args, **kwargs)
+            _log[1].append(memory.peak)
+            return result
 
         opt.step = spy  # type: ignore[method-assign]
         trace = engine_run(engine, data, micro=2, gas=2)
         largest = max(m.numel() for gs in engine.stage.groups for m in gs.masters)
-        out[name] = (seen, largest, len(engine.stage.step_tiles()), trace.masters, trace.params)
+        # the first of the 3 steps also creates the optimizer state: measure the later ones
+        out[name] = (
+            seen,
+            largest,
+            len(engine.stage.step_tiles()),
+            trace.masters,
+            trace.params,
+            max(peaks[len(peaks) // 3 :]),
+        )
         engine.destroy()
     return out
 
@@ -256,13 +300,16 @@ def _sub_groups(rank: int, world: int, precision: str, client: bool) -> dict[str
 @pytest.mark.parametrize("precision,client", [("fp32", False), ("bf16", False), ("bf16", True)])
 def test_sub_group_size_tiles_the_optimizer_step(precision: str, client: bool) -> None:
     out = run_distributed(_sub_groups, world_size=2, args=(precision, client))[0]
-    seen, largest, tiles, masters, params = out["tiled"]
-    full_seen, _, full_tiles, full_masters, full_params = out["untiled"]
+    seen, largest, tiles, masters, params, peak = out["tiled"]
+    full_seen, _, full_tiles, full_masters, full_params, full_peak = out["untiled"]
     assert full_tiles == 1 and tiles > 2
     assert len(seen) == 3 * tiles and len(full_seen) == 3
     # The bound: one optimizer call never sees more than sub_group_size elements (or one larger master).
     assert max(seen) <= max(100, largest) < max(full_seen)
     assert sum(seen) == sum(full_seen)  # every master stepped once per step
+    if client:  # torch's foreach AdamW allocates temporaries for all the tensors it steps at once: measured
+        assert 0 < peak <= 2 * 4 * max(100, largest), peak  # two fp32 temporaries per element of one tile
+        assert peak < full_peak, (peak, full_peak)
     for name, master in full_masters.items():
         assert torch.equal(masters[name], master), name
         assert torch.equal(params[name], full_params[name]), name
