@@ -313,3 +313,29 @@ def test_sub_group_size_tiles_the_optimizer_step(precision: str, client: bool) -
     for name, master in full_masters.items():
         assert torch.equal(masters[name], master), name
         assert torch.equal(params[name], full_params[name]), name
+
+
+def _averaging(rank: int, world: int) -> dict[str, float]:
+    import ds_strategy.runtime as rt
+
+    out = {}
+    data = batches(1, 2 * 2 * world)
+    cases = {
+        "mean": {},
+        "sum": {"gradient_allreduce_op": "sum"},
+        "prescale": {"prescale_gradients": True},
+        "predivide": {"gradient_predivide_factor": 4.0},
+    }
+    for name, extra in cases.items():
+        engine, _, _, _ = rt.initialize(model=make_model(), config=config(stage=1, **extra))
+        engine_run(engine, data, micro=2, gas=2)
+        out[name] = float(engine.get_global_grad_norm())
+        engine.destroy()
+    return out
+
+
+def test_gradient_averaging_keys() -> None:
+    out = run_distributed(_averaging, world_size=2)[0]
+    assert out["sum"] == pytest.approx(2 * out["mean"], rel=1e-6)  # "sum" keeps the sum over the 2 ranks
+    assert out["prescale"] == pytest.approx(out["mean"], rel=1e-6)  # divided before instead of after
+    assert out["predivide"] == pytest.approx(out["mean"], rel=1e-6)  # by 4 before, by 2 / 4 after

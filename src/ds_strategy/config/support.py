@@ -262,7 +262,8 @@ SUPPORT: dict[str, Support] = {
     ),
     "checkpoint.use_node_local_storage": _warned(
         "ds_strategy saves correctly with or without a shared filesystem (one rank per node manages each "
-        "node's directory)"
+        "node's directory); loading needs every node's files in one directory, and a missing shard is an error "
+        "naming it"
     ),
     "checkpoint.parallel_write": _warned("pipeline-parallel checkpoint writing (there is no pipeline parallelism)"),
     "checkpoint.writer": _warned(_PERF_ONLY + " (the checkpoint writer backend)"),
