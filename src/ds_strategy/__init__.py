@@ -24,6 +24,7 @@ _LAZY: dict[str, str] = {
     "initialize": "ds_strategy.runtime",
     "ZeroEngine": "ds_strategy.runtime",
     "estimate_memory": "ds_strategy.runtime",
+    "IgnoredConfigWarning": "ds_strategy.config",
 }
 
 # submodules users reach as attributes: ds_strategy.zero.Init(...), ds_strategy.ops.CPUAdam(...)
@@ -34,6 +35,7 @@ __all__ = ["__version__", *_LAZY, *_SUBMODULES]
 if TYPE_CHECKING:
     from ds_strategy.accelerator import get_accelerator as get_accelerator
     from ds_strategy.comm import init_distributed as init_distributed
+    from ds_strategy.config import IgnoredConfigWarning as IgnoredConfigWarning
     from ds_strategy.lightning import ZeroPrecision as ZeroPrecision
     from ds_strategy.lightning import ZeroStrategy as ZeroStrategy
     from ds_strategy.runtime import ZeroEngine as ZeroEngine

@@ -7,7 +7,7 @@ import warnings
 
 import pytest
 
-from ds_strategy.config import ConfigDeprecationWarning, ConfigError, load_config
+from ds_strategy.config import ConfigDeprecationWarning, ConfigError, IgnoredConfigWarning, load_config
 
 
 def test_zero_optimization_true_is_stage_1_with_a_future_warning() -> None:
@@ -80,7 +80,7 @@ def test_cpu_offload_next_to_its_replacement_is_an_error() -> None:
 
 
 def test_seq_parallel_communication_data_type_alias() -> None:
-    with pytest.warns(ConfigDeprecationWarning):
+    with pytest.warns(ConfigDeprecationWarning), pytest.warns(IgnoredConfigWarning, match="no sequence parallelism"):
         config = load_config({"seq_parallel_communication_data_type": "bf16"})
     assert config.seq_parallel_comm_data_type == "bf16"
 

@@ -213,6 +213,8 @@ def config(
     if precision == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
     cfg.update(extra)
+    if precision == "fp16":  # the data is fp32: let the engine cast it (DeepSpeed's fp16.auto_cast)
+        cfg["fp16"].setdefault("auto_cast", True)
     return cfg
 
 

@@ -16,6 +16,7 @@ from .batch import EQUATION
 from .checks import IMPLEMENTED_OPTIMIZERS
 from .normalize import LEGACY_FORMS
 from .schema import describe, load_schema, resolve, walk_properties
+from .support import label, support_of
 
 REGENERATE = "python -m ds_strategy.config.docgen > docs/config.md"
 
@@ -69,16 +70,23 @@ def _default(node: dict[str, Any]) -> str:
     return text
 
 
-def _table(rows: list[tuple[str, dict[str, Any]]]) -> list[str]:
-    lines = ["| key | accepts | default | description |", "| --- | --- | --- | --- |"]
+def _support(path: str) -> str:
+    entry = support_of(path)
+    if entry is None:  # tests/config/test_support.py fails first
+        raise KeyError(f"{path} is not classified in config/support.py")
+    return label(entry)
+
+
+def _table(rows: list[tuple[str, dict[str, Any]]], prefix: str = "") -> list[str]:
+    lines = ["| key | accepts | default | description | ds_strategy |", "| --- | --- | --- | --- | --- |"]
     for key, node in rows:
         description = node.get("description", "")
-        if node.get("x-ignored"):
-            description = f"*Accepted, ignored.* {description}"
         if "x-auto" in node:
             description += f' "auto": {node["x-auto"]}'
         accepts = "an object" if "properties" in node else describe(node)
-        lines.append(f"| `{key}` | {_cell(accepts)} | {_cell(_default(node))} | {_cell(description.strip())} |")
+        support = _support(f"{prefix}{key}")
+        cells = [f"`{key}`", _cell(accepts), _cell(_default(node)), _cell(description.strip()), _cell(support)]
+        lines.append("| " + " | ".join(cells) + " |")
     return lines
 
 
@@ -88,7 +96,7 @@ def _section(title: str, node: dict[str, Any], intro: str | None = None) -> list
     if text:
         lines += [text, ""]
     rows = [(key, resolve(prop)) for key, prop in node.get("properties", {}).items()]
-    lines += _table(rows)
+    lines += _table(rows, prefix=f"{title}.")
     lines.append("")
     return lines
 
@@ -103,7 +111,9 @@ def _params_sections(owner: str, node: dict[str, Any]) -> list[str]:
         lines += [f"### `{owner}.params` for {', '.join(f'`{n}`' for n in names)}", ""]
         if required:
             lines += ["Required: " + ", ".join(f"`{r}`" for r in required) + ".", ""]
-        lines += _table([(key, resolve(prop)) for key, prop in params.get("properties", {}).items()])
+        lines += _table(
+            [(key, resolve(prop)) for key, prop in params.get("properties", {}).items()], prefix=f"{owner}.params."
+        )
         lines.append("")
     return lines
 
@@ -122,6 +132,13 @@ def render_markdown() -> str:
         "package, and returns frozen dataclasses whose field names are the keys below. Every problem of a config "
         "is reported together, each naming its JSON path, the value and what would be valid; unknown keys get a "
         "did-you-mean suggestion.",
+        "",
+        "Every key is in one of three classes, shown in the last column of its row: **acted on** (it changes "
+        "what ds_strategy does), **warned** (accepted and ignored with one `IgnoredConfigWarning` on rank 0 naming "
+        "the key and why; only where ignoring it changes neither results nor memory) or **refused** (a "
+        "`ConfigError` naming the key, where ignoring it would change results or memory). A warned or refused "
+        'key only warns or fails when its value asks for something (not its default, not `"enabled": false`). '
+        "The classification lives in `src/ds_strategy/config/support.py`.",
         "",
         "Defaults follow DeepSpeed's code where its documentation differs (`overlap_comm`, `gradient_clipping`, "
         "`steps_per_print`, `stage3_prefetch_bucket_size`).",
@@ -197,13 +214,14 @@ def render_markdown() -> str:
     lines += [
         "## Accepted, ignored sections",
         "",
-        "Well-known DeepSpeed sections ds_strategy does not implement. They load (so existing files keep working) "
-        "and an `IgnoredConfigWarning` lists the ones that are enabled; their content is not validated.",
+        "Well-known DeepSpeed sections ds_strategy does not implement; their content is not validated. An enabled "
+        "one is either refused (a `ConfigError`, where ignoring it would change results or memory) or loads with "
+        "one `IgnoredConfigWarning` (a monitor, a profiler: nothing else changes), as the last column says.",
         "",
-        "| key | what it configures in DeepSpeed |",
-        "| --- | --- |",
+        "| key | what it configures in DeepSpeed | ds_strategy |",
+        "| --- | --- | --- |",
     ]
-    lines += [f"| `{k}` | {_cell(n.get('description', ''))} |" for k, n in ignored_sections]
+    lines += [f"| `{k}` | {_cell(n.get('description', ''))} | {_cell(_support(k))} |" for k, n in ignored_sections]
     lines += [
         "",
         "## Tolerated legacy forms",

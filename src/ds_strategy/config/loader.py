@@ -11,6 +11,7 @@ import copy
 import dataclasses
 import json
 import os
+import sys
 import warnings
 from collections.abc import Mapping
 from pathlib import Path
@@ -43,6 +44,7 @@ from .model import (
 )
 from .normalize import normalize
 from .schema import coerce, fill_defaults, load_schema, validate
+from .support import classify
 
 T = TypeVar("T")
 
@@ -76,7 +78,8 @@ def load_config(
             ctx = config.context if world_size is None else dataclasses.replace(config.context, world_size=None)
         if world_size is None and (ctx is None or ctx.world_size is None):
             world_size = config.world_size
-        return _load(raw, world_size=world_size, context=ctx, source=None)
+        # Re-resolution: the first load already warned about the ignored settings.
+        return _load(raw, world_size=world_size, context=ctx, source=None, warn_ignored=False)
     raw, source = _read(config)
     return _load(raw, world_size=world_size, context=ctx, source=source)
 
@@ -148,7 +151,14 @@ def _parse_json(text: str, source: str) -> Any:
     return data
 
 
-def _load(raw: Any, *, world_size: int | None, context: ConfigContext | None, source: str | None) -> DeepSpeedConfig:
+def _load(
+    raw: Any,
+    *,
+    world_size: int | None,
+    context: ConfigContext | None,
+    source: str | None,
+    warn_ignored: bool = True,
+) -> DeepSpeedConfig:
     if not isinstance(raw, Mapping):
         raise ConfigError([ConfigProblem("", f"expected a JSON object, got {type(raw).__name__}")], source=source)
     schema = load_schema()
@@ -160,23 +170,17 @@ def _load(raw: Any, *, world_size: int | None, context: ConfigContext | None, so
     problems += res.problems
     resolved = fill_defaults(res.config, schema)
     problems += cross_checks(resolved)
+    refusals, ignored_notes = classify(resolved, schema)
+    problems += refusals
     if problems:
         raise ConfigError(_unique(problems), source=source)
 
     notes: list[tuple[type[ConfigWarning], str]] = [(ConfigDeprecationWarning, d) for d in norm.deprecations]
     notes += [(ConfigConflictWarning, c) for c in res.conflicts]
     notes += [(ConfigWarning, a) for a in advisories(resolved)]
+    if warn_ignored and _is_rank_zero():
+        notes += [(IgnoredConfigWarning, n) for n in ignored_notes]
     ignored = split_ignored(resolved, schema)
-    active = [path for path, (_, is_active) in ignored.items() if is_active]
-    if active:
-        notes.append(
-            (
-                IgnoredConfigWarning,
-                "ds_strategy accepts but ignores these DeepSpeed settings: "
-                + ", ".join(active)
-                + " (remove them to silence this warning)",
-            )
-        )
     built = _build(
         resolved,
         res,
@@ -187,6 +191,18 @@ def _load(raw: Any, *, world_size: int | None, context: ConfigContext | None, so
     for category, message in notes:
         warnings.warn(message, category, stacklevel=3)
     return built
+
+
+def _is_rank_zero() -> bool:
+    """Whether this process is rank 0: the ignored-setting warnings are printed once per job, not per rank.
+
+    Asks torch.distributed only when something already imported it (the config layer does not import
+    torch), else the launcher's RANK variable; a single process is rank 0.
+    """
+    dist = sys.modules.get("torch.distributed")
+    if dist is not None and dist.is_available() and dist.is_initialized():
+        return bool(dist.get_rank() == 0)
+    return os.environ.get("RANK", "0") == "0"
 
 
 def _unique(problems: list[ConfigProblem]) -> list[ConfigProblem]:

@@ -1,6 +1,6 @@
 """``ZeroEngine``: DeepSpeed's training-engine API over the ZeRO stages of ``runtime.zero``.
 
-    loss = engine(batch)      # forward (floating inputs cast to the compute dtype)
+    loss = engine(batch)      # forward (bf16, fp16 with auto_cast: floating inputs cast to the compute dtype)
     engine.backward(loss)     # loss x loss_scale / gradient_accumulation_steps, gradient hooks reduce
     engine.step()             # at the accumulation boundary: norm, overflow, clip, optimizer, gather
 
@@ -74,7 +74,7 @@ class ZeroEngine(nn.Module):
         named, registration = named_trainable_groups(module, groups)
         pre, post = _averaging(config, self.coll.world_size)
         options = StageOptions(
-            bucket_numel=int(zero.allgather_bucket_size if config.zero_stage == 1 else zero.reduce_bucket_size),
+            bucket_numel=_bucket_numel(config),
             compute_dtype=self.precision.compute_dtype,
             accum_dtype=self.precision.accum_dtype,
             comm_dtype=self.precision.comm_dtype,
@@ -83,6 +83,7 @@ class ZeroEngine(nn.Module):
             pre_scale=pre,
             post_scale=post,
             pin_memory=offload and self.device.type == "cuda",
+            sub_group_numel=int(zero.sub_group_size),
         )
         stage_cls = STAGES.get(config.zero_stage)
         if stage_cls is None:
@@ -148,7 +149,8 @@ class ZeroEngine(nn.Module):
     # ------------------------------------------------------------------ DeepSpeed's engine API
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         with self.timers("forward"), self.stage.forward_context():
-            return self.module(*self.precision.cast_inputs(inputs), **self.precision.cast_inputs(kwargs))
+            args, kwargs = self.precision.cast_forward_inputs(inputs, kwargs)
+            return self.module(*args, **kwargs)
 
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` x loss scale (/ gradient_accumulation_steps); reduces at the boundary."""
@@ -180,6 +182,8 @@ class ZeroEngine(nn.Module):
                 'engine.step() needs an optimizer: pass optimizer=... or add an "optimizer" block to the config'
             )
         self.stage.prepare_step()
+        if not self.config.zero_optimization.ignore_unused_parameters:
+            self._refuse_unused_parameters()
         raw_norm, overflow = self.stage.grad_norm()
         scale = self.loss_scaler.loss_scale
         multiplier = self.stage.options.post_scale / scale
@@ -212,6 +216,22 @@ class ZeroEngine(nn.Module):
             self._loss_sum = None
         if self._print_every and self.global_steps % self._print_every == 0:
             self._report()
+
+    def _refuse_unused_parameters(self) -> None:
+        """``ignore_unused_parameters: false``: every rank raises when any rank has a trainable parameter
+        that got no gradient in this window (DeepSpeed asserts; here the ranks agree first, so none hangs)."""
+        missing = self.stage.parameters_without_gradient()
+        count = torch.tensor([float(len(missing))], device=self.stage.groups[0].device if self.stage.groups else None)
+        self.coll.all_reduce(count)
+        if count.item() == 0:
+            return
+        where = ", ".join(repr(n) for n in missing) if missing else "parameters of another rank"
+        raise RuntimeError(
+            f"zero_optimization.ignore_unused_parameters is false and {int(count.item())} trainable parameter(s) "
+            f"got no gradient in this step's accumulation window: {where}. Make every trainable parameter take "
+            "part in the loss, freeze the unused ones (requires_grad=False), or set ignore_unused_parameters to "
+            "true (DeepSpeed's default)"
+        )
 
     def _report(self) -> None:
         rate = self._throughput.rate(self.global_samples)
@@ -386,6 +406,17 @@ class ZeroEngine(nn.Module):
             if module is not None and hasattr(module, name):
                 return getattr(module, name)
             raise
+
+
+def _bucket_numel(config: DeepSpeedConfig) -> int:
+    """Elements per bucket of the flat layout. A bucket is the unit of both the gradient reduction and (stages
+    1-2) the all-gather of the updated weights, so there it honours both reduce_bucket_size and
+    allgather_bucket_size; stage 0 gathers nothing and stage 3 gathers by module (as DeepSpeed, which reads
+    allgather_bucket_size only at stages 1-2)."""
+    zero = config.zero_optimization
+    if config.zero_stage in (1, 2):
+        return int(min(zero.reduce_bucket_size, zero.allgather_bucket_size))
+    return int(zero.reduce_bucket_size)
 
 
 def _averaging(config: DeepSpeedConfig, world_size: int) -> tuple[float, float]:

@@ -128,8 +128,14 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
 _DROPPED = ("max_grad_norm", "torch_adam", "set_grad_none", "adam_w_mode", "bias_correction")
 
 
-def build_optimizer(config: OptimizerConfig, param_groups: ParamGroups, *, device: torch.device) -> Optimizer:
-    """The optimizer ``config`` names, over ``param_groups`` (the engine's flat fp32 masters)."""
+def build_optimizer(
+    config: OptimizerConfig, param_groups: ParamGroups, *, device: torch.device, offload: bool = False
+) -> Optimizer:
+    """The optimizer ``config`` names, over ``param_groups`` (the engine's flat fp32 masters).
+
+    ``torch_adam: true`` picks torch.optim's Adam/AdamW over the fused kernel, except with optimizer offload
+    (``offload``), where DeepSpeed's engine also keeps its CPU Adam.
+    """
     params = config.kwargs()
     kind = config.type
     if kind == "Adam" and params.get("adam_w_mode", True):
@@ -138,7 +144,13 @@ def build_optimizer(config: OptimizerConfig, param_groups: ParamGroups, *, devic
     kwargs = {**_DEFAULTS[config.type], **{k: v for k, v in params.items() if k not in _DROPPED}}
     if "betas" in kwargs:
         kwargs["betas"] = tuple(kwargs["betas"])
-    if "fused" in kwargs or "foreach" in kwargs:  # the config chose torch's implementation
+    torch_adam = bool(params.get("torch_adam", False)) and kind in ("Adam", "AdamW") and not offload
+    if torch_adam and not params.get("bias_correction", True):
+        raise ValueError(
+            "optimizer.params: torch_adam=true selects torch.optim's Adam, which always applies bias correction, "
+            "but bias_correction is false; remove one of the two"
+        )
+    if torch_adam or "fused" in kwargs or "foreach" in kwargs:  # the config chose torch's implementation
         torch_optimizers = {"AdamW": torch.optim.AdamW, "Adam": torch.optim.Adam, "Adagrad": torch.optim.Adagrad}
         ctor, extra = torch_optimizers.get(kind, ctor), {}
     return ctor(param_groups, **kwargs, **extra)

@@ -110,7 +110,7 @@ def attach_optimizer(
         return built
     if config.optimizer is None:
         return None
-    return build_optimizer(config.optimizer, rewired, device=master_device)
+    return build_optimizer(config.optimizer, rewired, device=master_device, offload=offload)
 
 
 def check_client_optimizer(optimizer: Optimizer, *, stage: int, offload: bool, config: DeepSpeedConfig) -> None:

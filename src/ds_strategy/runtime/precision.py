@@ -26,14 +26,26 @@ _DTYPES = {"fp32": torch.float32, "bf16": torch.bfloat16, "fp16": torch.float16}
 
 @dataclass(frozen=True)
 class Precision:
+    """[Note: input casting]
+    fp16 follows DeepSpeed: the engine's forward casts floating *positional* inputs to fp16 only with
+    ``fp16.auto_cast: true``; otherwise inputs reach the module as given (an fp32 attention mask of
+    ``finfo(float32).min`` would become -inf in fp16). bf16 casts floating inputs, positional and keyword
+    (a ds_strategy convenience DeepSpeed lacks, kept because bf16 models are usually fed fp32 data; note that
+    ``finfo(float32).min`` rounds to -inf in bf16 too: build masks in the model's dtype, or boolean).
+    """
+
     compute_dtype: torch.dtype
     accum_dtype: torch.dtype
     comm_dtype: torch.dtype
+    cast_args: bool = True  # cast floating positional inputs to compute_dtype (see the note)
+    cast_kwargs: bool = True  # ... and keyword inputs
 
     @classmethod
     def from_config(cls, config: DeepSpeedConfig) -> Precision:
         accum = _DTYPES[config.data_types.grad_accum_dtype or "fp32"]
         comm = _DTYPES[config.communication_data_type] if config.communication_data_type else accum
+        if config.fp16_enabled:
+            return cls(config.precision_dtype, accum, comm, cast_args=config.fp16.auto_cast, cast_kwargs=False)
         return cls(config.precision_dtype, accum, comm)
 
     @property
@@ -43,6 +55,13 @@ class Precision:
     @property
     def is_low_precision(self) -> bool:
         return self.compute_dtype != torch.float32
+
+    def cast_forward_inputs(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[Any, dict[str, Any]]:
+        """The forward's inputs as the module receives them (see [Note: input casting])."""
+        return (
+            self.cast_inputs(args) if self.cast_args else args,
+            self.cast_inputs(kwargs) if self.cast_kwargs else kwargs,
+        )
 
     def cast_inputs(self, value: Any) -> Any:
         """Cast floating-point tensors (also inside tuples, lists and dicts) to the compute dtype."""

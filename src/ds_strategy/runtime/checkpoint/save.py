@@ -145,9 +145,7 @@ def save_checkpoint(
         return name, ours, meta, model
 
     name, ours, meta, model = agree(coll, prepare, "save_checkpoint (preparing)")
-    tags = gather(coll, name)
-    if len(set(tags)) > 1:
-        raise ValueError(f"save_checkpoint: the ranks passed different tags {tags}; pass the same tag on every rank")
+    name = _agreed_tag(engine, gather(coll, name))
     if engine.micro_steps % engine.batch.gradient_accumulation_steps != 0 and rank == 0:
         log.warning(
             "save_checkpoint at micro-step %d: the gradients accumulated so far are not saved", engine.micro_steps
@@ -197,6 +195,27 @@ def save_checkpoint(
     if rank == 0:
         log.info("saved checkpoint %s (%s, stage %d)", final, ranks(coll.world_size), engine.stage.stage)
     return final
+
+
+def _agreed_tag(engine: ZeroEngine, tags: list[str]) -> str:
+    """The tag every rank saves under (checkpoint.tag_validation, DeepSpeed's check that it is the same on
+    every rank): "Fail" raises on every rank when they differ; "Warn" warns (rank 0) and "Ignore" says
+    nothing, and both save under rank 0's tag: one complete checkpoint, never shards under several names."""
+    if len(set(tags)) > 1:
+        policy = engine.config.checkpoint.tag_validation
+        if policy == "Fail":
+            raise ValueError(
+                f"save_checkpoint: the ranks passed different tags {tags} and checkpoint.tag_validation is "
+                '"Fail"; pass the same tag on every rank'
+            )
+        if policy == "Warn" and engine.coll.rank == 0:
+            log.warning(
+                "save_checkpoint: the ranks passed different tags %s; saving under rank 0's tag %r "
+                '(checkpoint.tag_validation "Warn"; pass the same tag on every rank)',
+                tags,
+                tags[0],
+            )
+    return tags[0]
 
 
 def _own_copy(t: torch.Tensor) -> torch.Tensor:

@@ -54,6 +54,7 @@ class StageOptions:
     pre_scale: float = 1.0  # gradients are multiplied by this before the collective ...
     post_scale: float = 1.0  # ... and by this after it (folded into the step's unscale)
     pin_memory: bool = False
+    sub_group_numel: int = 1_000_000_000  # zero_optimization.sub_group_size: see ``step_tiles``
 
 
 class ZeroStage:
@@ -86,6 +87,7 @@ class ZeroStage:
         }
         self.bucket_order: list[BucketKey] = sorted(first, key=lambda k: (-first[k], k))
         self._written = [False] * len(self._params)
+        self._got_grad = [False] * len(self._params)  # in this accumulation window (ignore_unused_parameters)
         self._hooks: list[RemovableHandle] = []
         self._in_backward = False
         self._unmanaged = False  # a hook fired outside engine.backward since the last pass
@@ -195,6 +197,7 @@ class ZeroStage:
             )
         if not self._in_backward:
             self._unmanaged = True
+        self._got_grad[pid] = True
         target = self._target(g, i)
         if self._written[pid]:
             target.add_(grad.view_as(target))
@@ -319,14 +322,44 @@ class ZeroStage:
             if fused and (sixteen := gs.sixteen_bit_outputs()):
                 outputs.update(sixteen)
                 written.add(g)
-        if fused:
-            optimizer.step(clip_coef=factor, out_16bit=outputs or None)  # type: ignore[call-overload]
-        else:
-            optimizer.step()
+        for tile in self.step_tiles():
+            # Only the tile's masters carry a gradient: optimizers skip the others, so the step's temporaries
+            # scale with the tile (the optimizers ZeRO accepts are elementwise: tiles give the same weights).
+            hidden = {m: m.grad for gs in self.groups for m in gs.masters if m not in tile}
+            for m in hidden:
+                m.grad = None
+            if fused:
+                out = {m: t for m, t in outputs.items() if m in tile}
+                optimizer.step(clip_coef=factor, out_16bit=out or None)  # type: ignore[call-overload]
+            else:
+                optimizer.step()
+            for m, grad in hidden.items():
+                m.grad = grad
         for gs in self.groups:
             for master in gs.masters:
                 master.grad = None
         self.publish(params_written=written)
+
+    def step_tiles(self) -> list[set[nn.Parameter]]:
+        """The masters in optimizer-step tiles of at most ``sub_group_size`` elements (DeepSpeed's sub-groups),
+        in layout order; a master larger than that is a tile of its own. One tile when everything fits."""
+        tiles: list[set[nn.Parameter]] = []
+        current: set[nn.Parameter] = set()
+        filled = 0
+        for gs in self.groups:
+            for m in gs.masters:
+                if current and filled + m.numel() > self.options.sub_group_numel:
+                    tiles.append(current)
+                    current, filled = set(), 0
+                current.add(m)
+                filled += m.numel()
+        if current:
+            tiles.append(current)
+        return tiles
+
+    def parameters_without_gradient(self) -> list[str]:
+        """Names of trainable parameters that got no gradient in the current accumulation window."""
+        return [self.groups[g].names[i] for pid, (g, i) in enumerate(self._where) if not self._got_grad[pid]]
 
     def _host_grads(self, group: int) -> list[torch.Tensor]:
         buffers = self._host_grad_buffers
@@ -362,6 +395,7 @@ class ZeroStage:
         if self._pass:
             self._finish_pass()  # keep ranks in step: a started pass is always completed
         self._written = [False] * len(self._params)
+        self._got_grad = [False] * len(self._params)
         self._window_reduced = False
         self._unmanaged = False
         self._reset_window()

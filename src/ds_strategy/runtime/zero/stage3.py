@@ -18,6 +18,7 @@ own that stay gathered (persistent).
 from __future__ import annotations
 
 import logging
+import sys
 from collections.abc import Collection, Iterator, Sequence
 from contextlib import contextmanager
 from dataclasses import dataclass
@@ -45,6 +46,7 @@ class Stage3Options:
     """The ``stage3_*`` and ``offload_param`` keys this stage reads (DeepSpeed's names and meaning)."""
 
     persistence_threshold: int = 100_000
+    model_persistence_numel: int = sys.maxsize  # stage3_model_persistence_threshold: see ``_persistent``
     prefetch_numel: int = 50_000_000
     max_live_numel: int = 1_000_000_000
     reuse_distance: int = 1_000_000_000
@@ -57,6 +59,7 @@ class Stage3Options:
         offload = zero.offload_param.device == "cpu"
         return cls(
             persistence_threshold=int(zero.stage3_param_persistence_threshold),
+            model_persistence_numel=int(zero.stage3_model_persistence_threshold),
             prefetch_numel=int(zero.stage3_prefetch_bucket_size),
             max_live_numel=int(zero.stage3_max_live_parameters),
             reuse_distance=int(zero.stage3_max_reuse_distance),
@@ -111,9 +114,10 @@ class Stage3(Stage2):
                 unpartition_param(p)
         self._plans: list[tuple[set[int], set[int]]] = []
         ordered = []
+        persistent = _persistent(module, trainable, s3)
         for named in groups:
-            big = [(n, p) for n, p in named if _numel(p) >= s3.persistence_threshold]
-            small = [(n, p) for n, p in named if _numel(p) < s3.persistence_threshold]
+            big = [(n, p) for n, p in named if id(p) not in persistent]
+            small = [(n, p) for n, p in named if id(p) in persistent]
             items = big + small
             breaks = {
                 i for i in range(1, len(items)) if owner[id(items[i][1])] != owner[id(items[i - 1][1])] or i == len(big)
@@ -271,3 +275,20 @@ class Stage3(Stage2):
 def _numel(p: torch.Tensor) -> int:
     info = init_shard(p)
     return info.numel if info is not None else p.numel()
+
+
+def _persistent(module: nn.Module, trainable: set[int], s3: Stage3Options) -> set[int]:
+    """ids of the trainable parameters that stay gathered: below ``stage3_param_persistence_threshold``
+    elements, taken in ``named_parameters`` order while their total stays within
+    ``stage3_model_persistence_threshold`` (DeepSpeed's ``mark_persistent_parameters``; frozen parameters
+    are always whole here, so they neither count nor take part)."""
+    chosen: set[int] = set()
+    total = 0
+    for _, p in module.named_parameters():
+        if id(p) not in trainable or id(p) in chosen:
+            continue
+        n = _numel(p)
+        if n < s3.persistence_threshold and total + n <= s3.model_persistence_numel:
+            chosen.add(id(p))
+            total += n
+    return chosen

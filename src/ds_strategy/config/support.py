@@ -1,0 +1,445 @@
+"""What ds_strategy does with every key of the schema: acts on it, warns that it is ignored, or refuses it.
+
+One table (``SUPPORT``, dotted path -> ``Support``) that the loader applies, docgen renders next to each key
+in docs/config.md and a test walks (tests/config/test_support.py fails on a schema key missing here).
+
+- ``ACTED``: the key changes what ds_strategy does (tests show the effect).
+- ``WARNED``: ignored, and ignoring it changes neither results nor memory (a monitor, a profiler, a
+  performance hint whose job ds_strategy does its own way). A value that asks for something gets one
+  rank-0 ``IgnoredConfigWarning`` naming the key and why.
+- ``REFUSED``: ignoring it would change results or memory (NVMe offload, ZeRO++ quantisation, a partial
+  optimizer offload ...): a value that asks for it is a ``ConfigError`` naming the key and why.
+
+``when`` says which values trigger the warning or the refusal; by default every value that asks for
+something (differs from the schema default, and is not a section with ``"enabled": false``).
+Optimizer and scheduler ``params`` keys are listed once under ``optimizer.params.<key>`` /
+``scheduler.params.<key>`` whatever the type.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from .errors import ConfigProblem, format_value, join_path
+from .schema import Schema, child_schema, resolve
+
+Kind = Literal["acted", "warned", "refused"]
+ACTED: Kind = "acted"
+WARNED: Kind = "warned"
+REFUSED: Kind = "refused"
+
+
+@dataclass(frozen=True)
+class Support:
+    kind: Kind
+    note: str = ""  # acted: what it does here (optional); warned/refused: why
+    when: Callable[[Any], bool] | None = None  # which values warn/refuse (None: any value asking for something)
+
+
+def _acted(note: str = "") -> Support:
+    return Support(ACTED, note)
+
+
+def _warned(why: str, when: Callable[[Any], bool] | None = None) -> Support:
+    return Support(WARNED, why, when)
+
+
+def _refused(why: str, when: Callable[[Any], bool] | None = None) -> Support:
+    return Support(REFUSED, why, when)
+
+
+def _is(value: Any) -> Callable[[Any], bool]:
+    return lambda v: v == value
+
+
+def _truthy(v: Any) -> bool:
+    return v is True
+
+
+_NO_NVME = "NVMe offload is not built in ds_strategy; the key only configures it"
+_NO_CHECKPOINTING_API = (
+    "ds_strategy has no deepspeed.checkpointing API and DeepSpeed's activation_checkpointing block only "
+    "configures that API; use torch.utils.checkpoint in the model"
+)
+_MONITOR = "monitors are not built in ds_strategy (use Lightning's loggers or your own); nothing else changes"
+_PERF_ONLY = "a performance switch of DeepSpeed's implementation; ds_strategy's results and memory do not depend on it"
+
+
+SUPPORT: dict[str, Support] = {
+    # ---------------------------------------------------------------- top level
+    "train_batch_size": _acted(),
+    "train_micro_batch_size_per_gpu": _acted(),
+    "gradient_accumulation_steps": _acted(),
+    "steps_per_print": _acted(),
+    "wall_clock_breakdown": _acted(),
+    "gradient_clipping": _acted(),
+    "prescale_gradients": _acted(),
+    "gradient_predivide_factor": _acted(),
+    "gradient_allreduce_op": _acted(),
+    "communication_data_type": _acted(),
+    "seq_parallel_comm_data_type": _warned(
+        "ds_strategy has no sequence parallelism (sequence_parallel_size above 1 is refused), so there are no "
+        "sequence-parallel collectives for it to type"
+    ),
+    "data_types": _acted(),
+    "data_types.grad_accum_dtype": _acted(),
+    "data_types.param_dtype": _refused(
+        "a parameter dtype override is not built; parameters use the training precision"
+    ),
+    "data_types.buffer_dtype": _refused("a buffer dtype override is not built; buffers use the training precision"),
+    "zero_allow_untested_optimizer": _acted(),
+    "zero_force_ds_cpu_optimizer": _acted(),
+    "optimizer": _acted(),
+    "optimizer.type": _acted(),
+    "optimizer.params": _acted(),
+    "optimizer.legacy_fusion": _warned(
+        "a legacy fp16 kernel-fusion switch; results and memory are the same without it"
+    ),
+    "scheduler": _acted(),
+    "scheduler.type": _acted(),
+    "scheduler.params": _acted(),
+    # ---------------------------------------------------------------- precision
+    "fp16": _acted(),
+    "fp16.enabled": _acted(),
+    "fp16.auto_cast": _acted("false: inputs reach the module as given; true: floating inputs are cast to fp16"),
+    "fp16.loss_scale": _acted(),
+    "fp16.initial_scale_power": _acted(),
+    "fp16.loss_scale_window": _acted(),
+    "fp16.hysteresis": _acted(),
+    "fp16.consecutive_hysteresis": _acted(),
+    "fp16.min_loss_scale": _acted(),
+    "fp16.fp16_master_weights_and_grads": _refused("fp16 master weights are not built; masters are always fp32"),
+    "fp16.fused_mode": _warned("a legacy fp16 optimizer switch; results and memory are the same without it"),
+    "bf16": _acted(),
+    "bf16.enabled": _acted(),
+    "bf16.immediate_grad_update": _refused("immediate fp32 gradient accumulation during backward is not built"),
+    "bf16.check_grad_overflow": _warned(
+        "ds_strategy always checks gradients for inf/nan and skips such a step, in every precision"
+    ),
+    "bf16.bf16_master_weights_and_grads": _refused("bf16 master weights are not built; masters are always fp32"),
+    "bf16.bf16_optimizer_states": _refused("bf16 optimizer states are not built; optimizer state is fp32"),
+    # ---------------------------------------------------------------- ZeRO
+    "zero_optimization": _acted(),
+    "zero_optimization.stage": _acted(),
+    "zero_optimization.contiguous_gradients": _warned(
+        "ds_strategy always accumulates gradients in contiguous flat buffers (what true asks for)",
+        when=_is(False),
+    ),
+    "zero_optimization.overlap_comm": _acted(),
+    "zero_optimization.reduce_scatter": _warned(
+        "ds_strategy always reduce-scatters partitioned gradients; an all-reduce gives the same averages",
+        when=_is(False),
+    ),
+    "zero_optimization.reduce_bucket_size": _acted("stages 0-3: elements per gradient-reduction bucket"),
+    "zero_optimization.allgather_partitions": _warned(
+        "ds_strategy always all-gathers updated partitions; a series of broadcasts gives the same weights",
+        when=_is(False),
+    ),
+    "zero_optimization.allgather_bucket_size": _acted("stages 1-2: elements per all-gather of updated weights"),
+    "zero_optimization.round_robin_gradients": _warned(_PERF_ONLY + " (gradient copies to the CPU)", when=_truthy),
+    "zero_optimization.offload_optimizer": _acted(),
+    "zero_optimization.offload_optimizer.device": _refused(
+        'NVMe offload is not built in ds_strategy ("none" and "cpu" are acted on)', when=_is("nvme")
+    ),
+    "zero_optimization.offload_optimizer.nvme_path": _warned(_NO_NVME),
+    "zero_optimization.offload_optimizer.pin_memory": _acted(),
+    "zero_optimization.offload_optimizer.buffer_count": _warned(_NO_NVME),
+    "zero_optimization.offload_optimizer.fast_init": _warned(_NO_NVME),
+    "zero_optimization.offload_optimizer.pipeline_read": _warned(_NO_NVME),
+    "zero_optimization.offload_optimizer.pipeline_write": _warned(_NO_NVME),
+    "zero_optimization.offload_optimizer.ratio": _refused(
+        "a partial optimizer offload (ratio below 1) is not built; the whole optimizer step would run on the CPU",
+        when=lambda v: isinstance(v, (int, float)) and v < 1,
+    ),
+    "zero_optimization.offload_optimizer.super_offload": _refused("the superchip offload path is not built"),
+    "zero_optimization.offload_optimizer.convert_grad_on_cpu": _warned(_PERF_ONLY),
+    "zero_optimization.offload_optimizer.cpuadam_cores_perc": _warned(
+        "only used by super_offload, which is refused; ds_strategy's CPU optimizer uses OpenMP's threads"
+    ),
+    "zero_optimization.offload_param": _acted(),
+    "zero_optimization.offload_param.device": _refused(
+        'NVMe offload is not built in ds_strategy ("none" and "cpu" are acted on)', when=_is("nvme")
+    ),
+    "zero_optimization.offload_param.nvme_path": _warned(_NO_NVME),
+    "zero_optimization.offload_param.pin_memory": _acted(),
+    "zero_optimization.offload_param.buffer_count": _warned(_NO_NVME),
+    "zero_optimization.offload_param.buffer_size": _warned(_NO_NVME),
+    "zero_optimization.offload_param.max_in_cpu": _warned(_NO_NVME),
+    "zero_optimization.sub_group_size": _acted(
+        "the optimizer steps the masters in tiles of at most this many elements"
+    ),
+    "zero_optimization.stage3_prefetch_bucket_size": _acted(),
+    "zero_optimization.stage3_param_persistence_threshold": _acted(),
+    "zero_optimization.stage3_model_persistence_threshold": _acted(),
+    "zero_optimization.stage3_max_live_parameters": _acted(),
+    "zero_optimization.stage3_max_reuse_distance": _acted(),
+    "zero_optimization.stage3_gather_16bit_weights_on_model_save": _acted(),
+    "zero_optimization.load_from_fp32_weights": _refused(
+        "loading the fp32 masters from the checkpoint's 16-bit weights is not built; checkpoints always "
+        "restore the fp32 masters",
+        when=_is(False),
+    ),
+    "zero_optimization.ignore_unused_parameters": _acted(
+        "false: a step raises when a trainable parameter got no gradient in the accumulation window"
+    ),
+    "zero_optimization.use_multi_rank_bucket_allreduce": _warned(_PERF_ONLY, when=_is(False)),
+    "zero_optimization.elastic_checkpoint": _warned(
+        "ds_strategy checkpoints load at any world size and stage already", when=_truthy
+    ),
+    "zero_optimization.legacy_stage1": _warned("an old implementation of the same stage 1 arithmetic", when=_truthy),
+    "zero_optimization.zero_hpz_partition_size": _refused(
+        "ZeRO++ hierarchical partitioning (a secondary parameter copy per node) is not built",
+        when=lambda v: isinstance(v, int) and v > 1,
+    ),
+    "zero_optimization.zero_quantized_weights": _refused("ZeRO++ quantised weight gathers are not built"),
+    "zero_optimization.zero_quantized_nontrainable_weights": _refused("ZeRO++ quantised frozen weights are not built"),
+    "zero_optimization.zero_quantized_gradients": _refused("ZeRO++ quantised gradient reduction is not built"),
+    "zero_optimization.zeropp_loco_param": _refused("LoCo-ZeRO++ is not built"),
+    "zero_optimization.mics_shard_size": _refused(
+        "MiCS sharding groups are not built; parameters are partitioned across all data-parallel ranks",
+        when=lambda v: isinstance(v, int) and v > 0,
+    ),
+    "zero_optimization.mics_hierarchical_params_gather": _warned(
+        "only used with mics_shard_size, which is refused", when=_truthy
+    ),
+    "zero_optimization.memory_efficient_linear": _warned(
+        "ds_strategy's stage 3 gathers weights again for backward with ordinary nn.Linear; no replacement is needed",
+        when=_is(False),
+    ),
+    "zero_optimization.pipeline_loading_checkpoint": _warned(_PERF_ONLY, when=_truthy),
+    "zero_optimization.override_module_apply": _warned(
+        "ds_strategy does not patch nn.Module.apply; use GatheredParameters to edit partitioned weights",
+        when=_is(False),
+    ),
+    "zero_optimization.log_trace_cache_warnings": _warned("a DeepSpeed log switch", when=_truthy),
+    "zero_optimization.enable_sanity_checks": _warned("DeepSpeed's internal checks", when=_truthy),
+    "zero_optimization.save_muon_momentum_buffer_in_memory": _warned(_NO_NVME, when=_truthy),
+    "zero_optimization.leaf_module": _refused(
+        "ZeRO-3 leaf modules (gathering a whole module subtree at once) are not built"
+    ),
+    "zero_optimization.zenflow": _refused("ZenFlow asynchronous offload is not built"),
+    "zero_optimization.stage3_module_granularity_threshold": _refused(
+        "fetching fine-grained modules as one unit is not built", when=lambda v: isinstance(v, int) and v > 0
+    ),
+    "zero_optimization.stage3_use_all_reduce_for_fetch_params": _warned(_PERF_ONLY, when=_truthy),
+    "zero_optimization.stage3_allgather_sequential": _warned(_PERF_ONLY, when=_truthy),
+    "zero_optimization.stage3_partition_stream_chunk_size": _refused(
+        "streaming large parameters through chunks at zero.Init is not built",
+        when=lambda v: isinstance(v, int) and v > 0,
+    ),
+    "zero_optimization.compute_grad_norm": _warned(
+        "ds_strategy always computes the global gradient norm (clipping and overflow detection need it)",
+        when=_is(False),
+    ),
+    "zero_optimization.parameter_alignment": _warned(
+        "ds_strategy aligns every shard to 16 elements already", when=_truthy
+    ),
+    # ---------------------------------------------------------------- activation checkpointing
+    "activation_checkpointing": _acted("the block itself; see its keys"),
+    "activation_checkpointing.partition_activations": _warned(_NO_CHECKPOINTING_API),
+    "activation_checkpointing.cpu_checkpointing": _warned(_NO_CHECKPOINTING_API),
+    "activation_checkpointing.contiguous_memory_optimization": _warned(_NO_CHECKPOINTING_API),
+    "activation_checkpointing.number_checkpoints": _warned(_NO_CHECKPOINTING_API),
+    "activation_checkpointing.synchronize_checkpoint_boundary": _warned(_NO_CHECKPOINTING_API),
+    "activation_checkpointing.profile": _warned(_NO_CHECKPOINTING_API),
+    # ---------------------------------------------------------------- logging and checkpoints
+    "comms_logger": _acted(),
+    "comms_logger.enabled": _acted(),
+    "comms_logger.verbose": _acted(),
+    "comms_logger.prof_all": _acted(),
+    "comms_logger.debug": _acted(),
+    "comms_logger.prof_ops": _acted(),
+    "checkpoint": _acted(),
+    "checkpoint.tag_validation": _acted(
+        "ranks saving under different tags: Fail raises, Warn warns and saves under rank 0's tag, Ignore "
+        "saves under rank 0's tag"
+    ),
+    "checkpoint.load_universal": _warned(
+        "ds_strategy's checkpoints load at any world size and stage without conversion; DeepSpeed universal "
+        "checkpoints are not read (loading one fails with a CheckpointError)"
+    ),
+    "checkpoint.use_node_local_storage": _warned(
+        "ds_strategy saves correctly with or without a shared filesystem (one rank per node manages each "
+        "node's directory); loading needs every node's files in one directory, and a missing shard is an error "
+        "naming it"
+    ),
+    "checkpoint.parallel_write": _warned("pipeline-parallel checkpoint writing (there is no pipeline parallelism)"),
+    "checkpoint.writer": _warned(_PERF_ONLY + " (the checkpoint writer backend)"),
+    # ---------------------------------------------------------------- accepted-but-ignored DeepSpeed keys
+    "dump_state": _warned("prints DeepSpeed's engine state; nothing else changes"),
+    "memory_breakdown": _warned("use engine.memory_breakdown() instead; nothing else changes"),
+    "sparse_gradients": _warned("ds_strategy reduces embedding gradients densely; the averages are the same"),
+    "disable_allgather": _warned(_PERF_ONLY),
+    "graph_harvesting": _warned(_PERF_ONLY),
+    "vocabulary_size": _warned("only an alignment hint for DeepSpeed's kernels"),
+    "dataloader_drop_last": _refused(
+        "initialize(training_data=...) builds its DataLoader without drop_last; drop the last batch in your "
+        "own DataLoader"
+    ),
+    "managed_gradient_accumulation": _warned(
+        "ds_strategy's engine always tracks accumulation boundaries", when=_is(False)
+    ),
+    "disable_python_gc": _warned(_PERF_ONLY),
+    "sequence_parallel_size": _refused(
+        "Ulysses sequence parallelism is not built", when=lambda v: isinstance(v, int) and v > 1
+    ),
+    "use_data_before_expert_parallelism": _warned("expert parallelism is not built (expert_parallel is refused)"),
+    "log_level": _warned("DeepSpeed's logger level; set the 'ds_strategy' logger's level instead"),
+    "amp": _refused("NVIDIA Apex AMP is not built; use fp16 or bf16"),
+    "torch_autocast": _refused("engine-driven torch.autocast is not built; use fp16 or bf16 (or autocast yourself)"),
+    "tensorboard": _warned(_MONITOR),
+    "wandb": _warned(_MONITOR),
+    "comet": _warned(_MONITOR),
+    "csv_monitor": _warned(_MONITOR),
+    "flops_profiler": _warned("the FLOPs profiler is not built; nothing else changes"),
+    "autotuning": _warned("the autotuner is not built; nothing else changes"),
+    "aio": _warned(_NO_NVME),
+    "elasticity": _refused("elastic training (DeepSpeed choosing the batch size) is not built"),
+    "compression_training": _refused("the compression library is not built"),
+    "sparse_attention": _refused("sparse attention kernels are not built"),
+    "data_efficiency": _refused("curriculum learning and random-LTD are not built"),
+    "curriculum_learning": _refused("curriculum learning is not built"),
+    "progressive_layer_drop": _refused("progressive layer dropping is not built"),
+    "eigenvalue": _refused("the eigenvalue computation for MoQ is not built"),
+    "quantize_training": _refused("quantisation-aware training (MoQ) is not built"),
+    "pipeline": _warned("pipeline parallelism is not built; the section only configures a PipelineModule"),
+    "hybrid_engine": _refused("the hybrid (training + generation) engine is not built"),
+    "tensor_parallel": _refused("AutoTP tensor parallelism is not built"),
+    "expert_parallel": _refused("AutoEP expert parallelism is not built"),
+    "compile": _warned("torch.compile through the engine is not built; compile the module yourself"),
+    "nebula": _warned("the Nebula checkpoint service is not built; checkpoints are written by ds_strategy"),
+    "datastates": _warned("the DataStates checkpoint engine is not built; checkpoints are written by ds_strategy"),
+    "weight_quantization": _refused("weight quantisation is not built"),
+    "timers": _warned("DeepSpeed's timer settings; wall_clock_breakdown times the phases here"),
+}
+
+# Optimizer and scheduler params, whatever the type (the schema lists them per type).
+_OPTIMIZER_PARAMS_ACTED = [
+    "lr",
+    "betas",
+    "eps",
+    "weight_decay",
+    "amsgrad",
+    "bias_correction",
+    "adam_w_mode",
+    "torch_adam",
+    "fused",
+    "foreach",
+    "maximize",
+    "capturable",
+    "differentiable",
+    "decoupled_weight_decay",
+    "lr_decay",
+    "initial_accumulator_value",
+    "momentum",
+    "dampening",
+    "nesterov",
+]
+SUPPORT.update({f"optimizer.params.{k}": _acted() for k in _OPTIMIZER_PARAMS_ACTED})
+SUPPORT["optimizer.params.torch_adam"] = _acted(
+    "true: torch.optim's Adam/AdamW instead of ds_strategy's fused kernel (except with optimizer offload, as in "
+    "DeepSpeed)"
+)
+SUPPORT["optimizer.params.set_grad_none"] = _warned(
+    "the engine owns the gradients and drops the optimizer's gradients after every step, which is what "
+    "set_grad_none asks of DeepSpeed's fused optimizers; false would only change an optimizer.zero_grad() "
+    "that ZeRO never calls",
+    when=_is(False),
+)
+SUPPORT["optimizer.params.max_grad_norm"] = _warned(
+    "not an optimizer argument in DeepSpeed either; use the top-level gradient_clipping", when=lambda v: True
+)
+_SCHEDULER_PARAMS = [
+    "warmup_min_lr",
+    "warmup_max_lr",
+    "warmup_num_steps",
+    "warmup_type",
+    "last_batch_iteration",
+    "total_num_steps",
+    "warmup_min_ratio",
+    "cos_min_ratio",
+    "cycle_min_lr",
+    "cycle_max_lr",
+    "decay_lr_rate",
+    "cycle_first_step_size",
+    "cycle_second_step_size",
+    "cycle_first_stair_count",
+    "cycle_second_stair_count",
+    "decay_step_size",
+    "cycle_momentum",
+    "cycle_min_mom",
+    "cycle_max_mom",
+    "decay_mom_rate",
+    "lr_range_test_min_lr",
+    "lr_range_test_step_size",
+    "lr_range_test_step_rate",
+    "lr_range_test_staircase",
+]
+SUPPORT.update({f"scheduler.params.{k}": _acted() for k in _SCHEDULER_PARAMS})
+
+
+def support_of(path: str) -> Support | None:
+    """The entry of a dotted schema path (``optimizer.params.lr``, ``zero_optimization.stage``)."""
+    return SUPPORT.get(path)
+
+
+def label(entry: Support) -> str:
+    """How docs/config.md shows an entry: ``acted on``, ``warned: why``, ``refused: why``."""
+    if entry.kind == ACTED:
+        return "acted on" + (f": {entry.note}" if entry.note else "")
+    return f"{entry.kind}: {entry.note}"
+
+
+# --------------------------------------------------------------------------------------------------
+# Applying the table to a resolved config
+
+
+def _asks_for_something(value: Any) -> bool:
+    if isinstance(value, Mapping):
+        if "enabled" in value:
+            return value["enabled"] not in (False, None, "false", "False")
+        return any(_asks_for_something(v) for v in value.values())
+    return value not in (None, False, "", [], {}) and value != "false"
+
+
+def _triggers(entry: Support, value: Any, node: Mapping[str, Any]) -> bool:
+    if entry.when is not None:
+        return bool(entry.when(value))
+    if "default" in node and value == node["default"]:
+        return False
+    return _asks_for_something(value)
+
+
+def _walk(config: Mapping[str, Any], node: Schema, path: str) -> Iterator[tuple[str, Any, dict[str, Any]]]:
+    """(dotted path, value, schema node) of every key present in ``config``."""
+    node = resolve(node)
+    for key, value in config.items():
+        child = child_schema(node, key, config)
+        if child is None:
+            continue
+        full = join_path(path, key)
+        yield full, value, child
+        if isinstance(value, Mapping) and not child.get("x-ignored"):
+            yield from _walk(value, child, full)
+
+
+def classify(config: Mapping[str, Any], schema: Schema) -> tuple[list[ConfigProblem], list[str]]:
+    """(refusals, warnings) for a resolved, default-filled config that still holds its ignored keys."""
+    refusals: list[ConfigProblem] = []
+    notes: list[str] = []
+    for path, value, node in _walk(config, schema, ""):
+        entry = SUPPORT.get(path)
+        if entry is None or entry.kind == ACTED or not _triggers(entry, value, node):
+            continue
+        shown = format_value(value)
+        if entry.kind == REFUSED:
+            refusals.append(
+                ConfigProblem(
+                    path, f"{shown} is not supported by ds_strategy: {entry.note}; remove the key or change it"
+                )
+            )
+        else:
+            notes.append(f"{path} ({shown}) is accepted but ignored: {entry.note} (remove it to silence this warning)")
+    return refusals, notes
