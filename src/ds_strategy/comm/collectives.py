@@ -50,6 +50,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ds_strategy.accelerator import strict
 from ds_strategy.comm.logger import CommsLogger, Timing
 from ds_strategy.comm.worker import CollectiveWorker
 
@@ -222,12 +223,15 @@ class Communicator:
         return [] if tags is None else list(tags())
 
     def _fast_ok(self, op: str | None, tensors: Sequence[torch.Tensor]) -> bool:
-        return (
+        ok = (
             self.fast_path is not None
             and (op is None or op in _FAST_OPS)
             and all(t.device.type == "cpu" and t.dtype in FAST_DTYPES and t.is_contiguous() for t in tensors)
             and self.fast_path.supports(*tensors)
         )
+        if ok and strict.ACTIVE:  # the fast path bypasses the dispatcher, where strict mode checks the rest
+            strict.check_collective(f"shared-memory {op or 'all_gather'}", tensors)
+        return ok
 
     def _torch_path(self, tensor: torch.Tensor) -> str:
         return self._device_backends.get(tensor.device.type, self.backend)

@@ -1,0 +1,181 @@
+"""The device-strict mode (``DS_STRATEGY_DEVICE_STRICT=1``): every collective of the engine, zero.Init,
+GatheredParameters and checkpointing carries device memory only, as NCCL requires; and the mode itself
+refuses host tensors wherever a collective is issued (see [Note: device-strict mode] in
+ds_strategy/accelerator/strict.py).
+
+The runs use their own worker pool whose processes start with the variable set (the mode is entered when
+``ds_strategy.accelerator`` is imported). Inputs are moved to the engine's device as a GPU user would;
+results are compared with the single-process torch reference.
+"""
+
+from __future__ import annotations
+
+from pathlib import Path
+from typing import Any
+
+import pytest
+import torch
+import torch.distributed as dist
+from torch import nn
+
+from tests.harness import DistributedTestError, run_distributed
+from tests.runtime.common import batches, config, full_masters, groups_of, make_model, micro_slice, reference_run
+
+STRICT = {"DS_STRATEGY_DEVICE_STRICT": "1"}
+NO_SHM = {"DS_STRATEGY_SHM": "0"}  # torch.distributed for everything (the path a GPU group takes)
+MICRO, GAS, STEPS, LR = 2, 2, 3, 1e-2
+
+
+def run_strict(fn: Any, *args: Any, env: dict[str, str] | None = None, timeout: float = 240) -> list[Any]:
+    return run_distributed(fn, world_size=2, args=args, env=env, process_env=STRICT, timeout=timeout)
+
+
+# ---- the mode refuses host memory --------------------------------------------------------------------
+
+
+def _refusals(rank: int, world: int) -> dict[str, Any]:
+    from ds_strategy.accelerator import get_accelerator, strict
+    from ds_strategy.comm import Communicator
+
+    assert strict.ACTIVE
+    dev = get_accelerator().device()
+    out: dict[str, Any] = {"device": str(dev)}
+
+    def refused(fn: Any) -> str:
+        try:
+            fn()
+        except strict.DeviceStrictError as err:
+            return str(err)
+        return ""
+
+    host = torch.ones(3)
+    built = nn.Linear(2, 2)
+    on_dev = torch.ones(3, device=dev)
+    out["host all_reduce"] = refused(lambda: dist.all_reduce(host))
+    out["c10d all_reduce"] = refused(lambda: dist.distributed_c10d.all_reduce(host))
+    out["ProcessGroup.allreduce"] = refused(lambda: dist.group.WORLD.allreduce([host]).wait())  # type: ignore[union-attr]
+    out["broadcast of a CPU-built module"] = refused(lambda: dist.broadcast(built.weight.data, 0))
+    out["all_gather into host output"] = refused(
+        lambda: dist.all_gather_into_tensor(torch.empty(2 * 3), on_dev)  # output on the host
+    )
+    out["host after copy_ from device"] = refused(lambda: dist.all_reduce(torch.zeros(3).copy_(on_dev)))
+    shm = Communicator(fast_path=True)
+    out["shm all_reduce"] = refused(lambda: shm.all_reduce(host))
+    out["shm all_gather"] = refused(lambda: shm.all_gather_into_tensor(torch.empty(6), host))
+    # Accepted: device memory, however it was made.
+    moved = built.to(dev)
+    accepted = [
+        on_dev,
+        torch.tensor([1.0, 2.0], device=dev),
+        host.to(dev),
+        on_dev * 2,
+        on_dev[1:],
+        on_dev.detach(),
+        moved.weight.data,
+        torch.empty(4, device=on_dev.device),  # tensor.device reads cpu:0, as cuda:0 would
+        torch.zeros_like(on_dev),
+    ]
+    for t in accepted:
+        dist.all_reduce(t)
+    shm.all_reduce(on_dev.clone())
+    shm.close()
+    out["aliases"] = on_dev.to(dev) is on_dev  # .to(the device) of device memory: no copy, as on a GPU
+    obj: list[Any] = [None, None]
+    dist.all_gather_object(obj, {"rank": rank})  # torch places the bytes itself: exempt
+    out["objects"] = obj
+    dist.barrier()
+    return out
+
+
+def test_strict_mode_refuses_host_tensors_in_every_collective_entry_point() -> None:
+    for rank, r in enumerate(run_strict(_refusals)):
+        assert r["device"] == "cpu:0"
+        for what in (
+            "host all_reduce",
+            "c10d all_reduce",
+            "ProcessGroup.allreduce",
+            "broadcast of a CPU-built module",
+            "all_gather into host output",
+            "host after copy_ from device",
+            "shm all_reduce",
+            "shm all_gather",
+        ):
+            assert "device-strict mode" in r[what], (rank, what, r[what])
+        assert "shape (3,)" in r["host all_reduce"] and "torch.float32" in r["host all_reduce"]
+        assert "allreduce" in r["host all_reduce"]
+        assert r["aliases"] is True
+        assert r["objects"] == [{"rank": 0}, {"rank": 1}]
+
+
+def _inactive(rank: int, world: int) -> bool:
+    from ds_strategy.accelerator import get_accelerator, strict
+
+    dist.all_reduce(torch.ones(2))  # host tensors are fine without the mode
+    return strict.ACTIVE or get_accelerator().device() != torch.device("cpu")
+
+
+def test_without_the_variable_nothing_is_installed() -> None:
+    assert run_distributed(_inactive, world_size=2) == [False, False]
+
+
+# ---- the engine at every stage, under the mode -------------------------------------------------------
+
+
+def _train(rank: int, world: int, cfg: dict[str, Any], precision: str) -> dict[str, Any]:
+    import ds_strategy
+
+    data = batches(STEPS, MICRO * world * GAS)
+    engine, *_ = ds_strategy.initialize(
+        model=make_model(), model_parameters=groups_of(make_model()), config=cfg
+    )
+    dev = engine.device
+    losses = []
+    for batch in data:
+        total = torch.zeros((), device=dev)
+        for m in range(GAS):
+            x, y = (t.to(dev) for t in micro_slice(batch, MICRO, world, m, rank))
+            loss = engine(x, y)
+            engine.backward(loss)
+            engine.step()
+            total += loss.detach().float()
+        dist.all_reduce(total)
+        losses.append(total.item() / (GAS * world))
+    masters = full_masters_on(engine, dev)
+    reference = reference_run(make_model(), data, precision=precision, micro=MICRO, world=world, gas=GAS, lr=LR, clip=0.0)
+    return {"losses": losses, "ref_losses": reference.losses, "masters": masters, "ref": reference.masters}
+
+
+def full_masters_on(engine: Any, dev: torch.device) -> dict[str, torch.Tensor]:
+    """``full_masters`` with its all-reduces on the device (the helper's own tensors are host scratch)."""
+    original = dist.all_reduce
+
+    def on_device(t: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        d = t.to(dev)
+        work = original(d, *args, **kwargs)
+        t.copy_(d)
+        return work
+
+    dist.all_reduce = on_device  # type: ignore[assignment]
+    try:
+        return {k: v.cpu() for k, v in full_masters(engine).items()}
+    finally:
+        dist.all_reduce = original  # type: ignore[assignment]
+
+
+CASES = [
+    pytest.param(stage, offload, "fp32", id=f"stage{stage}{'-offload' if offload else ''}")
+    for stage in (0, 1, 2, 3)
+    for offload in (False, True)
+    if not (stage == 0 and offload)
+]
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "torch"])
+@pytest.mark.parametrize(("stage", "offload", "precision"), CASES)
+def test_every_stage_trains_under_the_strict_mode(stage: int, offload: bool, precision: str, shm: bool) -> None:
+    cfg = config(stage=stage, offload=offload, precision=precision, micro=MICRO, gas=GAS, lr=LR, bucket=200)
+    for r in run_strict(_train, cfg, precision, env=None if shm else NO_SHM):
+        torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=1e-6)
+        for name, ref in r["ref"].items():
+            if name in r["masters"]:
+                torch.testing.assert_close(r["masters"][name], ref, rtol=1e-5, atol=1e-6, msg=name)
