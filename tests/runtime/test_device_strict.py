@@ -125,10 +125,12 @@ def _train(rank: int, world: int, cfg: dict[str, Any], precision: str) -> dict[s
     import ds_strategy
 
     data = batches(STEPS, MICRO * world * GAS)
-    engine, *_ = ds_strategy.initialize(
-        model=make_model(), model_parameters=groups_of(make_model()), config=cfg
-    )
+    model = make_model()
+    engine, *_ = ds_strategy.initialize(model=model, model_parameters=groups_of(model), config=cfg)
     dev = engine.device
+    from ds_strategy.accelerator import strict
+
+    assert strict.ACTIVE and dev == torch.device("cpu", 0), dev
     losses = []
     for batch in data:
         total = torch.zeros((), device=dev)

@@ -169,9 +169,29 @@ def activate() -> None:
             if getattr(torch.distributed, name, None) is original:
                 setattr(torch.distributed, name, wrapped)
 
+    functions = _DeviceFunctions()
+    _run_backward_with(functions)
     _push_mode(_DeviceTags())
-    torch._C._push_on_torch_function_stack(_DeviceFunctions())
+    torch._C._push_on_torch_function_stack(functions)
     ACTIVE = True
+
+
+def _run_backward_with(mode: Any) -> None:
+    """Keep the function mode on during backward: ``Tensor.backward`` reaches the autograd engine from inside
+    the mode's handler, where torch has popped the mode, and the gradient hooks (which allocate buckets
+    with ``device=param.device``) would otherwise run without it."""
+    import torch.autograd
+    from torch.overrides import _get_current_function_mode_stack
+
+    original = torch.autograd._engine_run_backward
+
+    def engine_run_backward(*args: Any, **kwargs: Any) -> Any:
+        if any(m is mode for m in _get_current_function_mode_stack()):
+            return original(*args, **kwargs)
+        with mode:
+            return original(*args, **kwargs)
+
+    torch.autograd._engine_run_backward = engine_run_backward  # type: ignore[attr-defined]
 
 
 def _exempt(fn: Any) -> Any:

@@ -209,6 +209,9 @@ class Communicator:
         if self.world_size == 1:
             return "local"
         name = None if op is None else reduce_op_name(op)
+        if strict.ACTIVE:  # every tensor of the collective, whichever path (shm and the gloo emulations
+            # hand torch only some of them)
+            strict.check_collective(f"Communicator {name or 'all_gather'}", tensors)
         if self._fast_ok(name, tensors):
             return "shm"
         return self._torch_path(tensors[0])
@@ -223,15 +226,12 @@ class Communicator:
         return [] if tags is None else list(tags())
 
     def _fast_ok(self, op: str | None, tensors: Sequence[torch.Tensor]) -> bool:
-        ok = (
+        return (
             self.fast_path is not None
             and (op is None or op in _FAST_OPS)
             and all(t.device.type == "cpu" and t.dtype in FAST_DTYPES and t.is_contiguous() for t in tensors)
             and self.fast_path.supports(*tensors)
         )
-        if ok and strict.ACTIVE:  # the fast path bypasses the dispatcher, where strict mode checks the rest
-            strict.check_collective(f"shared-memory {op or 'all_gather'}", tensors)
-        return ok
 
     def _torch_path(self, tensor: torch.Tensor) -> str:
         return self._device_backends.get(tensor.device.type, self.backend)
