@@ -181,3 +181,78 @@ def test_every_stage_trains_under_the_strict_mode(stage: int, offload: bool, pre
         for name, ref in r["ref"].items():
             if name in r["masters"]:
                 torch.testing.assert_close(r["masters"][name], ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
+# ---- zero.Init, GatheredParameters, stage-3 parameter offload, checkpoints -----------------------------
+
+
+class Small(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc1 = nn.Linear(16, 32)
+        self.fc2 = nn.Linear(32, 8)
+        self.scale = nn.Parameter(torch.ones(8))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.fc2(torch.relu(self.fc1(x))) * self.scale, y)
+
+
+def _stage3_lifecycle(rank: int, world: int, root: str, offload_param: bool) -> dict[str, Any]:
+    """zero.Init of a host-built model, GatheredParameters (read and modify), training with stage 3
+    (optionally with parameter offload), checkpoint save, then loads into stage 3 and stage 2 (resharded)."""
+    import ds_strategy
+    from ds_strategy.zero import GatheredParameters, Init
+
+    torch.manual_seed(0)
+    with Init():
+        model = Small()  # built on the host, partitioned through the device
+    with GatheredParameters([model.scale], modifier_rank=0):
+        if rank == 0:
+            model.scale.data.mul_(2)
+    cfg = config(stage=3, micro=MICRO, gas=1, lr=LR, bucket=200)
+    cfg["zero_optimization"]["offload_param"] = {"device": "cpu" if offload_param else "none"}
+    cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu" if offload_param else "none"}
+    engine, *_ = ds_strategy.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    dev = engine.device
+    for x, y in batches(2, MICRO * world, seed=3):
+        x, y = (t[rank * MICRO : (rank + 1) * MICRO].to(dev) for t in (x, y))
+        engine.backward(engine(x, y))
+        engine.step()
+    with GatheredParameters(list(model.parameters())):
+        trained = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
+    engine.save_checkpoint(root, tag="s3")
+    saved = full_masters_on(engine, dev)
+    out: dict[str, Any] = {"trained": trained, "saved": saved, "loaded": {}}
+    for stage, bucket in ((3, 200), (2, 64)):
+        torch.manual_seed(1)
+        fresh = Small()
+        cfg2 = config(stage=stage, micro=MICRO, gas=1, lr=LR, bucket=bucket)
+        other, *_ = ds_strategy.initialize(model=fresh, model_parameters=fresh.parameters(), config=cfg2)
+        other.load_checkpoint(root, tag="s3")
+        out["loaded"][stage] = full_masters_on(other, other.device)
+        other.save_checkpoint(root, tag=f"again-s{stage}")
+    return out
+
+
+@pytest.mark.parametrize("shm", [True, False], ids=["shm", "torch"])
+@pytest.mark.parametrize("offload_param", [False, True], ids=["device", "offload_param"])
+def test_zero_init_gathered_parameters_and_checkpoints_under_the_strict_mode(
+    tmp_path: Path, offload_param: bool, shm: bool
+) -> None:
+    results = run_strict(_stage3_lifecycle, str(tmp_path), offload_param, env=None if shm else NO_SHM)
+    torch.testing.assert_close(results[0]["trained"], results[1]["trained"], rtol=0, atol=0)
+    for r in results:
+        for stage in (3, 2):
+            torch.testing.assert_close(r["loaded"][stage], r["saved"], rtol=0, atol=0)
+    # The same model trained without zero.Init and without the mode, on one process, by plain torch.
+    torch.manual_seed(0)
+    ref = Small()
+    with torch.no_grad():
+        ref.scale.mul_(2)
+    opt = torch.optim.AdamW(ref.parameters(), lr=LR, weight_decay=0.1)
+    for x, y in batches(2, MICRO * 2, seed=3):
+        ref(x, y).backward()
+        opt.step()
+        opt.zero_grad()
+    for name, p in ref.named_parameters():
+        torch.testing.assert_close(results[0]["trained"][name], p.detach(), rtol=1e-5, atol=1e-6, msg=name)

@@ -79,7 +79,7 @@ class CpuAccelerator(Accelerator):
         return 0
 
     def current_device_name(self) -> str:
-        return "cpu"
+        return self.device_name()
 
     def device_name(self, device_index: int | None = None) -> str:
         return "cpu:0" if strict.ACTIVE else "cpu"  # torch has no "cpu:N" devices worth naming
