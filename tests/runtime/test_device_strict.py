@@ -18,7 +18,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from tests.harness import DistributedTestError, run_distributed
+from tests.harness import run_distributed
 from tests.runtime.common import batches, config, full_masters, groups_of, make_model, micro_slice, reference_run
 
 STRICT = {"DS_STRATEGY_DEVICE_STRICT": "1"}
@@ -143,7 +143,9 @@ def _train(rank: int, world: int, cfg: dict[str, Any], precision: str) -> dict[s
         dist.all_reduce(total)
         losses.append(total.item() / (GAS * world))
     masters = full_masters_on(engine, dev)
-    reference = reference_run(make_model(), data, precision=precision, micro=MICRO, world=world, gas=GAS, lr=LR, clip=0.0)
+    reference = reference_run(
+        make_model(), data, precision=precision, micro=MICRO, world=world, gas=GAS, lr=LR, clip=0.0
+    )
     return {"losses": losses, "ref_losses": reference.losses, "masters": masters, "ref": reference.masters}
 
 
