@@ -121,12 +121,15 @@ def test_without_the_variable_nothing_is_installed() -> None:
 # ---- the engine at every stage, under the mode -------------------------------------------------------
 
 
-def _train(rank: int, world: int, cfg: dict[str, Any], precision: str) -> dict[str, Any]:
+def _train(rank: int, world: int, cfg: dict[str, Any], precision: str, empty_first: bool = False) -> dict[str, Any]:
     import ds_strategy
 
     data = batches(STEPS, MICRO * world * GAS)
     model = make_model()
-    engine, *_ = ds_strategy.initialize(model=model, model_parameters=groups_of(model), config=cfg)
+    groups = groups_of(model)
+    if empty_first:  # the grad-norm all-reduce once ran on the first group's device: the host when it is empty
+        groups = [{"params": [], "weight_decay": 0.0}, *groups]
+    engine, *_ = ds_strategy.initialize(model=model, model_parameters=groups, config=cfg)
     dev = engine.device
     from ds_strategy.accelerator import strict
 
@@ -185,6 +188,13 @@ def test_every_stage_trains_under_the_strict_mode(stage: int, offload: bool, pre
         for name, ref in r["ref"].items():
             if name in r["masters"]:
                 torch.testing.assert_close(r["masters"][name], ref, rtol=1e-5, atol=1e-6, msg=name)
+
+
+@pytest.mark.parametrize("stage", [1, 2])
+def test_an_empty_first_param_group_keeps_the_norm_on_the_device(stage: int) -> None:
+    cfg = config(stage=stage, micro=MICRO, gas=GAS, lr=LR, bucket=200)
+    for r in run_strict(_train, cfg, "fp32", True, env=NO_SHM):
+        torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=1e-6)
 
 
 # ---- zero.Init, GatheredParameters, stage-3 parameter offload, checkpoints -----------------------------
