@@ -127,7 +127,7 @@ def _train(rank: int, world: int, cfg: dict[str, Any], precision: str, empty_fir
     data = batches(STEPS, MICRO * world * GAS)
     model = make_model()
     groups = groups_of(model)
-    if empty_first:  # the grad-norm all-reduce once ran on the first group's device: the host when it is empty
+    if empty_first:  # an empty group: its empty start-up buffer once went to a host broadcast
         groups = [{"params": [], "weight_decay": 0.0}, *groups]
     engine, *_ = ds_strategy.initialize(model=model, model_parameters=groups, config=cfg)
     dev = engine.device
@@ -191,7 +191,7 @@ def test_every_stage_trains_under_the_strict_mode(stage: int, offload: bool, pre
 
 
 @pytest.mark.parametrize("stage", [1, 2])
-def test_an_empty_first_param_group_keeps_the_norm_on_the_device(stage: int) -> None:
+def test_an_empty_first_param_group_issues_no_host_collective(stage: int) -> None:
     cfg = config(stage=stage, micro=MICRO, gas=GAS, lr=LR, bucket=200)
     for r in run_strict(_train, cfg, "fp32", True, env=NO_SHM):
         torch.testing.assert_close(r["losses"], r["ref_losses"], rtol=1e-5, atol=1e-6)
