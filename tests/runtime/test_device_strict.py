@@ -59,6 +59,8 @@ def _refusals(rank: int, world: int) -> dict[str, Any]:
         lambda: dist.all_gather_into_tensor(torch.empty(2 * 3), on_dev)  # output on the host
     )
     out["host after copy_ from device"] = refused(lambda: dist.all_reduce(torch.zeros(3).copy_(on_dev)))
+    out["device to host"] = refused(lambda: dist.all_reduce(on_dev.cpu()))
+    out["device to('cpu')"] = refused(lambda: dist.all_reduce(on_dev.to("cpu")))
     shm = Communicator(fast_path=True)
     out["shm all_reduce"] = refused(lambda: shm.all_reduce(host))
     out["shm all_gather"] = refused(lambda: shm.all_gather_into_tensor(torch.empty(6), host))
@@ -97,6 +99,8 @@ def test_strict_mode_refuses_host_tensors_in_every_collective_entry_point() -> N
             "broadcast of a CPU-built module",
             "all_gather into host output",
             "host after copy_ from device",
+            "device to host",
+            "device to('cpu')",
             "shm all_reduce",
             "shm all_gather",
         ):
@@ -127,7 +131,7 @@ def _train(rank: int, world: int, cfg: dict[str, Any], precision: str, empty_fir
     data = batches(STEPS, MICRO * world * GAS)
     model = make_model()
     groups = groups_of(model)
-    if empty_first:  # an empty group: its empty start-up buffer once went to a host broadcast
+    if empty_first:  # once: a host broadcast of its empty buffer, the grad norm all-reduced on its (host) device
         groups = [{"params": [], "weight_decay": 0.0}, *groups]
     engine, *_ = ds_strategy.initialize(model=model, model_parameters=groups, config=cfg)
     dev = engine.device

@@ -119,26 +119,30 @@ def activate() -> None:
 
     strict_device = device()
     device_getter = torch.Tensor.device.__get__
-    to = torch.Tensor.to
+    to, cpu, host = torch.Tensor.to, torch.Tensor.cpu, torch.device("cpu")
     constructors = (torch.tensor, torch.as_tensor, torch.asarray)
 
     def on_device(d: Any) -> bool:
         return d is not None and torch.device(d) == strict_device
 
     class _DeviceFunctions(TorchFunctionMode):
-        """``tensor.device`` reads cpu:0 for device memory; ``.to(cpu:0)`` of device memory aliases (as on
-        a GPU); ``torch.tensor(..., device=cpu:0)`` is device memory (it bypasses the dispatcher)."""
+        """``tensor.device`` reads cpu:0 for device memory; ``.to(cpu:0)`` of device memory aliases and
+        ``.cpu()`` / ``.to("cpu")`` copies it to (untagged) host memory, as on a GPU;
+        ``torch.tensor(..., device=cpu:0)`` is device memory (it bypasses the dispatcher)."""
 
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
             if func == device_getter:
                 out = func(*args, **kwargs)
                 return strict_device if out.type == "cpu" and is_device_tensor(args[0]) else out
-            if func is to and args and is_device_tensor(args[0]):
-                target = torch._C._nn._parse_to(*args[1:], **kwargs)[0]
+            if (func is to or func is cpu) and args and is_device_tensor(args[0]):
+                target = host if func is cpu else torch._C._nn._parse_to(*args[1:], **kwargs)[0]
                 if on_device(target):
-                    args, kwargs = _retarget(args, kwargs, torch.device("cpu"))
-                return func(*args, **kwargs)
+                    args, kwargs = _retarget(args, kwargs, host)
+                out = func(*args, **kwargs)
+                if target == host and not out.requires_grad and out.untyped_storage() is args[0].untyped_storage():
+                    return torch.empty_like(out, device=host).copy_(out)  # to the host: a copy, as from a GPU
+                return out
             out = func(*args, **kwargs)
             if func in constructors and on_device(kwargs.get("device")) and isinstance(out, torch.Tensor):
                 mark_device(out)
