@@ -9,6 +9,7 @@ from typing import Any
 
 import lightning.pytorch as pl
 import pytest
+import torch
 
 from tests.harness import run_distributed
 from tests.lightning.common import ELASTIC_ENV, fit_run
@@ -60,3 +61,23 @@ def test_fit_under_the_strict_mode_matches_ddp(name: str, ddp: list[dict[str, An
         _assert_parity(got, ref)
         assert got["callbacks"]["DeviceProbe"] == {"active": True, "root": "cpu:0", "engine": "cpu:0"}
     assert (tmp_path / "ckpt" / "last.ckpt").is_dir()
+
+
+@pytest.mark.parametrize("name", ["zero2", "zero3"])
+def test_resume_under_the_strict_mode_matches_a_plain_resume(name: str, tmp_path: Any) -> None:
+    """Load a sharded checkpoint (weights, optimizer state, counters) under the mode: the same run as
+    without it."""
+    _skip_without(int(name[4]))
+    common = {"env": ELASTIC_ENV, "init_process_group": False, "timeout": 600}
+    # No accumulation: the test's engine probe reads a gradient norm at every batch end.
+    trainer = {"gradient_clip_val": TRAINER["gradient_clip_val"], "max_epochs": 2}
+    first = {**trainer, "max_epochs": 1}
+    run_distributed(fit_run, 2, args=(name, first, MODEL), kwargs={"features_dir": str(tmp_path)}, **common)
+    resumed = {"ckpt_path": str(tmp_path / "ckpt" / "last.ckpt")}
+    strict = run_distributed(fit_run, 2, args=(name, trainer, MODEL), kwargs=resumed, process_env=STRICT, **common)
+    plain = run_distributed(fit_run, 2, args=(name, trainer, MODEL), kwargs=resumed, **common)
+    for got, ref in zip(strict, plain, strict=True):
+        assert got["global_step"] == ref["global_step"] == 16
+        assert got["losses"] == ref["losses"] and len(got["losses"]) == 8  # the second epoch only
+        for key, w in ref["weights"].items():
+            torch.testing.assert_close(got["weights"][key], w, rtol=0, atol=0, msg=key)
