@@ -244,6 +244,7 @@ def _stage3_lifecycle(rank: int, world: int, root: str, offload_param: bool) -> 
     cfg["zero_optimization"]["offload_param"] = {"device": "cpu" if offload_param else "none"}
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu" if offload_param else "none"}
+    cfg["comms_logger"] = {"enabled": True}  # records every collective it times (no collective of its own)
     engine, *_ = ds_strategy.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     dev = engine.device
     for x, y in batches(2, MICRO * world, seed=3):
@@ -254,7 +255,8 @@ def _stage3_lifecycle(rank: int, world: int, root: str, offload_param: bool) -> 
         trained = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     engine.save_checkpoint(root, tag="s3")
     saved = full_masters_on(engine, dev)
-    out: dict[str, Any] = {"trained": trained, "saved": saved, "loaded": {}}
+    logged = {stat.op for stat in engine.comms_logger.summary()}
+    out: dict[str, Any] = {"trained": trained, "saved": saved, "loaded": {}, "logged": logged}
     for stage, bucket in ((3, 200), (2, 64)):
         torch.manual_seed(1)
         fresh = Small()
@@ -273,6 +275,7 @@ def test_zero_init_gathered_parameters_and_checkpoints_under_the_strict_mode(
 ) -> None:
     results = run_strict(_stage3_lifecycle, str(tmp_path), offload_param, env=None if shm else NO_SHM)
     torch.testing.assert_close(results[0]["trained"], results[1]["trained"], rtol=0, atol=0)
+    assert {"all_gather", "reduce_scatter"} <= results[0]["logged"], results[0]["logged"]
     for r in results:
         for stage in (3, 2):
             torch.testing.assert_close(r["loaded"][stage], r["saved"], rtol=0, atol=0)
