@@ -82,6 +82,15 @@ def _refusals(rank: int, world: int) -> dict[str, Any]:
     shm.all_reduce(on_dev.clone())
     shm.close()
     out["aliases"] = on_dev.to(dev) is on_dev  # .to(the device) of device memory: no copy, as on a GPU
+    copied = on_dev.to(dev, copy=True)
+    out["to(device tensor)"] = [
+        strict.is_device_tensor(host.to(on_dev)),
+        host.to(on_dev.double()).dtype == torch.float64,
+        on_dev.to(on_dev) is on_dev,
+        strict.is_device_tensor(on_dev.to(host)),
+        strict.is_device_tensor(on_dev.to(dev, torch.float64)),
+    ]
+    out["copy=True"] = copied is not on_dev and strict.is_device_tensor(copied)
     obj: list[Any] = [None, None]
     dist.all_gather_object(obj, {"rank": rank})  # torch places the bytes itself: exempt
     out["objects"] = obj
@@ -107,7 +116,8 @@ def test_strict_mode_refuses_host_tensors_in_every_collective_entry_point() -> N
             assert "device-strict mode" in r[what], (rank, what, r[what])
         assert "shape (3,)" in r["host all_reduce"] and "torch.float32" in r["host all_reduce"]
         assert "allreduce" in r["host all_reduce"]
-        assert r["aliases"] is True
+        assert r["aliases"] is True and r["copy=True"] is True
+        assert r["to(device tensor)"] == [True, True, True, False, True]
         assert r["objects"] == [{"rank": 0}, {"rank": 1}]
 
 
@@ -245,6 +255,7 @@ def _stage3_lifecycle(rank: int, world: int, root: str, offload_param: bool) -> 
     cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
     cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu" if offload_param else "none"}
     cfg["comms_logger"] = {"enabled": True}  # records every collective it times (no collective of its own)
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
     engine, *_ = ds_strategy.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     dev = engine.device
     for x, y in batches(2, MICRO * world, seed=3):
@@ -254,6 +265,7 @@ def _stage3_lifecycle(rank: int, world: int, root: str, offload_param: bool) -> 
     with GatheredParameters(list(model.parameters())):
         trained = {n: p.detach().cpu().clone() for n, p in model.named_parameters()}
     engine.save_checkpoint(root, tag="s3")
+    assert engine.save_16bit_model(root)  # the consolidated weights: gathered bucket by bucket
     saved = full_masters_on(engine, dev)
     logged = {stat.op for stat in engine.comms_logger.summary()}
     out: dict[str, Any] = {"trained": trained, "saved": saved, "loaded": {}, "logged": logged}
@@ -276,6 +288,8 @@ def test_zero_init_gathered_parameters_and_checkpoints_under_the_strict_mode(
     results = run_strict(_stage3_lifecycle, str(tmp_path), offload_param, env=None if shm else NO_SHM)
     torch.testing.assert_close(results[0]["trained"], results[1]["trained"], rtol=0, atol=0)
     assert {"all_gather", "reduce_scatter"} <= results[0]["logged"], results[0]["logged"]
+    consolidated = torch.load(tmp_path / "pytorch_model.bin", weights_only=True)
+    torch.testing.assert_close({k: v.float() for k, v in consolidated.items()}, results[0]["trained"], rtol=0, atol=0)
     for r in results:
         for stage in (3, 2):
             torch.testing.assert_close(r["loaded"][stage], r["saved"], rtol=0, atol=0)

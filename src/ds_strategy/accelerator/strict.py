@@ -135,10 +135,15 @@ def activate() -> None:
             if func == device_getter:
                 out = func(*args, **kwargs)
                 return strict_device if out.type == "cpu" and is_device_tensor(args[0]) else out
+            if func is to and len(args) > 1 and isinstance(args[1], torch.Tensor):  # .to(other): its device
+                other = args[1]
+                args = (args[0], strict_device if is_device_tensor(other) else host, other.dtype, *args[2:])
             if (func is to or func is cpu) and args and is_device_tensor(args[0]):
-                target = host if func is cpu else torch._C._nn._parse_to(*args[1:], **kwargs)[0]
-                if on_device(target):
-                    args, kwargs = _retarget(args, kwargs, host)
+                parsed = {k: v for k, v in kwargs.items() if k != "copy"}  # _parse_to does not take it
+                target = host if func is cpu else torch._C._nn._parse_to(*args[1:], **parsed)[0]
+                if on_device(target):  # device to device: an alias, or a copy (copy=True, a new dtype) on the device
+                    new_args, new_kwargs = _retarget(args, kwargs, host)
+                    return mark_device(func(*new_args, **new_kwargs))
                 out = func(*args, **kwargs)
                 if target == host and not out.requires_grad and out.untyped_storage() is args[0].untyped_storage():
                     return torch.empty_like(out, device=host).copy_(out)  # to the host: a copy, as from a GPU
