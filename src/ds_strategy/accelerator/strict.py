@@ -95,7 +95,7 @@ def check_collective(op: str, tensors: Any) -> None:
     """Raise ``DeviceStrictError`` when a tensor among ``tensors`` (nested lists allowed) is host memory.
 
     A no-op unless the strict mode is active."""
-    if not ACTIVE or getattr(_local, "object_collective", 0):
+    if not ACTIVE or _local.__dict__.get("object_collective", 0):
         return
     for t in _leaves(tensors):
         if not is_device_tensor(t):
@@ -200,7 +200,7 @@ def _run_backward_with(mode: Any) -> None:
         with mode:
             return original(*args, **kwargs)
 
-    torch.autograd._engine_run_backward = engine_run_backward  # type: ignore[attr-defined]
+    torch.autograd._engine_run_backward = engine_run_backward
 
 
 def _exempt(fn: Any) -> Any:

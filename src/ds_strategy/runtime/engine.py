@@ -411,6 +411,7 @@ def _place(module: nn.Module) -> torch.device:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         module.to(device)
         return device
-    device = get_accelerator("cpu").device()  # cpu:0 under the device-strict mode, where this is a real move
-    module.to(device)
+    device = get_accelerator("cpu").device()
+    if device != torch.device("cpu"):  # cpu:0 under the device-strict mode: a move, as to a GPU
+        module.to(device)
     return device

@@ -77,8 +77,8 @@ class ZeroStage:
         self.groups: list[GroupState] = [self._make_group(g, named) for g, named in enumerate(groups)]
         # Where collectives of control data (the gradient norm) run: not a group's device, which an empty
         # first group leaves at the host default.
-        first = next((p.device for named in groups for _, p in named), None)
-        self.compute_device: torch.device = options.device or first or torch.device("cpu")
+        first_device = next((p.device for named in groups for _, p in named), None)
+        self.compute_device: torch.device = options.device or first_device or torch.device("cpu")
         # Per parameter: (group, index in layout); per bucket: its parameter count.
         self._where: list[tuple[int, int]] = [(g, i) for g, gs in enumerate(self.groups) for i in range(len(gs.params))]
         self._first_pid = [sum(len(gs.params) for gs in self.groups[:g]) for g in range(len(self.groups))]
