@@ -86,8 +86,17 @@ def _patched_env(env: dict[str, str]) -> Iterator[None]:
                 os.environ[k] = v
 
 
-def _worker_main(rank: int, world_size: int, tasks: Any, results: Any, sys_path: list[str], stack_file: str) -> None:
+def _worker_main(
+    rank: int,
+    world_size: int,
+    tasks: Any,
+    results: Any,
+    sys_path: list[str],
+    stack_file: str,
+    process_env: dict[str, str],
+) -> None:
     sys.path[:] = sys_path
+    os.environ.update(process_env)  # before any task imports the package (e.g. DS_STRATEGY_DEVICE_STRICT)
     # The parent sends SIGUSR1 to a rank that hangs; faulthandler writes every thread's stack here.
     stack_out = open(stack_file, "w")  # noqa: SIM115 - lives as long as the worker
     faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
@@ -125,9 +134,10 @@ def _worker_main(rank: int, world_size: int, tasks: Any, results: Any, sys_path:
 
 
 class WorkerPool:
-    """``world_size`` spawned processes that run tasks until closed."""
+    """``world_size`` spawned processes that run tasks until closed; ``process_env`` is set in each
+    process before its first task (for variables read once, at import)."""
 
-    def __init__(self, world_size: int) -> None:
+    def __init__(self, world_size: int, process_env: dict[str, str] | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
         self._stack_dir = tempfile.mkdtemp(prefix="ds_harness_")
@@ -137,7 +147,15 @@ class WorkerPool:
         self.procs = [
             ctx.Process(
                 target=_worker_main,
-                args=(r, world_size, self._tasks[r], self._results, list(sys.path), self._stack_path(r)),
+                args=(
+                    r,
+                    world_size,
+                    self._tasks[r],
+                    self._results,
+                    list(sys.path),
+                    self._stack_path(r),
+                    dict(process_env or {}),
+                ),
                 daemon=True,
                 name=f"ds-test-rank{r}",
             )
@@ -222,7 +240,7 @@ class WorkerPool:
             p.join(timeout=5)
 
 
-_pools: dict[int, WorkerPool] = {}
+_pools: dict[tuple[int, frozenset[tuple[str, str]]], WorkerPool] = {}
 
 
 def run_distributed(
@@ -233,24 +251,27 @@ def run_distributed(
     timeout: float = DEFAULT_TIMEOUT,
     init_process_group: bool = True,
     env: dict[str, str] | None = None,
+    process_env: dict[str, str] | None = None,
 ) -> list[Any]:
     """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the per-rank results.
 
     ``fn`` must be importable by name (module level). With ``init_process_group`` the default gloo group
     is ready when ``fn`` starts; otherwise RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are set in the
-    environment for ``fn`` to use. ``env`` adds variables for this call only.
+    environment for ``fn`` to use. ``env`` adds variables for this call only; ``process_env`` runs it in a
+    pool of its own whose processes have those variables from the start (for settings read at import).
     """
-    pool = _pools.get(world_size)
+    key = (world_size, frozenset((process_env or {}).items()))
+    pool = _pools.get(key)
     if pool is None or not pool.alive():
         if pool is not None:
             pool.kill()
-        pool = _pools[world_size] = WorkerPool(world_size)
+        pool = _pools[key] = WorkerPool(world_size, process_env)
     try:
         results, _ = pool.run(fn, args, kwargs or {}, timeout, init_process_group, env or {})
     except DistributedTestError:
         # Ranks may be stuck in a collective: replace the whole pool rather than reuse it.
         pool.kill()
-        _pools.pop(world_size, None)
+        _pools.pop(key, None)
         raise
     return results
 

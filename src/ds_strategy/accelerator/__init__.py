@@ -19,6 +19,7 @@ from __future__ import annotations
 import functools
 import os
 
+from ds_strategy.accelerator import strict
 from ds_strategy.accelerator.base import Accelerator, MemoryStats
 from ds_strategy.accelerator.cpu import CpuAccelerator
 from ds_strategy.accelerator.cuda import CudaAccelerator
@@ -85,6 +86,10 @@ def _checked(kind: str, source: str) -> Accelerator:
             f"unset {ACCELERATOR_ENV} to autodetect or set it to one of {', '.join(VALID_ACCELERATORS)}"
         )
     return accelerator
+
+
+if strict.requested():  # the device-strict test mode: see [Note: device-strict mode] in strict.py
+    strict.activate()
 
 
 @functools.cache

@@ -5,8 +5,13 @@ from __future__ import annotations
 import sys
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
+from ds_strategy.accelerator import strict
 from ds_strategy.accelerator.base import Accelerator, MemoryStats
+
+if TYPE_CHECKING:
+    import torch
 
 _STATUS = Path("/proc/self/status")
 _CLEAR_REFS = Path("/proc/self/clear_refs")
@@ -74,10 +79,14 @@ class CpuAccelerator(Accelerator):
         return 0
 
     def current_device_name(self) -> str:
-        return "cpu"
+        return self.device_name()
 
     def device_name(self, device_index: int | None = None) -> str:
-        return "cpu"  # torch has no "cpu:N" devices worth naming
+        return "cpu:0" if strict.ACTIVE else "cpu"  # torch has no "cpu:N" devices worth naming
+
+    def device(self, device_index: int | None = None) -> torch.device:
+        """The compute device: ``cpu``, or ``cpu:0`` under the device-strict mode (see strict.py)."""
+        return strict.device() if strict.ACTIVE else super().device(device_index)
 
     def synchronize(self, device_index: int | None = None) -> None:
         return None  # CPU kernels complete before returning

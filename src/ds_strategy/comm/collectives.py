@@ -50,6 +50,7 @@ from typing import Any, Protocol
 import torch
 import torch.distributed as dist
 
+from ds_strategy.accelerator import strict
 from ds_strategy.comm.logger import CommsLogger, Timing
 from ds_strategy.comm.worker import CollectiveWorker
 
@@ -208,6 +209,9 @@ class Communicator:
         if self.world_size == 1:
             return "local"
         name = None if op is None else reduce_op_name(op)
+        if strict.ACTIVE:  # every tensor of the collective, whichever path (shm and the gloo emulations
+            # hand torch only some of them)
+            strict.check_collective(f"Communicator {name or 'all_gather'}", tensors)
         if self._fast_ok(name, tensors):
             return "shm"
         return self._torch_path(tensors[0])

@@ -66,6 +66,7 @@ from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
 
+from ds_strategy.accelerator import get_accelerator
 from ds_strategy.comm import init_distributed
 
 from . import checkpoint as lckpt
@@ -183,7 +184,9 @@ class ZeroStrategy(ParallelStrategy):
     @property
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
-        return self.parallel_devices[self.local_rank]
+        device = self.parallel_devices[self.local_rank]
+        # Lightning's CPU devices are plain "cpu"; the device-strict mode computes on "cpu:0" (strict.py).
+        return get_accelerator("cpu").device() if device.type == "cpu" else device
 
     @property
     def num_nodes(self) -> int:

@@ -21,6 +21,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
+from ds_strategy.accelerator import get_accelerator
 from ds_strategy.comm import CommsLogger
 from ds_strategy.config import DeepSpeedConfig, load_config
 from ds_strategy.log import get_logger
@@ -84,6 +85,7 @@ class ZeroEngine(nn.Module):
             post_scale=post,
             pin_memory=offload and self.device.type == "cuda",
             sub_group_numel=int(zero.sub_group_size),
+            device=self.device,
         )
         stage_cls = STAGES.get(config.zero_stage)
         if stage_cls is None:
@@ -440,4 +442,7 @@ def _place(module: nn.Module) -> torch.device:
         device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
         module.to(device)
         return device
-    return torch.device("cpu")
+    device = get_accelerator("cpu").device()
+    if device != torch.device("cpu"):  # cpu:0 under the device-strict mode: a move, as to a GPU
+        module.to(device)
+    return device

@@ -55,6 +55,7 @@ class StageOptions:
     post_scale: float = 1.0  # ... and by this after it (folded into the step's unscale)
     pin_memory: bool = False
     sub_group_numel: int = 1_000_000_000  # zero_optimization.sub_group_size: see ``step_tiles``
+    device: torch.device | None = None  # the compute device (None: the first parameter's device)
 
 
 class ZeroStage:
@@ -75,6 +76,10 @@ class ZeroStage:
         self.coll = coll
         self.options = options
         self.groups: list[GroupState] = [self._make_group(g, named) for g, named in enumerate(groups)]
+        # Where collectives of control data (the gradient norm) run: not a group's device, which an empty
+        # first group leaves at the host default.
+        first_device = next((p.device for named in groups for _, p in named), None)
+        self.compute_device: torch.device = options.device or first_device or torch.device("cpu")
         # Per parameter: (group, index in layout); per bucket: its parameter count.
         self._where: list[tuple[int, int]] = [(g, i) for g, gs in enumerate(self.groups) for i in range(len(gs.params))]
         self._first_pid = [sum(len(gs.params) for gs in self.groups[:g]) for g in range(len(self.groups))]
@@ -285,7 +290,7 @@ class ZeroStage:
         pieces = self._reduced_grads()
         norm, found_inf = multi_tensor_l2norm(pieces)
         if self.partitioned and self.coll.world_size > 1:
-            both = torch.stack([norm.float() ** 2, found_inf.float()]).to(self.groups[0].device)
+            both = torch.stack([norm.float() ** 2, found_inf.float()]).to(self.compute_device)
             self.coll.all_reduce(both)
             sq, inf = both.tolist()
             return math.sqrt(sq) if sq >= 0 else math.nan, inf > 0 or not math.isfinite(sq)

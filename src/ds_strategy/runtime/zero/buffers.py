@@ -57,7 +57,8 @@ class GroupState:
             full32 = torch.zeros(self.layout.total, dtype=torch.float32, device=device)
             for i, p in enumerate(self.params):
                 self.layout.param_view(full32, i).copy_(p.detach())
-            coll.broadcast(full32)
+            if full32.numel():  # an empty group has nothing to agree on (and no device of its own)
+                coll.broadcast(full32)
             self.aliased = compute_dtype == torch.float32 and master_device == device
             self.flat = full32 if compute_dtype == torch.float32 else full32.to(compute_dtype)
             if self.aliased:

@@ -18,7 +18,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .init import gather_init_param, init_shard, partition_param
+from .init import compute_device, gather_init_param, init_shard, partition_param
 from .param_gather import EXTERNAL_ATTR
 from .stage3 import ZERO3_ATTR
 
@@ -79,8 +79,14 @@ class GatheredParameters:
                 from .collectives import Collectives
 
                 coll = Collectives()
+                device = compute_device()
                 for t in plain:
-                    coll.broadcast(t.data, src=modifier)
+                    if t.device == device:
+                        coll.broadcast(t.data, src=modifier)
+                        continue
+                    staged = t.data.to(device)  # a host tensor travels through the device (NCCL takes no other)
+                    coll.broadcast(staged, src=modifier)
+                    t.data.copy_(staged)
 
     def _plain(self) -> list[torch.Tensor]:
         """Whole parameters that neither stage 3 nor zero.Init manages."""

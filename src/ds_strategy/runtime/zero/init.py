@@ -34,6 +34,8 @@ from torch import nn
 from torch.nn.modules import module as module_mod
 from torch.utils.hooks import RemovableHandle
 
+from ds_strategy.accelerator import get_accelerator
+
 from .collectives import Collectives
 
 _ATTR = "_ds_init_shard"
@@ -53,12 +55,19 @@ def init_shard(param: torch.Tensor) -> InitShard | None:
     return getattr(param, _ATTR, None)
 
 
+def compute_device() -> torch.device:
+    """This rank's compute device (``cuda:N``, ``cpu``; ``cpu:0`` under the device-strict mode)."""
+    return torch.device(get_accelerator().current_device_name())
+
+
 @torch.no_grad()
 def partition_param(param: nn.Parameter, coll: Collectives, *, src: int = 0) -> None:
     """Broadcast rank ``src``'s value, keep this rank's piece, leave a placeholder in ``param.data``."""
     if init_shard(param) is not None:
         return
-    full = param.detach().contiguous().view(-1)
+    # A module built on the host is moved to the compute device one parameter at a time: NCCL broadcasts
+    # nothing else, and the shard then lives where the engine will train it.
+    full = param.detach().to(compute_device()).contiguous().view(-1)
     coll.broadcast(full, src=src)
     numel, world = full.numel(), coll.world_size
     per = -(-numel // world) if numel else 0

@@ -81,6 +81,8 @@ class ParamGatherer:
         self.groups = groups
         self.root = root
         self.coll = coll
+        # The headers travel where the gathered buckets do: the compute device (NCCL takes nothing else).
+        self.device = next((gs.device for gs in groups if gs.full), torch.device("cpu"))
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.reuse_distance = reuse_distance
@@ -345,9 +347,11 @@ class ParamGatherer:
         return self._timed_out(mid, seq, err, fast_timeout=self.coll.fast_path)
 
     def _header(self, mid: int, seq: int, *, blocking: bool) -> None:
-        header = torch.zeros(self.coll.world_size, 2, dtype=torch.int64)
-        header[self.coll.rank, 0] = self.index.get(mid, -1) + 2  # 1: GatheredParameters, 0: nothing
-        header[self.coll.rank, 1] = seq
+        # Built on the host and copied once (one small transfer, no per-element writes to device memory).
+        row = torch.zeros(self.coll.world_size, 2, dtype=torch.int64)
+        row[self.coll.rank, 0] = self.index.get(mid, -1) + 2  # 1: GatheredParameters, 0: nothing
+        row[self.coll.rank, 1] = seq
+        header = row.to(self.device)
         work = dist.all_reduce(header, group=self.coll.group, async_op=True)
         self._headers.append((work, header, mid, seq))
         if blocking:
