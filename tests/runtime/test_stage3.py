@@ -121,15 +121,22 @@ def test_stage3_matches_single_process_reference() -> None:
             # round the other way (seen: 4 of 768 fp16 elements, 2 ulps), which then moves that element's
             # master a little in later steps (seen: 2e-6 absolute). Allowed: fp32 training 4e-7 relative;
             # 16-bit training: weights 2 ulps (atol 4e-5), masters rtol 1e-4 / atol 1e-5 (test_parity's).
+            # With clipping, the global norm is summed over each rank's partition in fp32 lanes; stage 3's
+            # partitions differ from stage 2's, so the norm differs in its last bits (measured: 5e-8
+            # relative) and so does the clip coefficient. Adam then amplifies that where sqrt(v) ~ eps
+            # (measured on AVX2: 4.5e-8 absolute on 0.1-sized weights; without clipping, bit-identical).
+            fp32_atol = 1e-7 if r["clip"] > 0 else 1e-8
             ulp16 = TOLERANCES[str(r["precision"])][1]
             low = r["precision"] != "fp32"
+            if not low:
+                assert max(abs(a - b) / b for a, b in zip(eng.norms, two.norms, strict=True)) < 2e-7, label
             torch.testing.assert_close(torch.tensor(eng.losses), torch.tensor(two.losses), rtol=4e-7, atol=1e-8)
             for name in two.params:
                 torch.testing.assert_close(
                     eng.params[name],
                     two.params[name],
                     rtol=2 * ulp16 if low else 4e-7,
-                    atol=4e-5 if low else 1e-8,
+                    atol=4e-5 if low else fp32_atol,
                     msg=lambda m, n=name, lb=label: f"{lb} weight {n}: {m}",
                 )
             for name in two.masters:
@@ -137,7 +144,7 @@ def test_stage3_matches_single_process_reference() -> None:
                     eng.masters[name],
                     two.masters[name],
                     rtol=1e-4 if low else 4e-7,
-                    atol=1e-5 if low else 1e-8,
+                    atol=1e-5 if low else fp32_atol,
                     msg=lambda m, n=name, lb=label: f"{lb} master {n}: {m}",
                 )
             if r["precision"] == "fp32":
