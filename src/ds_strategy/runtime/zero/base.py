@@ -99,6 +99,7 @@ class ZeroStage:
         self._window_reduced = False  # the current accumulation window went through a reducing pass
         self._pass = False
         self._pending: dict[BucketKey, int] = {}
+        self._fired: set[int] = set()  # parameters whose hook fired in this reducing pass
         self._ptr = 0
         self._inflight: list[Handle] = []
         self._host_grad_buffers: dict[int, list[torch.Tensor]] = {}
@@ -202,6 +203,18 @@ class ZeroStage:
             )
         if not self._in_backward:
             self._unmanaged = True
+        key = (g, self.groups[g].layout.params[i].bucket)
+        again = self._pass and pid in self._fired
+        if again and self._pending[key] == 0:
+            # [Note: a hook that fires twice] Reentrant activation checkpointing runs one backward per
+            # segment, so a parameter used in two segments gets two hooks in one backward. Its bucket
+            # counted it complete at the first one and has been reduced: adding now would be lost.
+            raise RuntimeError(
+                f"the gradient of {self.groups[g].names[i]!r} arrived twice in one backward (a parameter used "
+                "in more than one reentrant activation-checkpoint segment) after its bucket was already "
+                "reduced; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or call that "
+                "parameter's module outside the checkpointed segments"
+            )
         self._got_grad[pid] = True
         target = self._target(g, i)
         if self._written[pid]:
@@ -209,8 +222,8 @@ class ZeroStage:
         else:
             target.copy_(grad.view_as(target))
             self._written[pid] = True
-        if self._pass:
-            key = (g, self.groups[g].layout.params[i].bucket)
+        if self._pass and not again:
+            self._fired.add(pid)
             self._pending[key] -= 1
             if self._pending[key] == 0:
                 self._launch_ready()
@@ -232,6 +245,7 @@ class ZeroStage:
         self._pass = True
         self._ptr = 0
         self._pending = dict(self._bucket_size)
+        self._fired.clear()
 
     def _launch_ready(self) -> None:
         while self._ptr < len(self.bucket_order) and self._pending[self.bucket_order[self._ptr]] == 0:

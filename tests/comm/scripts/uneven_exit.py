@@ -1,0 +1,122 @@
+"""A successful 2-process job whose ranks reach interpreter exit at different times (issue 18's clean-exit
+case); the script does nothing special at its end: no barrier, no destroy_process_group.
+
+    python -m torch.distributed.run --nproc_per_node 2 uneven_exit.py
+
+KIND picks what runs: engine (STAGE, PREC, OFFLOAD as below), checkpoint (an engine run that saves a
+sharded checkpoint), lightning (a Trainer fit with strategy zero2/zero3 under torchrun). LATE picks the
+rank that keeps working for about SECONDS after training (as a script that evaluates or reports on one
+rank does); every launch must exit 0 on every rank.
+"""
+
+import os
+import sys
+import tempfile
+import time
+
+import torch
+
+KIND = os.environ.get("KIND", "engine")
+STAGE = int(os.environ.get("STAGE", "1"))
+PREC = os.environ.get("PREC", "bf16")
+OFFLOAD = os.environ.get("OFFLOAD", "cpu")
+LATE = int(os.environ.get("LATE", "0"))
+SECONDS = float(os.environ.get("SECONDS_LATE", "1.5"))
+
+
+def net() -> torch.nn.Module:
+    torch.manual_seed(0)
+    return torch.nn.Sequential(
+        torch.nn.Linear(16, 64), torch.nn.GELU(), torch.nn.Linear(64, 64), torch.nn.GELU(), torch.nn.Linear(64, 1)
+    )
+
+
+def config() -> dict:
+    zero: dict = {"stage": STAGE}
+    if OFFLOAD == "cpu" and STAGE > 0:
+        zero["offload_optimizer"] = {"device": "cpu"}
+        if STAGE == 3:
+            zero["offload_param"] = {"device": "cpu"}
+    if STAGE == 3:
+        zero["stage3_param_persistence_threshold"] = 0
+    return {
+        "train_micro_batch_size_per_gpu": 4,
+        "gradient_accumulation_steps": 1,
+        "gradient_clipping": 1.0,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.01}},
+        "zero_optimization": zero,
+        "bf16": {"enabled": PREC == "bf16"},
+    }
+
+
+def engine_run() -> int:
+    import torch.distributed as dist
+
+    import ds_strategy
+
+    ds_strategy.init_distributed()
+    model = net()
+    engine, *_ = ds_strategy.initialize(model=model, model_parameters=model.parameters(), config=config())
+    for _ in range(6):
+        loss = engine(torch.randn(4, 16)).float().square().mean()
+        engine.backward(loss)
+        engine.step()
+        t = loss.detach().float().clone()
+        dist.all_reduce(t)  # the script's own logging collective on the default group
+    if KIND == "checkpoint":
+        root = os.environ.get("CKPT_DIR") or tempfile.mkdtemp(prefix="uneven_exit_")
+        engine.save_checkpoint(root, tag="last")
+    return dist.get_rank()
+
+
+def lightning_run() -> int:
+    import lightning.pytorch as pl
+    from torch.utils.data import DataLoader, TensorDataset
+
+    import ds_strategy  # noqa: F401  (registers the "zero2" / "zero3" strategy names)
+
+    class Lit(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            self.net = net()
+
+        def training_step(self, batch, _):
+            x, y = batch
+            return torch.nn.functional.mse_loss(self.net(x).float(), y)
+
+        def configure_optimizers(self):
+            return torch.optim.AdamW(self.parameters(), lr=1e-2)
+
+    g = torch.Generator().manual_seed(1)
+    data = TensorDataset(torch.randn(32, 16, generator=g), torch.randn(32, 1, generator=g))
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=2,
+        strategy=f"zero{max(STAGE, 2)}",
+        max_epochs=1,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+    )
+    trainer.fit(Lit(), DataLoader(data, batch_size=4))
+    return trainer.global_rank
+
+
+def main() -> None:
+    rank = lightning_run() if KIND == "lightning" else engine_run()
+    if rank == LATE:  # extra work on one rank only: a reference computation, a report
+        ref = torch.nn.Sequential(torch.nn.Embedding(97, 64), torch.nn.Linear(64, 97))
+        opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)
+        end = time.time() + SECONDS
+        while time.time() < end:
+            ids = torch.randint(0, 97, (8, 12))
+            loss = torch.nn.functional.cross_entropy(ref(ids).reshape(-1, 97), ids.reshape(-1))
+            opt.zero_grad()
+            loss.backward()
+            opt.step()
+    print(f"rank {rank} done", file=sys.stderr, flush=True)
+
+
+if __name__ == "__main__":
+    main()
