@@ -181,6 +181,12 @@ class EngineProbe(Callback):
             "precision_plugin": type(trainer.precision_plugin).__name__,
             "optimizer": type(engine.optimizer).__name__,
             "grad_norms": self.grad_norms,
+            "micro_steps": engine.micro_steps,
+            "last_loss": None if engine.last_loss is None else float(engine.last_loss),
+            "scheduler_iterations": [
+                getattr(c.scheduler, "last_batch_iteration", getattr(c.scheduler, "last_epoch", None))
+                for c in trainer.lr_scheduler_configs
+            ],
         }
 
 

@@ -367,7 +367,8 @@ class ZeroStrategy(ParallelStrategy):
                 'the DeepSpeed config has a "scheduler" block and configure_optimizers returned a scheduler; '
                 "use one of them"
             )
-        self.lr_scheduler_configs = [LRSchedulerConfig(engine.lr_scheduler, interval="step")]
+        scheduler = _SkipAwareScheduler(engine.lr_scheduler, engine)
+        self.lr_scheduler_configs = [LRSchedulerConfig(scheduler, interval="step")]  # type: ignore[arg-type]
         engine.lr_scheduler = None
 
     def _resolve_config(self, trainer: pl.Trainer, fitting: bool) -> DeepSpeedConfig:
@@ -400,6 +401,10 @@ class ZeroStrategy(ParallelStrategy):
         if kwargs:
             raise TypeError(f"ZeroStrategy backward does not accept {', '.join(kwargs)}")
         engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
+        if module is not None and module.automatic_optimization and not engine.is_gradient_accumulation_boundary():
+            # Lightning calls no optimizer step inside an accumulation window; the engine counts every
+            # micro-batch (micro_steps, DeepSpeed's step() after each backward) and steps nothing here.
+            engine.step()
 
     def begin_boundary(self) -> None:
         self.require_engine().set_gradient_accumulation_boundary(True)
@@ -591,3 +596,19 @@ def _train_batch_size(trainer: pl.Trainer) -> int | None:
     if size is None:
         size = getattr(getattr(loader, "batch_sampler", None), "batch_size", None)
     return int(size) if isinstance(size, int) and size > 0 else None
+
+
+class _SkipAwareScheduler:
+    """The config's scheduler as Lightning steps it: a step the engine skipped (fp16 overflow) does not
+    advance it, as in DeepSpeed; everything else (state_dict, optimizer, get_last_lr ...) is the scheduler's."""
+
+    def __init__(self, scheduler: Any, engine: ZeroEngine) -> None:
+        self.scheduler = scheduler
+        self._engine = engine
+
+    def step(self, *args: Any, **kwargs: Any) -> None:
+        if self._engine.was_step_applied():
+            self.scheduler.step(*args, **kwargs)
+
+    def __getattr__(self, name: str) -> Any:
+        return getattr(self.scheduler, name)

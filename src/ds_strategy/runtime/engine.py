@@ -158,7 +158,9 @@ class ZeroEngine(nn.Module):
         """Backward of ``loss`` x loss scale (/ gradient_accumulation_steps); reduces at the boundary."""
         gas = self.batch.gradient_accumulation_steps
         factor = self.loss_scaler.loss_scale / (gas if scale_wrt_gas else 1)
-        detached = loss.detach().float()
+        # last_loss is the window's mean micro-batch loss: a caller that already divided by the number of
+        # micro-batches (scale_wrt_gas=False, as Lightning does) hands in its share of that mean.
+        detached = loss.detach().float() / (gas if scale_wrt_gas else 1)
         self._loss_sum = detached if self._loss_sum is None else self._loss_sum + detached
         scaled = loss.float() * factor if factor != 1.0 else loss
         boundary = self.is_gradient_accumulation_boundary() and not self._no_sync
@@ -214,7 +216,7 @@ class ZeroEngine(nn.Module):
         self.global_steps += 1
         self.global_samples += self.batch.train_batch_size
         if self._loss_sum is not None:
-            self.last_loss = self._loss_sum / self.batch.gradient_accumulation_steps
+            self.last_loss = self._loss_sum
             self._loss_sum = None
         if self._print_every and self.global_steps % self._print_every == 0:
             self._report()
