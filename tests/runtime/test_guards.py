@@ -98,3 +98,92 @@ def test_gradient_hook_firing_twice_accumulates_or_names_the_parameter(stage: in
             torch.testing.assert_close(
                 r["weights"][name], value, rtol=1e-5, atol=1e-6, msg=lambda m, n=name: f"{n}: {m}"
             )
+
+
+def _per_tensor(rank: int, world: int, stage: int) -> str:
+    import ds_strategy
+
+    model = SharedAcrossSegments()
+    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
+    cfg = {k: v for k, v in config(stage=stage, micro=4, gas=1).items() if k != "optimizer"}
+    cfg["zero_allow_untested_optimizer"] = True
+    try:
+        ds_strategy.initialize(model=model, optimizer=opt, config=cfg)
+    except ValueError as err:
+        return str(err)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 1, 3])
+def test_per_tensor_optimizer_is_refused_naming_it(stage: int) -> None:
+    """Adafactor factors each weight's second moment by its rows and columns: stepping a flat bucket of
+    several parameters would be different math, so the engine refuses it instead of training wrongly."""
+    for message in run_distributed(_per_tensor, world_size=WORLD, args=(stage,), timeout=120):
+        assert "Adafactor computes per-tensor quantities" in message and f"ZeRO stage {stage}" in message, message
+
+
+def test_per_tensor_names() -> None:
+    from ds_strategy.runtime.params import is_per_tensor_optimizer
+
+    class FusedLAMB(torch.optim.SGD):
+        pass
+
+    class Muon(torch.optim.SGD):
+        pass
+
+    params = [nn.Parameter(torch.zeros(2))]
+    assert is_per_tensor_optimizer(FusedLAMB(params, lr=0.1)) and is_per_tensor_optimizer(Muon(params, lr=0.1))
+    assert not is_per_tensor_optimizer(torch.optim.AdamW(params)) and not is_per_tensor_optimizer(
+        torch.optim.SGD(params, lr=0.1)
+    )
+
+
+class Plain(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.inp = nn.Linear(8, 16)
+        self.out = nn.Linear(16, 1)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return self.out(torch.tanh(self.inp(x)))
+
+
+def _changed(rank: int, world: int, stage: int, change: str) -> str:
+    import ds_strategy
+
+    model = Plain()
+    model.inp.requires_grad_(False)
+    cfg = config(stage=stage, micro=4, gas=1)
+    trainable = [p for p in model.parameters() if p.requires_grad]
+    engine, opt, *_ = ds_strategy.initialize(model=model, model_parameters=trainable, config=cfg)
+    x, y = torch.randn(4, 8), torch.randn(4, 1)
+    for step in range(2):
+        if step == 1:
+            if change == "unfreeze":
+                model.inp.requires_grad_(True)
+            elif change == "freeze":
+                model.out.requires_grad_(False)
+            else:
+                opt.add_param_group({"params": [torch.nn.Parameter(torch.zeros(3))]})
+        loss = nn.functional.mse_loss(engine(x.clone().requires_grad_(True)), y)
+        try:
+            engine.backward(loss)
+            engine.step()
+        except RuntimeError as err:
+            return str(err)
+    return "no error"
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize("stage", [0, 2, 3])
+@pytest.mark.parametrize("change", ["unfreeze", "freeze", "add_param_group"])
+def test_changed_requires_grad_or_param_groups_raise_naming_the_parameter(stage: int, change: str) -> None:
+    expected = {
+        "unfreeze": "'inp.weight' became trainable",
+        "freeze": "'out.weight' became frozen",
+        "add_param_group": "add_param_group() added a param group",
+    }[change]
+    for message in run_distributed(_changed, world_size=WORLD, args=(stage, change), timeout=120):
+        assert expected in message and "parameters changed after the ZeRO engine was built" in message, message

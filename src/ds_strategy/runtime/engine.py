@@ -100,6 +100,9 @@ class ZeroEngine(nn.Module):
         self.lr_scheduler = self._scheduler(lr_scheduler)
         self.loss_scaler = make_loss_scaler(config)
         self.stage.attach()
+        # What the partitions were built from: a later change cannot be followed (see _refuse_changed_params).
+        self._requires_grad_at_build = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
+        self._optimizer_groups_at_build = len(self.optimizer.param_groups) if self.optimizer is not None else 0
 
         self.micro_steps = 0
         self.global_steps = 0
@@ -185,6 +188,7 @@ class ZeroEngine(nn.Module):
             raise RuntimeError(
                 'engine.step() needs an optimizer: pass optimizer=... or add an "optimizer" block to the config'
             )
+        self._refuse_changed_params()
         self.stage.prepare_step()
         if not self.config.zero_optimization.ignore_unused_parameters:
             self._refuse_unused_parameters()
@@ -220,6 +224,27 @@ class ZeroEngine(nn.Module):
             self._loss_sum = None
         if self._print_every and self.global_steps % self._print_every == 0:
             self._report()
+
+    def _refuse_changed_params(self) -> None:
+        """The flat buffers, partitions and optimizer state were laid out for the parameters that were
+        trainable when the engine was built: a later requires_grad flip (Lightning's BackboneFinetuning) or
+        optimizer.add_param_group would be silently untrained or stepped unreduced, so it raises instead."""
+        flipped = [(n, was) for n, p, was in self._requires_grad_at_build if p.requires_grad != was]
+        added = self.optimizer is not None and len(self.optimizer.param_groups) != self._optimizer_groups_at_build
+        if not flipped and not added:
+            return
+        what = "; ".join(
+            f"{n!r} became {'frozen' if was else 'trainable'}" for n, was in flipped[:5]
+        ) + (f" (and {len(flipped) - 5} more)" if len(flipped) > 5 else "")
+        if added:
+            what = (what + "; " if what else "") + "optimizer.add_param_group() added a param group"
+        raise RuntimeError(
+            f"parameters changed after the ZeRO engine was built: {what}. ZeRO lays out its flat buffers, "
+            "partitions and optimizer state once, from the parameters trainable at initialize(); set "
+            "requires_grad (and the optimizer's param groups) before building the engine - to unfreeze in "
+            "phases, keep every parameter trainable with a zero learning rate in its param group until its "
+            "phase starts - or build a new engine for the next phase"
+        )
 
     def _refuse_unused_parameters(self) -> None:
         """``ignore_unused_parameters: false``: every rank raises when any rank has a trainable parameter

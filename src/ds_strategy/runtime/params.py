@@ -120,6 +120,13 @@ def check_client_optimizer(optimizer: Optimizer, *, stage: int, offload: bool, c
             f"the client optimizer {name} already holds state; pass a freshly constructed optimizer "
             "(its state would not match the flat fp32 master weights the engine steps)"
         )
+    if is_per_tensor_optimizer(optimizer):
+        raise ValueError(
+            f"{name} computes per-tensor quantities (norms, factored second moments, trust ratios or "
+            f"orthogonalisation of each parameter's shape), but ZeRO stage {stage} hands the optimizer flat "
+            "buckets of many parameters, which would silently change its math. Use an element-wise optimizer "
+            "(Adam, AdamW, SGD, Adagrad, Lion ...) with ds_strategy, or train this one with plain DDP"
+        )
     if stage > 0 and not isinstance(optimizer, tested_optimizer_types()) and not config.zero_allow_untested_optimizer:
         raise ValueError(
             f"ZeRO stage {stage} steps flat partitions of the parameters, which is only verified for "
@@ -135,6 +142,16 @@ def check_client_optimizer(optimizer: Optimizer, *, stage: int, offload: bool, c
             'implementation. Put the optimizer in the config\'s "optimizer" block (ds_strategy builds its CPU '
             'optimizer), or set "zero_force_ds_cpu_optimizer": false to keep yours.'
         )
+
+
+# Optimizers whose step depends on each parameter's whole tensor or shape (matched on the class name, so
+# apex's FusedLAMB, transformers' Adafactor, torch's Adafactor and third-party Muon/Shampoo/LARS all count).
+_PER_TENSOR_NAMES = ("adafactor", "lamb", "lars", "muon", "shampoo", "novograd", "sm3")
+
+
+def is_per_tensor_optimizer(optimizer: Optimizer) -> bool:
+    name = type(optimizer).__name__.lower()
+    return any(key in name for key in _PER_TENSOR_NAMES)
 
 
 # torch optimizers whose kernel twin keeps their exact math and state-dict format (ds_strategy.ops).
