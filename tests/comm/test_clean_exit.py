@@ -22,6 +22,7 @@ CASES = [
     ("engine", 3, "bf16", "cpu"),
     ("engine", 0, "fp32", "none"),
     ("engine", 2, "bf16", "none"),
+    ("usergroup", 2, "fp32", "cpu"),
     ("checkpoint", 3, "fp32", "none"),
     ("lightning", 3, "fp32", "none"),
 ]

@@ -52,7 +52,11 @@ def _overflowing_fp16_strategy() -> Any:
 
 def _scheduler_run(rank: int, world: int) -> dict[str, Any]:
     return fit_run(
-        rank, world, _overflowing_fp16_strategy(), {"max_epochs": 3, "precision": "16-true"}, {"return_optimizer": False}
+        rank,
+        world,
+        _overflowing_fp16_strategy(),
+        {"max_epochs": 3, "precision": "16-true"},
+        {"return_optimizer": False},
     )
 
 

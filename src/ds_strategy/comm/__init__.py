@@ -15,7 +15,13 @@ Environment variables: ``DS_STRATEGY_DIST_TIMEOUT`` (seconds, init timeout), ``D
 from __future__ import annotations
 
 from ds_strategy.comm.collectives import SHM_ENV, CommHandle, Communicator, FastPath, reduce_op_name
-from ds_strategy.comm.distributed import TIMEOUT_ENV, DistributedInfo, init_distributed, resolve_timeout
+from ds_strategy.comm.distributed import (
+    TIMEOUT_ENV,
+    DistributedInfo,
+    destroy_at_normal_exit,
+    init_distributed,
+    resolve_timeout,
+)
 from ds_strategy.comm.logger import CommsLogger, CommsStat, bus_factor
 
 __all__ = [
@@ -28,6 +34,7 @@ __all__ = [
     "DistributedInfo",
     "FastPath",
     "bus_factor",
+    "destroy_at_normal_exit",
     "init_distributed",
     "reduce_op_name",
     "resolve_timeout",

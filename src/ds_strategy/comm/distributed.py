@@ -212,6 +212,7 @@ def _reuse(dist_backend: str | None, timeout: object, init_method: str | None) -
             f"init_distributed: {', '.join(ignored)} ignored because torch.distributed is already initialised",
             stacklevel=3,
         )
+    destroy_at_normal_exit()
     local = os.environ.get("LOCAL_RANK")
     return DistributedInfo(
         rank=dist.get_rank(),
@@ -329,7 +330,7 @@ def _init_single(backend: str, timeout: datetime.timedelta | None, device_type: 
 
 
 def _finish(info: DistributedInfo, device_type: str, how: str | None = None) -> DistributedInfo:
-    _destroy_at_normal_exit()
+    destroy_at_normal_exit()
     if device_type == "cuda" and info.local_rank is not None:
         accelerator = get_accelerator("cuda")
         if info.local_rank < accelerator.device_count():
@@ -348,12 +349,15 @@ def _finish(info: DistributedInfo, device_type: str, how: str | None = None) -> 
 # exception", SIGABRT; pytorch/pytorch#190489), which a launcher reports as a failed rank. The group this
 # module created is therefore destroyed by an atexit handler - only on a normal exit: after an uncaught
 # exception another rank may still be inside a collective, and tearing down then can block (torchtitan
-# destroys only after success for the same reason). A group the caller made is the caller's to destroy.
+# destroys only after success for the same reason). A group the caller made is destroyed the same way once
+# ds_strategy runs on it (init_distributed reusing it, or an engine built on it): the abort does not care
+# who created the group, and a script's own destroy_process_group() before exit leaves nothing to do.
 
 _exit_state = {"registered": False, "failed": False}
 
 
-def _destroy_at_normal_exit() -> None:
+def destroy_at_normal_exit() -> None:
+    """Destroy the default process group at a normal interpreter exit (see the note above); idempotent."""
     if _exit_state["registered"]:
         return
     _exit_state["registered"] = True

@@ -22,7 +22,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ds_strategy.accelerator import get_accelerator
-from ds_strategy.comm import CommsLogger
+from ds_strategy.comm import CommsLogger, destroy_at_normal_exit
 from ds_strategy.config import DeepSpeedConfig, load_config
 from ds_strategy.log import get_logger
 
@@ -59,6 +59,8 @@ class ZeroEngine(nn.Module):
         super().__init__()
         self.comms_logger = CommsLogger.from_config(config.comms_logger)
         self.coll = Collectives(process_group, logger=self.comms_logger)
+        if dist.is_initialized():
+            destroy_at_normal_exit()  # the group a caller made too: see [Note: destroying the group at exit]
         if config.world_size != self.coll.world_size:
             config = load_config(config, world_size=self.coll.world_size)
         self.config = config
@@ -233,9 +235,9 @@ class ZeroEngine(nn.Module):
         added = self.optimizer is not None and len(self.optimizer.param_groups) != self._optimizer_groups_at_build
         if not flipped and not added:
             return
-        what = "; ".join(
-            f"{n!r} became {'frozen' if was else 'trainable'}" for n, was in flipped[:5]
-        ) + (f" (and {len(flipped) - 5} more)" if len(flipped) > 5 else "")
+        what = "; ".join(f"{n!r} became {'frozen' if was else 'trainable'}" for n, was in flipped[:5]) + (
+            f" (and {len(flipped) - 5} more)" if len(flipped) > 5 else ""
+        )
         if added:
             what = (what + "; " if what else "") + "optimizer.add_param_group() added a param group"
         raise RuntimeError(

@@ -3,7 +3,8 @@ case); the script does nothing special at its end: no barrier, no destroy_proces
 
     python -m torch.distributed.run --nproc_per_node 2 uneven_exit.py
 
-KIND picks what runs: engine (STAGE, PREC, OFFLOAD as below), checkpoint (an engine run that saves a
+KIND picks what runs: engine (STAGE, PREC, OFFLOAD as below), usergroup (the same on a group the script
+made with init_process_group), checkpoint (an engine run that saves a
 sharded checkpoint), lightning (a Trainer fit with strategy zero2/zero3 under torchrun). LATE picks the
 rank that keeps working for about SECONDS after training (as a script that evaluates or reports on one
 rank does); every launch must exit 0 on every rank.
@@ -54,7 +55,10 @@ def engine_run() -> int:
 
     import ds_strategy
 
-    ds_strategy.init_distributed()
+    if KIND == "usergroup":  # the script makes the group itself and never destroys it
+        dist.init_process_group("gloo")
+    else:
+        ds_strategy.init_distributed()
     model = net()
     engine, *_ = ds_strategy.initialize(model=model, model_parameters=model.parameters(), config=config())
     for _ in range(6):
