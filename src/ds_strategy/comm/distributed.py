@@ -123,13 +123,20 @@ def init_distributed(
     init_method: str | None = None,
     rank: int = -1,
     world_size: int = -1,
+    *,
+    set_device: bool = True,
 ) -> DistributedInfo:
-    """Initialise (or reuse) torch.distributed's default process group; see the module docstring."""
+    """Initialise (or reuse) torch.distributed's default process group; see the module docstring.
+
+    ``set_device=False``: leave the current CUDA device alone (a caller that placed this rank itself, such
+    as Lightning with ``Trainer(devices=[2, 3])``); by default it becomes ``cuda:LOCAL_RANK``, as in DeepSpeed.
+    """
     pg_timeout = resolve_timeout(timeout)
     if dist.is_initialized():
         return _reuse(dist_backend, timeout, init_method)
 
     accelerator = get_accelerator()
+    device_type = accelerator.device_type if set_device else "none"  # _finish places only "cuda"
     backend = dist_backend or _default_backend(accelerator.communication_backend_name())
 
     if init_method is not None and not init_method.startswith("env://"):
@@ -142,7 +149,7 @@ def init_distributed(
             source="init_method",
             timeout=pg_timeout,
         )
-        return _finish(info, accelerator.device_type)
+        return _finish(info, device_type)
 
     found, source = _from_env(os.environ, rank, world_size, distributed_port), "env"
     if found is None and auto_mpi_discovery:
@@ -150,7 +157,7 @@ def init_distributed(
         source = "launcher" if found is not None and found.how != "mpi4py" else "mpi"
     if found is None:
         _fail_if_partial(os.environ, rank, world_size, auto_mpi_discovery)
-        return _init_single(backend, pg_timeout, accelerator.device_type)
+        return _init_single(backend, pg_timeout, device_type)
 
     _export(found)
     dist.init_process_group(
@@ -168,7 +175,7 @@ def init_distributed(
         master_port=found.master_port,
         timeout=pg_timeout,
     )
-    return _finish(info, accelerator.device_type, how=found.how)
+    return _finish(info, device_type, how=found.how)
 
 
 def resolve_timeout(timeout: datetime.timedelta | float | None) -> datetime.timedelta | None:

@@ -270,6 +270,7 @@ class ZeroStrategy(ParallelStrategy):
             rank=env.global_rank(),
             world_size=env.world_size(),
             timeout=None if reused_default else self._timeout,
+            set_device=False,  # Lightning placed this rank on root_device (devices=[2, 3] is not LOCAL_RANK)
         )
 
     def set_world_ranks(self) -> None:
@@ -335,7 +336,7 @@ class ZeroStrategy(ParallelStrategy):
         from ds_strategy.runtime import ZeroEngine
 
         # The stage-3 engine is selected by the config's stage inside ZeroEngine (runtime.zero.STAGES).
-        return ZeroEngine(module, config, optimizer=optimizer)
+        return ZeroEngine(module, config, optimizer=optimizer, device=self.root_device)
 
     def _client_optimizer(self, module: pl.LightningModule) -> tuple[Optimizer | None, list[LRSchedulerConfig]]:
         """The one optimizer (and its schedulers) from configure_optimizers; None when the config has one."""

@@ -55,6 +55,7 @@ class ZeroEngine(nn.Module):
         model_parameters: ParamsArg = None,
         lr_scheduler: SchedulerArg = None,
         process_group: dist.ProcessGroup | None = None,
+        device: torch.device | str | None = None,
     ) -> None:
         super().__init__()
         self.comms_logger = CommsLogger.from_config(config.comms_logger)
@@ -67,7 +68,7 @@ class ZeroEngine(nn.Module):
         self.batch = config.batch  # raises a ConfigError naming what is missing
         self.precision = Precision.from_config(config)
         self.module = module
-        self.device = _place(module)
+        self.device = _place(module, device)
         zero = config.zero_optimization
         offload = zero.offload_optimizer.device == "cpu"
         master_device = torch.device("cpu") if offload else self.device
@@ -462,16 +463,25 @@ def _averaging(config: DeepSpeedConfig, world_size: int) -> tuple[float, float]:
     return 1.0 / f, f / world_size
 
 
-def _place(module: nn.Module) -> torch.device:
-    """The device the module trains on: where its parameters are, or this rank's GPU when it has one."""
-    first = next(module.parameters(), None)
-    if first is not None and first.device.type != "cpu":
-        return first.device
-    if torch.cuda.is_available():
-        device = torch.device("cuda", int(os.environ.get("LOCAL_RANK", "0")))
-        module.to(device)
-        return device
-    device = get_accelerator("cpu").device()
-    if device != torch.device("cpu"):  # cpu:0 under the device-strict mode: a move, as to a GPU
+def _place(module: nn.Module, device: torch.device | str | None = None) -> torch.device:
+    """The device the module trains on, and the module moved there.
+
+    ``device`` (the Lightning strategy's root device, or ``initialize(device=...)``) wins; otherwise a
+    module already on an accelerator stays where it is, and a CPU-built one goes to the current CUDA
+    device (the one the launcher or ``init_distributed`` selected; not LOCAL_RANK, which need not be this
+    rank's GPU), or to the CPU accelerator's device.
+    """
+    if device is None:
+        first = next(module.parameters(), None)
+        if first is not None and first.device.type != "cpu":
+            return first.device
+        if torch.cuda.is_available():
+            device = torch.device("cuda", torch.cuda.current_device())
+        else:
+            device = get_accelerator("cpu").device()
+    device = torch.device(device)
+    if device.type == "cpu":
+        device = get_accelerator("cpu").device()  # cpu:0 under the device-strict mode
+    if device != torch.device("cpu"):  # a move, as to a GPU (cpu:0 under the strict mode too)
         module.to(device)
     return device

@@ -9,6 +9,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
@@ -48,6 +49,7 @@ def initialize(
     dist_init_required: bool | None = None,
     config_params: ConfigInput | None = None,
     process_group: dist.ProcessGroup | None = None,
+    device: torch.device | str | None = None,
 ) -> tuple[ZeroEngine, Optimizer | None, DataLoader[Any] | None, Any]:
     """Build the engine; return ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
@@ -56,7 +58,9 @@ def initialize(
     param groups, or None for the config's ``optimizer`` block. ``lr_scheduler``: a scheduler, a callable
     taking the optimizer, or None for the config's ``scheduler`` block; the engine steps it after every
     applied optimizer step. ``config`` (or the legacy ``config_params``, or ``args.deepspeed_config``):
-    a dict, a JSON path or a ``DeepSpeedConfig``. ``training_data`` becomes a DataLoader with a
+    a dict, a JSON path or a ``DeepSpeedConfig``. ``device``: where the model trains (default: where its
+    parameters already are on an accelerator, else the current CUDA device, else the CPU).
+    ``training_data`` becomes a DataLoader with a
     DistributedSampler and the micro batch size.
     """
     if config is not None and config_params is not None:
@@ -76,6 +80,7 @@ def initialize(
         model_parameters=model_parameters,
         lr_scheduler=lr_scheduler,
         process_group=process_group,
+        device=device,
     )
     loader = None
     if training_data is not None:

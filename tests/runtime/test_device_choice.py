@@ -1,0 +1,68 @@
+"""Which device the engine trains on (issue 17: the caller's device wins; LOCAL_RANK is not a GPU index).
+
+No GPU here: CUDA is faked at the level the code asks (is_available, current_device, the accelerator's
+set_device), and modules without tensors make ``module.to("cuda:3")`` a no-op."""
+
+from __future__ import annotations
+
+from typing import Any
+
+import pytest
+import torch
+from torch import nn
+
+import ds_strategy.comm.distributed as distributed
+from ds_strategy.runtime.engine import _place
+
+
+def _fake_cuda(monkeypatch: pytest.MonkeyPatch, current: int) -> None:
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "current_device", lambda: current)
+
+
+def test_cpu_built_module_goes_to_the_current_cuda_device_not_local_rank(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, current=3)
+    monkeypatch.setenv("LOCAL_RANK", "0")  # Trainer(devices=[2, 3]) / CUDA_VISIBLE_DEVICES: not the GPU index
+    assert _place(nn.Identity()) == torch.device("cuda", 3)
+
+
+def test_the_callers_device_wins(monkeypatch: pytest.MonkeyPatch) -> None:
+    _fake_cuda(monkeypatch, current=0)
+    assert _place(nn.Identity(), "cuda:2") == torch.device("cuda", 2)
+    assert _place(nn.Linear(2, 2), "cpu").type == "cpu"
+
+
+class _Recorder:
+    def __init__(self) -> None:
+        self.calls: list[int] = []
+
+    def device_count(self) -> int:
+        return 8
+
+    def set_device(self, index: int) -> None:
+        self.calls.append(index)
+
+
+@pytest.mark.parametrize(("device_type", "expected"), [("cuda", [1]), ("none", [])])
+def test_init_distributed_sets_local_rank_device_unless_told_not_to(
+    monkeypatch: pytest.MonkeyPatch, device_type: str, expected: list[int]
+) -> None:
+    """set_device=False (what ZeroStrategy passes) reaches _finish as device type "none": no set_device."""
+    recorder = _Recorder()
+    monkeypatch.setattr(distributed, "get_accelerator", lambda *a: recorder)
+    monkeypatch.setattr(distributed, "destroy_at_normal_exit", lambda: None)
+    info: Any = distributed.DistributedInfo(rank=1, world_size=2, local_rank=1, backend="nccl", source="env")
+    distributed._finish(info, device_type)
+    assert recorder.calls == expected
+
+
+def test_strategy_builds_the_engine_on_its_root_device(monkeypatch: pytest.MonkeyPatch) -> None:
+    import ds_strategy.runtime as runtime
+    from ds_strategy.lightning.strategy import ZeroStrategy
+
+    seen: dict[str, Any] = {}
+    monkeypatch.setattr(runtime, "ZeroEngine", lambda *a, **kw: seen.update(kw))
+    strategy = ZeroStrategy(stage=2)
+    monkeypatch.setattr(ZeroStrategy, "root_device", property(lambda self: torch.device("cuda", 3)))
+    strategy._build_engine(nn.Identity(), None, None)  # type: ignore[arg-type]
+    assert seen["device"] == torch.device("cuda", 3)
