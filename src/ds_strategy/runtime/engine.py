@@ -12,7 +12,7 @@ beyond choosing the stage class; precision is decided once (``Precision``), the 
 from __future__ import annotations
 
 import os
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from contextlib import contextmanager
 from typing import Any
 
@@ -68,14 +68,16 @@ class ZeroEngine(nn.Module):
         self.batch = config.batch  # raises a ConfigError naming what is missing
         self.precision = Precision.from_config(config)
         self.module = module
-        self.device = _place(module, device)
         zero = config.zero_optimization
         offload = zero.offload_optimizer.device == "cpu"
-        master_device = torch.device("cpu") if offload else self.device
         if isinstance(optimizer, Optimizer):  # fail before the parameters are moved into flat buffers
             check_client_optimizer(optimizer, stage=config.zero_stage, offload=offload, config=config)
         groups = param_groups(module, optimizer, model_parameters)
         named, registration = named_trainable_groups(module, groups)
+        # Stage 3 moves its trainable parameters to the device bucket by bucket while partitioning them.
+        partitioned = [p for group in named for _, p in group] if config.zero_stage == 3 else []
+        self.device = _place(module, device, keep=partitioned)
+        master_device = torch.device("cpu") if offload else self.device
         pre, post = _averaging(config, self.coll.world_size)
         options = StageOptions(
             bucket_numel=_bucket_numel(config),
@@ -463,13 +465,16 @@ def _averaging(config: DeepSpeedConfig, world_size: int) -> tuple[float, float]:
     return 1.0 / f, f / world_size
 
 
-def _place(module: nn.Module, device: torch.device | str | None = None) -> torch.device:
-    """The device the module trains on, and the module moved there.
+def _place(
+    module: nn.Module, device: torch.device | str | None = None, *, keep: Collection[nn.Parameter] = ()
+) -> torch.device:
+    """The device the module trains on, with the module moved there except the parameters in ``keep``.
 
     ``device`` (the Lightning strategy's root device, or ``initialize(device=...)``) wins; otherwise a
     module already on an accelerator stays where it is, and a CPU-built one goes to the current CUDA
     device (the one the launcher or ``init_distributed`` selected; not LOCAL_RANK, which need not be this
-    rank's GPU), or to the CPU accelerator's device.
+    rank's GPU), or to the CPU accelerator's device. ``keep``: stage 3's trainable parameters, which it
+    moves bucket by bucket while partitioning, so the whole model never sits on the device.
     """
     if device is None:
         first = next(module.parameters(), None)
@@ -482,6 +487,12 @@ def _place(module: nn.Module, device: torch.device | str | None = None) -> torch
     device = torch.device(device)
     if device.type == "cpu":
         device = get_accelerator("cpu").device()  # cpu:0 under the device-strict mode
-    if device != torch.device("cpu"):  # a move, as to a GPU (cpu:0 under the strict mode too)
-        module.to(device)
+    if device == torch.device("cpu"):
+        return device
+    if not keep:
+        module.to(device)  # a move, as to a GPU (cpu:0 under the strict mode too)
+        return device
+    kept = {id(p) for p in keep}
+    # _apply (what module.to uses) so that modules moving more than tensors (torchmetrics' states) follow.
+    module._apply(lambda t: t if id(t) in kept else t.to(device))
     return device

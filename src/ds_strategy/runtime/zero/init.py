@@ -79,14 +79,25 @@ def partition_param(param: nn.Parameter, coll: Collectives, *, src: int = 0) -> 
 
 
 @torch.no_grad()
-def gather_init_param(param: torch.Tensor) -> torch.Tensor:
-    """The full flattened value of a ``zero.Init`` parameter (a collective: every rank calls it)."""
+def gather_init_param(param: torch.Tensor, out: torch.Tensor | None = None) -> torch.Tensor:
+    """The full flattened value of a ``zero.Init`` parameter (a collective: every rank calls it); ``out``:
+    a scratch buffer of the shard's dtype and device with room for every rank's shard, reused by callers
+    that gather many parameters in turn."""
     info = init_shard(param)
     if info is None:
         raise ValueError("gather_init_param: the parameter was not partitioned by zero.Init")
-    out = torch.empty(info.shard.numel() * info.coll.world_size, dtype=info.shard.dtype, device=info.shard.device)
+    total = info.shard.numel() * info.coll.world_size
+    if out is None or out.numel() < total or out.dtype != info.shard.dtype or out.device != info.shard.device:
+        out = torch.empty(total, dtype=info.shard.dtype, device=info.shard.device)
+    out = out[:total]
     info.coll.all_gather(out, info.shard)
     return out[: info.numel]
+
+
+def release_init_shard(param: torch.Tensor) -> None:
+    """Forget zero.Init's shard of ``param`` once a stage-3 engine has taken it into its partition."""
+    if init_shard(param) is not None:
+        delattr(param, _ATTR)
 
 
 @torch.no_grad()

@@ -144,7 +144,7 @@ class Stage3(Stage2):
 
     def _make_group(self, index: int, named: Sequence[tuple[str, nn.Parameter]]) -> GroupState:
         breaks, persistent = self._plans[index]
-        device = next((p.device for _, p in named), torch.device("cpu"))
+        device = self.options.device or next((p.device for _, p in named), torch.device("cpu"))
         return ShardedGroup(
             index,
             named,
@@ -155,6 +155,7 @@ class Stage3(Stage2):
             compute_dtype=self.options.compute_dtype,
             master_device=self.options.master_device or device,
             param_device=self.s3.param_device or device,
+            device=device,
             pin_memory=self.options.pin_memory,
         )
 
