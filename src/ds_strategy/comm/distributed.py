@@ -378,13 +378,40 @@ def destroy_at_normal_exit() -> None:
     atexit.register(_destroy_if_clean)
 
 
+# [Note: leaving together]
+# Measured with tests/comm/scripts/uneven_exit.py (one rank works on after training): 2 aborts in ~170
+# launches even with the group destroyed at exit, and always on the rank that reached exit FIRST, while its
+# peer was still alive. So the ranks also meet before tearing down: each marks its exit in the group's
+# store and waits (bounded: EXIT_WAIT_ENV seconds, default 300) until every rank has, then all destroy the
+# group at the same moment, as ranks that finish together do. A peer that crashed never marks: the wait
+# times out (or the launcher ends this rank first), then the group is destroyed as before.
+EXIT_WAIT_ENV = "DS_STRATEGY_EXIT_WAIT"
+
+
 def _destroy_if_clean() -> None:
     if _exit_state["failed"] or not dist.is_initialized():
         return
     try:
+        _meet_peers_before_teardown()
         dist.destroy_process_group()
     except Exception as err:  # at exit: report, never raise
         log.debug("init_distributed: destroying the process group at exit failed: %s", err)
+
+
+def _meet_peers_before_teardown() -> None:
+    world = dist.get_world_size()
+    if world == 1:
+        return
+    seconds = float(os.environ.get(EXIT_WAIT_ENV, "300"))
+    if seconds <= 0:
+        return
+    store = dist.distributed_c10d._get_default_store()
+    prefix = f"ds_strategy/exit/{dist.distributed_c10d._get_default_group().group_name}"
+    store.set(f"{prefix}/{dist.get_rank()}", b"1")
+    try:
+        store.wait([f"{prefix}/{r}" for r in range(world)], datetime.timedelta(seconds=seconds))
+    except Exception as err:  # a peer that failed or works on for longer: tear down alone, as before
+        log.warning("exit: not every rank reached exit within %gs (%s); leaving without them", seconds, err)
 
 
 # ---- helpers -------------------------------------------------------------------------------------------
