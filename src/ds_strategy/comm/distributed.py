@@ -407,7 +407,7 @@ def _meet_peers_before_teardown() -> None:
         return
     store = dist.distributed_c10d._get_default_store()
     prefix = f"ds_strategy/exit/{dist.distributed_c10d._get_default_group().group_name}"
-    store.set(f"{prefix}/{dist.get_rank()}", b"1")
+    store.set(f"{prefix}/{dist.get_rank()}", "1")
     try:
         store.wait([f"{prefix}/{r}" for r in range(world)], datetime.timedelta(seconds=seconds))
     except Exception as err:  # a peer that failed or works on for longer: tear down alone, as before

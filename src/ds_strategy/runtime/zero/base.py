@@ -344,7 +344,9 @@ class ZeroStage:
         for tile in self.step_tiles():
             # Only the tile's masters carry a gradient: optimizers skip the others, so the step's temporaries
             # scale with the tile (the optimizers ZeRO accepts are elementwise: tiles give the same weights).
-            hidden = {m: m.grad for gs in self.groups for m in gs.masters if m not in tile}
+            hidden: dict[nn.Parameter, torch.Tensor | None] = {
+                m: m.grad for gs in self.groups for m in gs.masters if m not in tile
+            }
             for m in hidden:
                 m.grad = None
             if fused:
@@ -352,8 +354,8 @@ class ZeroStage:
                 optimizer.step(clip_coef=factor, out_16bit=out or None)  # type: ignore[call-overload]
             else:
                 optimizer.step()
-            for m, grad in hidden.items():
-                m.grad = grad
+            for m, saved in hidden.items():
+                m.grad = saved
         for gs in self.groups:
             for master in gs.masters:
                 master.grad = None
