@@ -66,3 +66,25 @@ def test_strategy_builds_the_engine_on_its_root_device(monkeypatch: pytest.Monke
     monkeypatch.setattr(ZeroStrategy, "root_device", property(lambda self: torch.device("cuda", 3)))
     strategy._build_engine(nn.Identity(), None, None)  # type: ignore[arg-type]
     assert seen["device"] == torch.device("cuda", 3)
+
+
+@pytest.mark.parametrize(
+    ("device", "pin", "target", "expected"),
+    [
+        ("cuda", True, "cpu", True),
+        ("cuda", False, "cpu", False),  # the key is read: false means pageable host buffers
+        ("cuda", True, "none", False),  # nothing offloaded
+        ("cpu", True, "cpu", False),  # pinning means nothing when the compute device is the CPU
+    ],
+)
+def test_offload_pin_memory_key_decides_pinning(device: str, pin: bool, target: str, expected: bool) -> None:
+    from ds_strategy.config import load_config
+    from ds_strategy.runtime.engine import pinned_host_buffers
+    from ds_strategy.runtime.zero.stage3 import Stage3Options
+
+    zero = {"stage": 3, "offload_optimizer": {"device": target, "pin_memory": pin}}
+    zero["offload_param"] = {"device": target, "pin_memory": pin}
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, world_size=1)
+    assert pinned_host_buffers(cfg.zero_optimization.offload_optimizer, torch.device(device)) is expected
+    # Parameter offload's own key (parameter-only offload is pinned too); the stage adds the CUDA condition.
+    assert Stage3Options.from_config(cfg).param_pin is (pin and target == "cpu")

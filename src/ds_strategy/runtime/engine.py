@@ -88,7 +88,7 @@ class ZeroEngine(nn.Module):
             async_comm=zero.overlap_comm or config.zero_stage == 0,
             pre_scale=pre,
             post_scale=post,
-            pin_memory=offload and self.device.type == "cuda",
+            pin_memory=pinned_host_buffers(zero.offload_optimizer, self.device),
             sub_group_numel=int(zero.sub_group_size),
             device=self.device,
         )
@@ -463,6 +463,12 @@ def _averaging(config: DeepSpeedConfig, world_size: int) -> tuple[float, float]:
     if config.prescale_gradients:
         return 1.0 / world_size, 1.0
     return 1.0 / f, f / world_size
+
+
+def pinned_host_buffers(offload: Any, device: torch.device) -> bool:
+    """Whether an offload block's host buffers are pinned: its ``pin_memory`` key, for a device that copies
+    to and from page-locked memory faster (CUDA); pinning means nothing when the compute device is the CPU."""
+    return offload.device == "cpu" and bool(offload.pin_memory) and device.type == "cuda"
 
 
 def _place(

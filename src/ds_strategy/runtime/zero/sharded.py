@@ -53,6 +53,7 @@ class ShardedGroup(GroupState):
         param_device: torch.device,
         device: torch.device | None = None,
         pin_memory: bool = False,
+        pin_part: bool = False,
     ) -> None:
         # Deliberately not GroupState.__init__: that one materialises the full flat buffer.
         self.index = index
@@ -72,7 +73,9 @@ class ShardedGroup(GroupState):
         self.device = device or _compute_device(self.params)
         self.compute_dtype = compute_dtype
         self.persistent = {b.index for b in self.layout.buckets if all(i in persistent for i in b.params)}
-        pin = pin_memory and param_device.type == "cpu" and torch.cuda.is_available()
+        # offload_param.pin_memory pins the host partition (parameter-only offload too); pin_memory is the
+        # optimizer offload's, for the fp32 masters.
+        pin = pin_part and param_device.type == "cpu" and torch.cuda.is_available()
         self.part = torch.empty(self.layout.partition_numel, dtype=compute_dtype, device=param_device, pin_memory=pin)
         self.aliased = compute_dtype == torch.float32 and master_device == param_device
         if self.aliased:

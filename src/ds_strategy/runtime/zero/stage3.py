@@ -51,6 +51,7 @@ class Stage3Options:
     max_live_numel: int = 1_000_000_000
     reuse_distance: int = 1_000_000_000
     param_device: torch.device | None = None  # offload_param: where the shards live (None: compute device)
+    param_pin: bool = False  # offload_param.pin_memory: page-locked host shards (used with a CUDA device)
     gather_on_save: bool = False
 
     @classmethod
@@ -64,6 +65,7 @@ class Stage3Options:
             max_live_numel=int(zero.stage3_max_live_parameters),
             reuse_distance=int(zero.stage3_max_reuse_distance),
             param_device=torch.device("cpu") if offload else None,
+            param_pin=offload and bool(zero.offload_param.pin_memory),
             gather_on_save=bool(zero.stage3_gather_16bit_weights_on_model_save),
         )
 
@@ -157,6 +159,7 @@ class Stage3(Stage2):
             param_device=self.s3.param_device or device,
             device=device,
             pin_memory=self.options.pin_memory,
+            pin_part=self.s3.param_pin and device.type == "cuda",
         )
 
     # ------------------------------------------------------------------ hooks
