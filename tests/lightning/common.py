@@ -195,8 +195,13 @@ def make_strategy(name: str) -> Any:
 
     zero2_offload: optimizer offload insists on ds_strategy's CPU optimizer kernels; the test module
     returns a torch Adam, so this run allows it (``zero_force_ds_cpu_optimizer: false``).
+    zero3_sharded: stage 3 with every parameter partitioned (the test model's are all below the default
+    persistence threshold, so plain zero3 keeps them gathered).
     """
     import ds_strategy.lightning as zl
+
+    if name == "zero3_sharded":
+        return zl.ZeroStrategy(stage=3, config={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
 
     if name.endswith("_offload"):
         stage = int(name[4])
@@ -271,9 +276,15 @@ def _fit_run(
         strategy=make_strategy(strategy) if isinstance(strategy, str) else strategy, callbacks=callbacks, **kwargs
     )
     trainer.fit(model, ckpt_path=ckpt_path)
+    from ds_strategy.zero import GatheredParameters
+
+    final_state = trainer.strategy.lightning_module_state_dict()  # stage 3: rank 0's, assembled at teardown
+    with GatheredParameters(list(model.parameters())):  # stage 3: the shards the engine handed back
+        weights = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     out: dict[str, Any] = {
         "losses": list(model.train_losses),
-        "weights": {k: v.detach().float().clone() for k, v in model.state_dict().items()},
+        "weights": weights,
+        "final_state": {k: v.detach().float().clone() for k, v in final_state.items()},
         "lrs": lr_recorder.lrs,
         "metrics": {k: float(v) for k, v in trainer.callback_metrics.items()},
         "global_step": trainer.global_step,

@@ -212,6 +212,10 @@ def config(
         cfg["bf16"] = {"enabled": True}
     if precision == "fp16":
         cfg["fp16"] = {"enabled": True, "initial_scale_power": 8}
+    if precision != "fp32":
+        # The references reduce gradients in fp32; the engine's default (DeepSpeed's) is the compute dtype,
+        # tested on its own in test_config_effects.py.
+        cfg["communication_data_type"] = "fp32"
     cfg.update(extra)
     if precision == "fp16":  # the data is fp32: let the engine cast it (DeepSpeed's fp16.auto_cast)
         cfg["fp16"].setdefault("auto_cast", True)

@@ -339,3 +339,47 @@ def test_gradient_averaging_keys() -> None:
     assert out["sum"] == pytest.approx(2 * out["mean"], rel=1e-6)  # "sum" keeps the sum over the 2 ranks
     assert out["prescale"] == pytest.approx(out["mean"], rel=1e-6)  # divided before instead of after
     assert out["predivide"] == pytest.approx(out["mean"], rel=1e-6)  # by 4 before, by 2 / 4 after
+
+
+def _comm_dtypes(rank: int, world: int) -> dict[str, Any]:
+    import ds_strategy.runtime as rt
+
+    out: dict[str, Any] = {}
+    data = batches(4, 2 * 2 * world)
+    for stage in (0, 2, 3):
+        for precision, comm in (("fp32", None), ("bf16", None), ("fp16", None), ("bf16", "fp32")):
+            extra = {} if comm is None else {"communication_data_type": comm}
+            cfg = config(stage=stage, precision=precision, **extra)
+            if comm is None:
+                cfg.pop("communication_data_type", None)  # common.config pins fp32 for the references
+            engine, _, _, _ = rt.initialize(model=make_model(), config=cfg)
+            seen: set[torch.dtype] = set()
+            for op in ("all_reduce", "reduce_scatter"):  # gradient reductions; the norm / overflow pair is 2 long
+                original = getattr(engine.coll, op)
+
+                def record(
+                    tensor: torch.Tensor, *args: Any, _original: Any = original, _seen: Any = seen, **kw: Any
+                ) -> Any:
+                    inputs = [tensor, *[a for a in args if isinstance(a, torch.Tensor)]]
+                    _seen.update(t.dtype for t in inputs if t.numel() > 2)
+                    return _original(tensor, *args, **kw)
+
+                setattr(engine.coll, op, record)
+            trace = engine_run(engine, data, micro=2, gas=2)
+            out[f"{stage}-{precision}-{comm}"] = (sorted(str(d) for d in seen), trace.losses)
+            engine.destroy()
+    return out
+
+
+def test_communication_data_type_defaults_to_the_compute_dtype_as_deepspeed() -> None:
+    """Unset, gradients are reduced in the training dtype (DeepSpeed's engine default); "fp32" overrides."""
+    out = run_distributed(_comm_dtypes, world_size=2)[0]
+    for stage in (0, 2, 3):
+        assert out[f"{stage}-fp32-None"][0] == ["torch.float32"], stage
+        assert out[f"{stage}-bf16-None"][0] == ["torch.bfloat16"], stage
+        assert out[f"{stage}-fp16-None"][0] == ["torch.float16"], stage
+        assert out[f"{stage}-bf16-fp32"][0] == ["torch.float32"], stage
+        # Reducing in bf16 rounds each sum once more: the run tracks the fp32-reduced one closely.
+        torch.testing.assert_close(
+            torch.tensor(out[f"{stage}-bf16-None"][1]), torch.tensor(out[f"{stage}-bf16-fp32"][1]), rtol=2e-2, atol=0
+        )

@@ -86,7 +86,7 @@ class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):
         callback = trainer.checkpoint_callback
         best_model_path = getattr(callback, "best_model_path", None) if callback else None
         strategy = self._strategy
-        state_dict = strategy.lightning_module_state_dict()  # every rank: a collective under stage 3
+        state_dict = strategy.lightning_module_state_dict()  # stage 3: assembled on rank 0 at teardown
         if strategy.local_rank != 0:
             return None
         weights_path = None

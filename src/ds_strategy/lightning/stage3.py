@@ -4,10 +4,11 @@ Stage 3 partitions the parameters themselves, so three things differ from stages
 
 - ``configure_model`` builds the model under ``ds_strategy.zero.Init`` (each rank materialises only its
   shard) instead of on the root device;
-- a full state dict (checkpoint weights, the weights a notebook kernel gets back after ``fit``) needs the
-  shards gathered on every rank (``ds_strategy.zero.GatheredParameters``);
-- before the engine is released at teardown, the full weights are gathered once, because afterwards the
-  module only holds this rank's shards.
+- checkpoints never gather: every rank writes its shards (``engine.save_checkpoint``), and the weights in
+  Lightning's checkpoint dict are the module's own state dict (placeholders for partitioned weights);
+- at teardown the full weights are assembled once, bucket by bucket, on rank 0's CPU (what a notebook
+  kernel gets back after ``fit``), and the engine hands each rank's shards back to the module as
+  ``zero.Init`` would have left them, so ``validate``/``test`` after ``fit`` build a new engine from them.
 
 Until the stage-3 engine is merged, ``stage_available(3)`` is False and a stage-3 ``ZeroStrategy`` fails
 at setup with ``STAGE3_MISSING``; the tests skip with that reason.
@@ -17,9 +18,10 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
-from torch import Tensor, nn
+if TYPE_CHECKING:
+    from ds_strategy.runtime import ZeroEngine
 
 STAGE3_MISSING = "stage 3 engine not merged yet"
 
@@ -49,11 +51,8 @@ def sharded_init(raw_config: Mapping[str, Any]) -> Iterator[None]:
         yield
 
 
-def full_state_dict(module: nn.Module, stage: int) -> dict[str, Any]:
-    """The module's full state dict; collective under stage 3 (call it on every rank)."""
-    if stage < 3:
-        return module.state_dict()
-    from ds_strategy.zero import GatheredParameters
-
-    with GatheredParameters(list(module.parameters()), modifier_rank=None):
-        return {k: v.detach().clone() if isinstance(v, Tensor) else v for k, v in module.state_dict().items()}
+def final_weights(engine: ZeroEngine) -> dict[str, Any]:
+    """At teardown, while every rank is still here: the full weights on rank 0's CPU, assembled one
+    bucket at a time (a collective; the other ranks get ``{}``). What a notebook kernel gets back after
+    ``fit`` and what ``lightning_module_state_dict()`` returns once the engine is gone."""
+    return engine.full_state_dict(rank=0)

@@ -169,6 +169,7 @@ class ZeroStrategy(ParallelStrategy):
         self.engine: ZeroEngine | None = None
         self.engine_config: DeepSpeedConfig | None = None
         self._final_state_dict: dict[str, Any] | None = None
+        self._interrupted = False
         self._single_file_checkpoint = False
 
     # ------------------------------------------------------------------ what Lightning asks of a strategy
@@ -305,6 +306,7 @@ class ZeroStrategy(ParallelStrategy):
         self.accelerator.setup(trainer)
         stage3.require_stage(self.stage)
         self._final_state_dict = None
+        self._interrupted = False
         module = self.lightning_module
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
@@ -450,11 +452,18 @@ class ZeroStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ state
     def lightning_module_state_dict(self) -> dict[str, Any]:
-        """Full weights on every rank (stage 3: gathered, a collective)."""
+        """The module's weights for Lightning's checkpoint dict, gathering nothing (see stage3.py): stages
+        0-2 the full state dict; stage 3 during a run the module's own state dict (partitioned weights are
+        0-element placeholders: ``save_checkpoint`` writes the engine's shards and drops this entry), after
+        the run the full weights assembled at teardown on rank 0's CPU (other ranks: ``{}``)."""
         if self.engine is None and self._final_state_dict is not None:
             return self._final_state_dict
         assert self.lightning_module is not None
-        return stage3.full_state_dict(self.lightning_module, self.stage if self.engine is not None else 0)
+        return self.lightning_module.state_dict()
+
+    def on_exception(self, exception: BaseException) -> None:
+        self._interrupted = True  # teardown then issues no collective: the peers may be gone
+        super().on_exception(exception)
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         # The engine saves the (partitioned) optimizer state itself, in save_checkpoint; Lightning's copy
@@ -553,10 +562,10 @@ class ZeroStrategy(ParallelStrategy):
     def teardown(self) -> None:
         engine = self.engine
         if engine is not None:
-            if self.stage == 3 and self.lightning_module is not None:
-                # The full weights, gathered while every rank is still here (see stage3.py).
-                self._final_state_dict = stage3.full_state_dict(self.lightning_module, 3)
-            engine.destroy()
+            clean = not self._interrupted
+            if self.stage == 3 and clean:
+                self._final_state_dict = stage3.final_weights(engine)
+            engine.destroy(release_params=clean)
             self.engine = None
         self.model = self.lightning_module
         super().teardown()

@@ -412,22 +412,39 @@ class ZeroEngine(nn.Module):
         state dict that the plain module loads (``load_state_dict(strict=True)``); rank 0 writes, every
         rank must call it. Stage 3 gathers the partitions only with
         ``stage3_gather_16bit_weights_on_model_save`` (like DeepSpeed: otherwise False, nothing written)."""
-        state = self.stage.consolidated_state_dict(self.module)
-        if state is None:
+        zero = self.config.zero_optimization
+        if self.stage.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
             if self.coll.rank == 0:
                 log.warning(
                     "save_16bit_model: nothing saved; set zero_optimization.stage3_gather_16bit_weights_on_model_save "
                     "to true to gather the partitioned ZeRO-3 weights into one file"
                 )
             return False
+        state = self.full_state_dict(rank=0)
         if self.coll.rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state, os.path.join(save_dir, save_filename))
         return True
 
-    def destroy(self) -> None:
-        """Remove the gradient hooks and release the shared-memory segment of the collectives (the module
-        keeps its flat-buffer parameters; torch.distributed's process group stays the caller's)."""
+    def full_state_dict(self, rank: int | None = 0) -> dict[str, torch.Tensor]:
+        """The module's full state dict (compute dtype) on the CPU of ``rank`` (of every rank when None);
+        the other ranks get ``{}``. Stage 3 gathers one bucket at a time, so no device ever holds the whole
+        model: call it on every rank."""
+        return self.stage.full_state_dict(self.module, rank)
+
+    def _zero3_consolidated_16bit_state_dict(self) -> dict[str, torch.Tensor]:
+        """DeepSpeed's name for :meth:`full_state_dict` on rank 0."""
+        return self.full_state_dict(rank=0)
+
+    def destroy(self, *, release_params: bool = True) -> None:
+        """Remove the gradient hooks and release the shared-memory segment of the collectives
+        (torch.distributed's process group stays the caller's). The module keeps its parameters: stages
+        0-2 their flat-buffer views, stage 3 each rank's shard as ``zero.Init`` leaves it, so a new engine
+        or ``GatheredParameters`` takes the module as it is. At stage 3 that hand-back is a collective (one
+        bucket at a time): call destroy on every rank, or pass ``release_params=False`` after a failure,
+        when the peers may be gone (the stage-3 parameters are then left unusable)."""
+        if release_params:
+            self.stage.release_params()
         self.stage.detach()
         self.coll.close()
 

@@ -3,10 +3,9 @@
 [Note: precision of gradients]
 Parameters live in the compute dtype (fp32, bf16 or fp16); backward produces gradients in that dtype.
 The engine accumulates them across micro-steps in ``data_types.grad_accum_dtype`` (default fp32) and
-reduces them across ranks in ``communication_data_type`` (default: the accumulation dtype), so with
-bf16/fp16 the averaged gradient is as exact as fp32 arithmetic allows before it meets the fp32 master
-weights. DeepSpeed defaults to communicating in the compute dtype; set ``communication_data_type`` to
-"bf16"/"fp16" for that (half the bytes, a rounding per reduction).
+reduces them across ranks in ``communication_data_type``, whose default is DeepSpeed's: the compute dtype
+(bf16/fp16 training sends half the bytes, with a rounding per reduction). ``"fp32"`` makes the averaged
+gradient as exact as fp32 arithmetic allows before it meets the fp32 master weights.
 """
 
 from __future__ import annotations
@@ -43,7 +42,8 @@ class Precision:
     @classmethod
     def from_config(cls, config: DeepSpeedConfig) -> Precision:
         accum = _DTYPES[config.data_types.grad_accum_dtype or "fp32"]
-        comm = _DTYPES[config.communication_data_type] if config.communication_data_type else accum
+        # DeepSpeed's engine: the configured dtype, else fp16 / bf16 when training in it, else fp32.
+        comm = _DTYPES[config.communication_data_type] if config.communication_data_type else config.precision_dtype
         if config.fp16_enabled:
             return cls(config.precision_dtype, accum, comm, cast_args=config.fp16.auto_cast, cast_kwargs=False)
         return cls(config.precision_dtype, accum, comm)

@@ -37,6 +37,7 @@ from ds_strategy.ops import multi_tensor_l2norm
 from ..optimizers import is_cpu_kernel_optimizer
 from .buffers import GroupState
 from .collectives import Collectives, Handle
+from .offload_copy import HostCopier
 
 BucketKey = tuple[int, int]  # (group index, bucket index)
 
@@ -103,6 +104,7 @@ class ZeroStage:
         self._ptr = 0
         self._inflight: list[Handle] = []
         self._host_grad_buffers: dict[int, list[torch.Tensor]] = {}
+        self._host_copier = HostCopier(self.compute_device)  # offloaded gradients to the host masters
 
     @classmethod
     def create(
@@ -144,11 +146,16 @@ class ZeroStage:
         return nullcontext()
 
     @torch.no_grad()
-    def consolidated_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
-        """The module's full state dict in the compute dtype, on the CPU (every rank must call it);
-        None when the configuration says not to gather it (stage 3 without
-        ``stage3_gather_16bit_weights_on_model_save``)."""
+    def full_state_dict(self, module: nn.Module, rank: int | None = None) -> dict[str, torch.Tensor]:
+        """The module's full state dict in the compute dtype, copied to the CPU of ``rank`` (of every rank
+        when None; the other ranks get ``{}``). Every rank must call it (stage 3 gathers)."""
+        if rank is not None and self.coll.rank != rank:
+            return {}
         return {k: v.detach().to("cpu", copy=True) for k, v in module.state_dict().items()}
+
+    def release_params(self) -> None:
+        """Before the engine is destroyed: leave the parameters usable by a later engine. Stages 0-2 have
+        nothing to do (the module keeps its flat-buffer parameters); stage 3 overrides it."""
 
     # ------------------------------------------------------------------ stage-specific parts
     def _target(self, group: int, index: int) -> torch.Tensor:
@@ -328,20 +335,25 @@ class ZeroStage:
                 torch._foreach_mul_(pieces, factor)
         outputs: dict[torch.Tensor, torch.Tensor] = {}
         written: set[int] = set()
+        to_host: dict[nn.Parameter, tuple[torch.Tensor, torch.Tensor]] = {}  # master -> (host copy, gradient)
         for g, gs in enumerate(self.groups):
             grads = self._grad_pieces(g)
             device = gs.masters[0].device if gs.masters else None
             if grads and (grads[0].device != device or (grads[0].dtype != torch.float32 and not fused)):
                 host = self._host_grads(g)  # offload / non-fp32 accumulation: fp32 copies on the master device
-                for dst, src in zip(host, grads, strict=True):
-                    dst.copy_(src)  # blocking: the host optimizer reads it next
+                to_host.update(zip(gs.masters, zip(host, grads, strict=True), strict=True))
                 grads = host
             for master, grad in zip(gs.masters, grads, strict=True):
                 master.grad = grad
             if fused and (sixteen := gs.sixteen_bit_outputs()):
                 outputs.update(sixteen)
                 written.add(g)
-        for tile in self.step_tiles():
+        tiles = self.step_tiles()
+        order = [m for gs in self.groups for m in gs.masters if m in to_host]
+        # Every tile's copies are issued now; each tile waits for its own before its step (offload_copy.py).
+        waits = [self._host_copier.copy([to_host[m] for m in order if m in tile]) for tile in tiles]
+        for tile, wait in zip(tiles, waits, strict=True):
+            wait()
             # Only the tile's masters carry a gradient: optimizers skip the others, so the step's temporaries
             # scale with the tile (the optimizers ZeRO accepts are elementwise: tiles give the same weights).
             hidden: dict[nn.Parameter, torch.Tensor | None] = {

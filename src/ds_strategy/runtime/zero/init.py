@@ -69,6 +69,13 @@ def partition_param(param: nn.Parameter, coll: Collectives, *, src: int = 0) -> 
     # nothing else, and the shard then lives where the engine will train it.
     full = param.detach().to(compute_device()).contiguous().view(-1)
     coll.broadcast(full, src=src)
+    keep_shard(param, full, coll)
+
+
+@torch.no_grad()
+def keep_shard(param: nn.Parameter, full: torch.Tensor, coll: Collectives) -> None:
+    """Keep this rank's piece of ``full`` (``param``'s flattened value, the same on every rank) as its
+    zero.Init shard, on ``full``'s device, and leave a placeholder in ``param.data``."""
     numel, world = full.numel(), coll.world_size
     per = -(-numel // world) if numel else 0
     shard = torch.zeros(per, dtype=full.dtype, device=full.device)

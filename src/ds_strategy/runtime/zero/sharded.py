@@ -97,42 +97,56 @@ class ShardedGroup(GroupState):
         # about the whole model resident (measured with MALLOC_PERTURB_: 2.5x the model instead of 0.6x).
         longest = max((b.padded for b in self.layout.buckets), default=0)
         scratch32 = torch.empty(longest, dtype=torch.float32, device=self.device)
-        shards = [init_shard(p) for p in self.params]
-        gathered = max((s.shard.numel() * coll.world_size for s in shards if s is not None), default=0)
+        gathered = max(
+            (s.shard.numel() * coll.world_size for s in map(init_shard, self.params) if s is not None), default=0
+        )
         gather_buf = torch.empty(gathered, dtype=torch.float32, device=self.device) if gathered else None
-        with torch.no_grad():
-            for b, bucket in enumerate(self.layout.buckets):
-                # One bucket at a time in fp32 (exact for every input dtype); rank 0's values win, as in
-                # stages 0-2. Parameters built under zero.Init are already agreed: gathered, not broadcast.
-                full32 = scratch32[: bucket.padded].zero_()
-                from_init = True
-                for i in bucket.params:
-                    p = self.params[i]
-                    view = self.in_bucket(full32, i)
-                    info = init_shard(p)
-                    if info is not None:
-                        out = gather_buf if gather_buf is not None and info.shard.dtype == torch.float32 else None
-                        view.copy_(gather_init_param(p, out=out).view_as(view))
-                        release_init_shard(p)  # the partition below replaces zero.Init's shard
-                    else:
-                        view.copy_(p.detach())
-                        from_init = False
-                if not from_init:
-                    coll.broadcast(full32)
-                mine = full32.view(coll.world_size, -1)[self.rank]
-                self._part_views[b].copy_(mine)
-                if master_views is not self._part_views:
-                    master_views[b].copy_(mine)
-                self.full.append(torch.empty(bucket.padded, dtype=compute_dtype, device=self.device))
-                self.live.append(True)
-                if b in self.persistent:
-                    self.full[b].copy_(full32)
-                    self._point_params(b)
-                else:
-                    self.free(b)
-            del scratch32, gather_buf
+        for b in range(len(self.layout.buckets)):
+            self._take_bucket(b, scratch32, gather_buf, master_views)
+        del scratch32, gather_buf
+        for b, bucket in enumerate(self.layout.buckets):
+            if b not in self.persistent:  # a bucket-sized tensor without storage, filled by gather()
+                self.full[b] = torch.empty(bucket.padded, dtype=compute_dtype, device=self.device)
+                host_memory.release(self.full[b])
         # One leaf per bucket for the optimizer (see [Note: master weights] in buffers.py).
         self.masters = [nn.Parameter(piece) for piece in master_views]
+
+    @torch.no_grad()
+    def _take_bucket(
+        self, b: int, scratch32: torch.Tensor, gather_buf: torch.Tensor | None, master_views: list[torch.Tensor]
+    ) -> None:
+        """Build bucket ``b`` in fp32 (exact for every input dtype) and keep this rank's shard of it. Rank 0's
+        values win, as in stages 0-2; parameters built under zero.Init are already agreed: gathered, not
+        broadcast, and their zero.Init shards dropped at once."""
+        bucket = self.layout.buckets[b]
+        full32 = scratch32[: bucket.padded].zero_()
+        from_init = True
+        for i in bucket.params:
+            p = self.params[i]
+            view = self.in_bucket(full32, i)
+            info = init_shard(p)
+            if info is not None:
+                out = gather_buf if gather_buf is not None and info.shard.dtype == torch.float32 else None
+                view.copy_(gather_init_param(p, out=out).view_as(view))
+                release_init_shard(p)  # the partition below replaces zero.Init's shard
+            else:
+                view.copy_(p.detach())
+                from_init = False
+        if not from_init:
+            self.coll.broadcast(full32)
+        mine = full32.view(self.coll.world_size, -1)[self.rank]
+        self._part_views[b].copy_(mine)
+        if master_views is not self._part_views:
+            master_views[b].copy_(mine)
+        if b in self.persistent:
+            self.full.append(full32.to(self.compute_dtype, copy=True))
+            self.live.append(True)
+            self._point_params(b)
+        else:
+            self.full.append(self._placeholder)  # given its own tensor once the scratch buffers are gone
+            self.live.append(False)
+            for i in bucket.params:
+                self.params[i].data = self._placeholder  # the parameter's original storage goes now
 
     # ------------------------------------------------------------------ views
     def slot(self, index: int) -> ParamSlot:

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from .base import BucketKey, StageOptions, ZeroStage
+from .buffers import GroupState
 from .collectives import Collectives, Handle
 
 
@@ -33,13 +34,15 @@ class Stage2(ZeroStage):
         options: StageOptions,
     ) -> None:
         super().__init__(groups, registration, coll=coll, options=options)
-        self.partition_grads = [
-            torch.zeros(gs.layout.partition_numel, dtype=torch.float32, device=gs.device) for gs in self.groups
-        ]
+        self.partition_grads = [self._partition_grad(gs) for gs in self.groups]
         self._staging: dict[BucketKey, torch.Tensor] = {}
         # Buckets whose partition gradient holds nothing of this window yet: the first result is copied
         # in (or reduce-scattered straight into place), later ones are added.
         self._fresh = {key: True for key in self.bucket_order}
+
+    def _partition_grad(self, gs: GroupState) -> torch.Tensor:
+        """This rank's fp32 gradient partition of one group (stage 3 allocates it lazily)."""
+        return torch.zeros(gs.layout.partition_numel, dtype=torch.float32, device=gs.device)
 
     def _staging_for(self, key: BucketKey) -> torch.Tensor:
         buf = self._staging.get(key)

@@ -31,7 +31,7 @@ from . import host_memory
 from .base import BucketKey, StageOptions, ZeroStage
 from .buffers import GroupState
 from .collectives import Collectives, Handle
-from .init import init_shard, unpartition_param
+from .init import init_shard, keep_shard, unpartition_param
 from .param_gather import EXTERNAL_ATTR, ParamGatherer
 from .sharded import ShardedGroup
 from .stage2 import Stage2
@@ -184,18 +184,23 @@ class Stage3(Stage2):
         if self._bucket_grads[key] == len(self.groups[g].layout.buckets[key[1]].params):
             self.gatherer.grads_done(key)  # see [Note: gather units and hooks]
 
+    def _partition_grad(self, gs: GroupState) -> torch.Tensor:
+        """Released (0 elements) until a reduction lands in it: neither the engine build nor the time
+        between a step and the next backward holds the gradient partition."""
+        return torch.empty(0, dtype=torch.float32, device=gs.device)
+
     def _launch(self, key: BucketKey) -> Handle:
-        grads = self.partition_grads[key[0]]
-        if grads.untyped_storage().nbytes() == 0 and grads.numel() > 0:  # released after the last step
-            grads.untyped_storage().resize_(grads.numel() * grads.element_size())
+        gs = self.groups[key[0]]
+        if self.partition_grads[key[0]].numel() != gs.layout.partition_numel:
+            # Every bucket is launched in every reducing pass and its first landing overwrites, so the
+            # fresh partition needs no zeroing.
+            self.partition_grads[key[0]] = torch.empty(gs.layout.partition_numel, dtype=torch.float32, device=gs.device)
         return super()._launch(key)
 
     def _reset_window(self) -> None:
-        """After a step: also release the partition gradients until the next backward lands one (every
-        bucket is launched in every reducing pass and its first landing overwrites, so no zeroing)."""
+        """After a step: also release the partition gradients until the next backward lands one."""
         super()._reset_window()
-        for grads in self.partition_grads:
-            grads.untyped_storage().resize_(0)
+        self.partition_grads = [self._partition_grad(gs) for gs in self.groups]
 
     def end_backward(self) -> None:
         super().end_backward()
@@ -260,20 +265,47 @@ class Stage3(Stage2):
         self.gatherer.release_keys(keys)
         host_memory.trim()  # a wide gather would otherwise stay cached in the pool (see host_memory.py)
 
-    def consolidated_state_dict(self, module: nn.Module) -> dict[str, torch.Tensor] | None:
-        if not self.s3.gather_on_save:
-            return None
+    @torch.no_grad()
+    def full_state_dict(self, module: nn.Module, rank: int | None = None) -> dict[str, torch.Tensor]:
         full: dict[int, torch.Tensor] = {}
+        keep = rank is None or self.coll.rank == rank
         for key in self.bucket_order[::-1]:  # one bucket at a time: never the whole model gathered
             self.gather_for_user([key])
             gs = self.sharded[key[0]]
-            for i in gs.layout.buckets[key[1]].params:
-                full[id(gs.params[i])] = gs.params[i].detach().to("cpu", copy=True)
+            if keep:
+                for i in gs.layout.buckets[key[1]].params:
+                    full[id(gs.params[i])] = gs.params[i].detach().to("cpu", copy=True)
             self.release_for_user([key], None)
+        if not keep:
+            return {}
         out = {}
         for name, value in module.state_dict(keep_vars=True).items():
             out[name] = full[id(value)] if id(value) in full else value.detach().to("cpu", copy=True)
         return out
+
+    @torch.no_grad()
+    def release_params(self) -> None:
+        """Leave every partitioned parameter as a ``zero.Init`` shard of its current value (a collective, one
+        bucket at a time; parameters of persistent buckets stay whole). The module is then what zero.Init
+        would have built: a new engine (Lightning's validate after fit) or GatheredParameters takes it,
+        and no parameter refers to this stage any more, so its partitions and optimizer state can go."""
+        coll = Collectives(self.coll.group, fast_path=False)  # outlives this engine's collectives
+        for g, gs in enumerate(self.sharded):
+            for b, bucket in enumerate(gs.layout.buckets):
+                whole = b in gs.persistent
+                if not whole:
+                    self.gather_for_user([(g, b)])
+                for i in bucket.params:
+                    p = gs.params[i]
+                    if whole:
+                        p.data = p.data.clone()  # off the bucket tensor this stage owns
+                    else:
+                        keep_shard(p, p.detach().reshape(-1), coll)
+                    delattr(p, ZERO3_ATTR)
+                if not whole:
+                    self.release_for_user([(g, b)], None)
+                    for i in bucket.params:  # release_for_user pointed them at this stage's placeholder
+                        gs.params[i].data = torch.empty(0, dtype=gs.params[i].dtype, device=gs.device)
 
 
 def _numel(p: torch.Tensor) -> int:
