@@ -554,7 +554,7 @@ class ZeroStrategy(ParallelStrategy):
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if not self._single_file_checkpoint:
             return  # the engine loaded the weights in load_checkpoint
-        lckpt.load_full_weights(self.require_engine(), checkpoint["state_dict"], strict, "the checkpoint file")
+        self.require_engine().load_full_state_dict(checkpoint["state_dict"], strict)
 
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # the engine loaded the optimizer state in load_checkpoint (single files hold none it can use)

@@ -12,7 +12,7 @@ beyond choosing the stage class; precision is decided once (``Precision``), the 
 from __future__ import annotations
 
 import os
-from collections.abc import Collection, Iterator
+from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -26,6 +26,7 @@ from ds_strategy.comm import CommsLogger, destroy_at_normal_exit
 from ds_strategy.config import DeepSpeedConfig, load_config
 from ds_strategy.log import get_logger
 
+from .counters import StepCounters
 from .params import (
     OptimizerArg,
     ParamsArg,
@@ -109,10 +110,7 @@ class ZeroEngine(nn.Module):
         self._requires_grad_at_build = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
         self._optimizer_groups_at_build = len(self.optimizer.param_groups) if self.optimizer is not None else 0
 
-        self.micro_steps = 0
-        self.global_steps = 0
-        self.global_samples = 0
-        self.skipped_steps = 0
+        self.counters = StepCounters()
         self.training_dataloader: Any = None
         self._step_applied = False
         self._global_grad_norm: float | None = None
@@ -341,6 +339,52 @@ class ZeroEngine(nn.Module):
     def zero_optimization_stage(self) -> int:
         return self.stage.stage
 
+    # DeepSpeed's counter attributes, kept in one object that checkpoints save and restore.
+    @property
+    def micro_steps(self) -> int:
+        return self.counters.micro_steps
+
+    @micro_steps.setter
+    def micro_steps(self, value: int) -> None:
+        self.counters.micro_steps = value
+
+    @property
+    def global_steps(self) -> int:
+        return self.counters.global_steps
+
+    @global_steps.setter
+    def global_steps(self, value: int) -> None:
+        self.counters.global_steps = value
+
+    @property
+    def global_samples(self) -> int:
+        return self.counters.global_samples
+
+    @global_samples.setter
+    def global_samples(self, value: int) -> None:
+        self.counters.global_samples = value
+
+    @property
+    def skipped_steps(self) -> int:
+        return self.counters.skipped_steps
+
+    @skipped_steps.setter
+    def skipped_steps(self, value: int) -> None:
+        self.counters.skipped_steps = value
+
+    @property
+    def compute_dtype(self) -> torch.dtype:
+        return self.precision.compute_dtype
+
+    @property
+    def tag_validation(self) -> str:
+        return str(self.config.checkpoint.tag_validation)
+
+    @property
+    def mid_accumulation(self) -> bool:
+        """Micro-steps of an unfinished accumulation window were taken (their gradients are held)."""
+        return self.micro_steps % self.batch.gradient_accumulation_steps != 0
+
     @property
     def dp_rank(self) -> int:
         """This rank's index in the data-parallel group."""
@@ -406,6 +450,15 @@ class ZeroEngine(nn.Module):
             load_lr_scheduler_states=load_lr_scheduler_states,
             load_module_only=load_module_only,
         )
+
+    def load_full_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
+        """Load a full (consolidated) state dict, e.g. a plain ``model.state_dict()`` or the output of
+        ``ds-zero-to-fp32``, into this engine at any stage: every rank fills its own fp32 masters (and so its
+        partitions) from it; buffers and frozen parameters are copied. Optimizer state is left as it is. With
+        ``strict`` the keys must match the module's exactly (tied parameters may appear under either name)."""
+        from .checkpoint.full import load_full_state_dict
+
+        load_full_state_dict(self, state_dict, strict)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """Write the consolidated weights (compute dtype: 16-bit, or fp32 when training in fp32) as a

@@ -11,7 +11,7 @@ from __future__ import annotations
 import os
 from dataclasses import dataclass, field
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -24,9 +24,7 @@ from .partition import Source, scalar_value
 from .save import module_entries
 from .store import rank_reader, read_meta, resolve
 from .sync import agree
-
-if TYPE_CHECKING:
-    from ..engine import ZeroEngine
+from .target import CheckpointTarget
 
 log = get_logger("ds_strategy.runtime.checkpoint")
 
@@ -46,7 +44,7 @@ class _Plan:
     notes: list[str] = field(default_factory=list)
 
 
-def check_model(engine: ZeroEngine, meta: dict[str, Any], layouts: list[FlatLayout], where: str) -> None:
+def check_model(engine: CheckpointTarget, meta: dict[str, Any], layouts: list[FlatLayout], where: str) -> None:
     """The checkpoint holds exactly this model's parameters and buffers, with the same shapes."""
     problems: list[str] = []
     saved = {slot.name: slot.shape for layout in layouts for slot in layout.params}
@@ -79,7 +77,7 @@ def check_model(engine: ZeroEngine, meta: dict[str, Any], layouts: list[FlatLayo
 
 
 def _plan(
-    engine: ZeroEngine, load_dir: str | os.PathLike[str], tag: Any, *, optimizer: bool, module_only: bool
+    engine: CheckpointTarget, load_dir: str | os.PathLike[str], tag: Any, *, optimizer: bool, module_only: bool
 ) -> _Plan:
     tag_dir = resolve(load_dir, None if tag is None else str(tag))
     meta = read_meta(tag_dir)
@@ -129,7 +127,7 @@ def _plan(
 
 
 @torch.no_grad()
-def _apply(engine: ZeroEngine, plan: _Plan, *, optimizer: bool, scheduler: bool, module_only: bool) -> None:
+def _apply(engine: CheckpointTarget, plan: _Plan, *, optimizer: bool, scheduler: bool, module_only: bool) -> None:
     stage = engine.stage
     for gs, pieces in zip(stage.groups, plan.masters, strict=True):
         for master, piece in zip(gs.masters, pieces, strict=True):
@@ -147,17 +145,13 @@ def _apply(engine: ZeroEngine, plan: _Plan, *, optimizer: bool, scheduler: bool,
     if scheduler and engine.lr_scheduler is not None and meta.get("scheduler") is not None:
         engine.lr_scheduler.load_state_dict(meta["scheduler"])
     engine.loss_scaler.load_state_dict(meta["loss_scaler"])
-    counters = meta["counters"]
-    engine.global_steps = int(counters["global_steps"])
-    engine.global_samples = int(counters["global_samples"])
-    engine.skipped_steps = int(counters["skipped_steps"])
-    engine.micro_steps = int(counters["micro_steps"])
+    engine.counters.load_state_dict(meta["counters"])
     if plan.rng is not None:
         rng.restore(plan.rng)
 
 
 def load_checkpoint(
-    engine: ZeroEngine,
+    engine: CheckpointTarget,
     load_dir: str | os.PathLike[str],
     tag: Any = None,
     *,
@@ -188,5 +182,5 @@ def load_checkpoint(
     return str(plan.tag_dir), meta.get("client_state") or {}
 
 
-def stage_of(engine: ZeroEngine) -> int:
+def stage_of(engine: CheckpointTarget) -> int:
     return int(engine.stage.stage)

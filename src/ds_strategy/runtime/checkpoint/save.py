@@ -14,7 +14,7 @@ from __future__ import annotations
 import os
 import shutil
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 
@@ -37,14 +37,12 @@ from .format import (
 from .partition import saved_group
 from .store import check_tag, publish, staging_dir
 from .sync import agree, gather
-
-if TYPE_CHECKING:
-    from ..engine import ZeroEngine
+from .target import CheckpointTarget
 
 log = get_logger("ds_strategy.runtime.checkpoint")
 
 
-def module_entries(engine: ZeroEngine) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
+def module_entries(engine: CheckpointTarget) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
     """(state-dict entries outside the flat partition, {alias: layout name} of tied flat parameters, all
     state-dict keys in order). Flat parameters are saved as fp32 partitions; their compute-dtype copies
     are their cast, so they are not saved twice."""
@@ -62,16 +60,7 @@ def module_entries(engine: ZeroEngine) -> tuple[dict[str, torch.Tensor], dict[st
     return rest, aliases, keys
 
 
-def _counters(engine: ZeroEngine) -> dict[str, int]:
-    return {
-        "global_steps": engine.global_steps,
-        "global_samples": engine.global_samples,
-        "skipped_steps": engine.skipped_steps,
-        "micro_steps": engine.micro_steps,
-    }
-
-
-def _meta(engine: ZeroEngine, tag: str, client_state: dict[str, Any]) -> dict[str, Any]:
+def _meta(engine: CheckpointTarget, tag: str, client_state: dict[str, Any]) -> dict[str, Any]:
     rest, aliases, keys = module_entries(engine)
     optimizer = engine.optimizer
     hyper = (
@@ -87,7 +76,7 @@ def _meta(engine: ZeroEngine, tag: str, client_state: dict[str, Any]) -> dict[st
         "tag": tag,
         "stage": engine.stage.stage,
         "world_size": engine.coll.world_size,
-        "compute_dtype": str(engine.precision.compute_dtype).removeprefix("torch."),
+        "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
         "groups": [
             {"layout": gs.layout.to_dict(), "hyperparams": h} for gs, h in zip(engine.stage.groups, hyper, strict=True)
         ],
@@ -97,7 +86,7 @@ def _meta(engine: ZeroEngine, tag: str, client_state: dict[str, Any]) -> dict[st
         },
         "aliases": aliases,
         "state_keys": keys,
-        "counters": _counters(engine),
+        "counters": engine.counters.state_dict(),
         "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
         "loss_scaler": engine.loss_scaler.state_dict(),
         "client_state": client_state,
@@ -108,7 +97,7 @@ def _meta(engine: ZeroEngine, tag: str, client_state: dict[str, Any]) -> dict[st
 
 
 def save_checkpoint(
-    engine: ZeroEngine,
+    engine: CheckpointTarget,
     save_dir: str | os.PathLike[str],
     tag: Any = None,
     client_state: dict[str, Any] | None = None,
@@ -120,7 +109,7 @@ def save_checkpoint(
     rank = coll.rank
 
     def prepare() -> tuple[str, dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
-        name = check_tag(str(tag) if tag is not None else f"global_step{engine.global_steps}")
+        name = check_tag(str(tag) if tag is not None else f"global_step{engine.counters.global_steps}")
         state = {} if client_state is None else client_state
         check_safe(state, "client_state")
         ours = {
@@ -146,9 +135,10 @@ def save_checkpoint(
 
     name, ours, meta, model = agree(coll, prepare, "save_checkpoint (preparing)")
     name = _agreed_tag(engine, gather(coll, name))
-    if engine.micro_steps % engine.batch.gradient_accumulation_steps != 0 and rank == 0:
+    if engine.mid_accumulation and rank == 0:
         log.warning(
-            "save_checkpoint at micro-step %d: the gradients accumulated so far are not saved", engine.micro_steps
+            "save_checkpoint at micro-step %d: the gradients accumulated so far are not saved",
+            engine.counters.micro_steps,
         )
     staging = staging_dir(root, name)
 
@@ -197,12 +187,12 @@ def save_checkpoint(
     return final
 
 
-def _agreed_tag(engine: ZeroEngine, tags: list[str]) -> str:
+def _agreed_tag(engine: CheckpointTarget, tags: list[str]) -> str:
     """The tag every rank saves under (checkpoint.tag_validation, DeepSpeed's check that it is the same on
     every rank): "Fail" raises on every rank when they differ; "Warn" warns (rank 0) and "Ignore" says
     nothing, and both save under rank 0's tag: one complete checkpoint, never shards under several names."""
     if len(set(tags)) > 1:
-        policy = engine.config.checkpoint.tag_validation
+        policy = engine.tag_validation
         if policy == "Fail":
             raise ValueError(
                 f"save_checkpoint: the ranks passed different tags {tags} and checkpoint.tag_validation is "

@@ -1,0 +1,69 @@
+"""A full (consolidated, unpartitioned) state dict written into a sharded engine.
+
+Every rank fills its fp32 masters from the full values (its own layout decides which slices), then the
+stage publishes them into the parameters; buffers and frozen parameters are copied as they are. Used by
+``ZeroEngine.load_full_state_dict`` (and so by the Lightning adapter for single-file checkpoints).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Mapping
+from typing import Any
+
+import torch
+
+from .format import CheckpointError
+from .save import module_entries
+from .target import CheckpointTarget
+
+
+@torch.no_grad()
+def load_full_state_dict(
+    engine: CheckpointTarget, state_dict: Mapping[str, Any], strict: bool = True, where: str = "the state dict"
+) -> None:
+    """Write a full (unpartitioned) state dict into the engine: every rank fills its fp32 masters from it,
+    then publishes them into the parameters; buffers and frozen parameters are copied as they are."""
+    stage = engine.stage
+    rest, aliases, keys = module_entries(engine)
+    missing = [k for k in keys if k not in state_dict and aliases.get(k) not in state_dict]
+    unexpected = [k for k in state_dict if k not in keys]
+    if strict and (missing or unexpected):
+        raise CheckpointError(
+            f"{where} does not match the model: missing keys {missing[:10]}, unexpected keys {unexpected[:10]} "
+            "(strict=False loads a subset; in Lightning: LightningModule.strict_loading = False)"
+        )
+    for name, target in rest.items():
+        if name in state_dict:
+            _check_shape(state_dict[name], target.shape, name, where)
+            target.copy_(state_dict[name])
+    for gs in stage.groups:
+        full32 = torch.zeros(gs.layout.total, dtype=torch.float32, device=gs.masters[0].device if gs.masters else None)
+        known = torch.zeros(len(gs.names), dtype=torch.bool)
+        for i, name in enumerate(gs.names):
+            value = state_dict.get(name)
+            if value is None:
+                value = next((state_dict[a] for a, n in aliases.items() if n == name and a in state_dict), None)
+            if value is None:  # only when not strict: keep the current value
+                continue
+            view = gs.layout.param_view(full32, i)
+            _check_shape(value, view.shape, name, where)
+            view.copy_(value)
+            known[i] = True
+        for b, master in enumerate(gs.masters):
+            lo, hi = gs.master_range(b)
+            if bool(known.all()):
+                master.data.copy_(full32[lo:hi])
+            else:  # a partial load: overwrite only the parameters the state dict holds
+                for i in known.nonzero().flatten().tolist():
+                    slot = gs.layout.params[i]
+                    a, z = max(lo, slot.offset), min(hi, slot.end)
+                    if a < z:
+                        master.data[a - lo : z - lo].copy_(full32[a:z])
+    stage.publish()
+    stage.zero_grad()
+
+
+def _check_shape(value: Any, shape: torch.Size, name: str, where: str) -> None:
+    if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
+        got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
+        raise CheckpointError(f"{where}: {name!r} is {got} in the checkpoint, {list(shape)} in the model")

@@ -1,0 +1,76 @@
+"""What checkpointing needs from the thing it saves: a narrow, typed contract instead of the engine itself.
+
+``ZeroEngine`` satisfies ``CheckpointTarget`` structurally; runtime/checkpoint imports nothing above it
+(anchor: torchtitan's checkpoint manager, which receives stateful components, not the trainer).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+
+from ..counters import StepCounters
+from ..zero.buffers import GroupState
+from ..zero.collectives import Collectives
+
+
+class StatefulScaler(Protocol):
+    def state_dict(self) -> dict[str, Any]: ...
+
+    def load_state_dict(self, state: dict[str, Any]) -> None: ...
+
+
+class PartitionedState(Protocol):
+    """The ZeRO stage as checkpoints see it: its param groups' layouts and masters, and how to make the
+    parameters follow masters that were overwritten."""
+
+    @property
+    def stage(self) -> int: ...
+
+    @property
+    def groups(self) -> Sequence[GroupState]: ...
+
+    def publish(self) -> None:
+        """Masters -> compute-dtype parameters (and, partitioned, the gathered copies)."""
+
+    def zero_grad(self) -> None: ...
+
+
+class CheckpointTarget(Protocol):
+    @property
+    def module(self) -> nn.Module: ...
+
+    @property
+    def stage(self) -> PartitionedState: ...
+
+    @property
+    def optimizer(self) -> torch.optim.Optimizer | None: ...
+
+    @property
+    def lr_scheduler(self) -> Any: ...
+
+    @property
+    def loss_scaler(self) -> StatefulScaler: ...
+
+    @property
+    def counters(self) -> StepCounters: ...
+
+    @property
+    def coll(self) -> Collectives: ...
+
+    @property
+    def local_rank(self) -> int: ...
+
+    @property
+    def compute_dtype(self) -> torch.dtype: ...
+
+    @property
+    def tag_validation(self) -> str:
+        """``checkpoint.tag_validation``: "Warn", "Ignore" or "Fail"."""
+
+    @property
+    def mid_accumulation(self) -> bool:
+        """Gradients of an unfinished accumulation window exist (they are not saved)."""
