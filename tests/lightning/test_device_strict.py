@@ -13,7 +13,7 @@ import torch
 
 from tests.harness import run_distributed
 from tests.lightning.common import ELASTIC_ENV, fit_run
-from tests.lightning.test_trainer import MODEL, THEN, TRAINER, _assert_parity, _skip_without
+from tests.lightning.test_trainer import MODEL, THEN, TRAINER, _assert_parity
 
 pytestmark = pytest.mark.multiprocess
 
@@ -45,7 +45,6 @@ def ddp() -> list[dict[str, Any]]:
 
 @pytest.mark.parametrize("name", ["zero2", "zero3"])
 def test_fit_under_the_strict_mode_matches_ddp(name: str, ddp: list[dict[str, Any]], tmp_path: Any) -> None:
-    _skip_without(int(name[4]))
     runs = run_distributed(
         fit_run,
         2,
@@ -67,7 +66,6 @@ def test_fit_under_the_strict_mode_matches_ddp(name: str, ddp: list[dict[str, An
 def test_resume_under_the_strict_mode_matches_a_plain_resume(name: str, tmp_path: Any) -> None:
     """Load a sharded checkpoint (weights, optimizer state, counters) under the mode: the same run as
     without it."""
-    _skip_without(int(name[4]))
     common = {"env": ELASTIC_ENV, "init_process_group": False, "timeout": 600}
     # No accumulation: the test's engine probe reads a gradient norm at every batch end.
     trainer = {"gradient_clip_val": TRAINER["gradient_clip_val"], "max_epochs": 2}

@@ -63,15 +63,6 @@ def test_instance_and_name_are_the_same_strategy() -> None:
     assert by_instance.strategy.raw_config == by_name.strategy.raw_config
 
 
-def test_stage3_reports_when_the_engine_lacks_it() -> None:
-    if zl.stage_available(3):
-        pytest.skip("the stage-3 engine is merged")
-    from ds_strategy.lightning.stage3 import require_stage
-
-    with pytest.raises(NotImplementedError, match=zl.STAGE3_MISSING):
-        require_stage(3)
-
-
 # ---------------------------------------------------------------------- constructor and config
 def test_keywords_land_in_the_config() -> None:
     s = zl.ZeroStrategy(stage=1, offload_optimizer=True, reduce_bucket_size=1000, loss_scale=128, micro_batch_size=4)
@@ -243,3 +234,16 @@ def test_a_reused_process_group_gets_no_default_timeout(
     strategy.setup_distributed()
     want = {"default": default_pg_timeout, None: None}.get(passed, timedelta(seconds=60))  # type: ignore[arg-type]
     assert seen["timeout"] == want
+
+
+def test_a_bad_config_fails_at_construction_before_any_process_starts() -> None:
+    """The merged config is checked in __init__: an unknown key, a wrong type or a refused setting raises
+    there (once, in the launching process); "auto" entries wait for the Trainer's values at setup."""
+    with pytest.raises(ConfigError, match="zero_optimization.bogus: unknown key"):
+        zl.ZeroStrategy(stage=2, config={"zero_optimization": {"bogus": 1}})
+    with pytest.raises(ConfigError, match="offload_optimizer.device"):
+        zl.ZeroStrategy(stage=2, config={"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})
+    with pytest.raises(ConfigError, match="gradient_clipping"):
+        zl.ZeroStrategy(config={"gradient_clipping": "a lot"})
+    ok = zl.ZeroStrategy(config={"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"}})
+    assert ok.stage == 2

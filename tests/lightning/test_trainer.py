@@ -40,11 +40,6 @@ def _run(strategy: Any, trainer: dict[str, Any], model: dict[str, Any], **kw: An
     )
 
 
-def _skip_without(stage: int) -> None:
-    if not zl.stage_available(stage):
-        pytest.skip(zl.STAGE3_MISSING)
-
-
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory: pytest.TempPathFactory) -> list[dict[str, Any]]:
     return _run("ddp", TRAINER, MODEL, then=THEN, features_dir=str(tmp_path_factory.mktemp("ddp")))
@@ -68,7 +63,6 @@ def _assert_parity(got: dict[str, Any], ref: dict[str, Any]) -> None:
 def test_name_matches_ddp(name: str, ddp: list[dict[str, Any]], tmp_path: Any) -> None:
     """fit/validate/test/predict, accumulation, clipping, a step scheduler, sync_dist logging, a
     torchmetrics metric, ModelCheckpoint/EarlyStopping/LearningRateMonitor and the progress bar, per name."""
-    _skip_without(3 if name.startswith("zero3") else 0)
     runs = _run(name, TRAINER, MODEL, then=THEN, features_dir=str(tmp_path))
     for rank, (got, ref) in enumerate(zip(runs, ddp, strict=True)):
         assert got["strategy"] == "ZeroStrategy" and got["stage"] == int(name[4]), rank
@@ -119,7 +113,6 @@ def test_manual_optimization_matches_ddp() -> None:
 @pytest.mark.parametrize("name", ["zero1", "zero3"])
 def test_epoch_scheduler_and_configure_model(name: str) -> None:
     """An epoch-interval scheduler, and layers built in configure_model (under stage 3: zero.Init)."""
-    _skip_without(int(name[4]))
     runs = _run(name, {"max_epochs": 3}, {"scheduler": "epoch", "build_in_configure_model": True})
     for got in runs:
         assert got["built_in_configure_model"]

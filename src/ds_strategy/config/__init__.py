@@ -20,7 +20,7 @@ from .errors import (
     IgnoredConfigWarning,
 )
 from .frozen import FrozenDict
-from .loader import find_problems, load_config
+from .loader import check_config, find_problems, load_config
 from .model import (
     ActivationCheckpointingConfig,
     BF16Config,
@@ -58,6 +58,7 @@ __all__ = [
     "OptimizerConfig",
     "SchedulerConfig",
     "ZeroConfig",
+    "check_config",
     "find_problems",
     "load_config",
     "load_schema",

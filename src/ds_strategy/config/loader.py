@@ -103,6 +103,23 @@ def find_problems(
     return []
 
 
+def check_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> None:
+    """Raise ``ConfigError`` for every problem that does not depend on the run (unknown keys, wrong types
+    or values, refused settings, legacy-form clashes): what a launcher checks before starting any process.
+    "auto" entries and the batch arithmetic wait for ``load_config`` with the run's context. Warns nothing."""
+    raw, source = _read(config)
+    if not isinstance(raw, Mapping):
+        raise ConfigError([ConfigProblem("", f"expected a JSON object, got {type(raw).__name__}")], source=source)
+    schema = load_schema()
+    norm = normalize(raw)
+    validated = coerce(norm.config, schema)
+    problems = list(norm.problems) + validate(validated)
+    if not problems:
+        problems += classify(fill_defaults(validated, schema), schema)[0]
+    if problems:
+        raise ConfigError(_unique(problems), source=source)
+
+
 def _read(config: Any) -> tuple[Any, str | None]:
     if isinstance(config, Mapping):
         return config, None

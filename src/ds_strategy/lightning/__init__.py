@@ -9,16 +9,13 @@ from __future__ import annotations
 
 from .precision import ZeroPrecision
 from .registry import STRATEGY_NAMES, register_strategies
-from .stage3 import STAGE3_MISSING, stage_available
 from .strategy import ZeroStrategy
 
 register_strategies()
 
 __all__ = [
-    "STAGE3_MISSING",
     "STRATEGY_NAMES",
     "ZeroPrecision",
     "ZeroStrategy",
     "register_strategies",
-    "stage_available",
 ]

@@ -22,10 +22,11 @@ import time
 from typing import TYPE_CHECKING, Any, Literal
 
 import torch
-from lightning.fabric.utilities.distributed import _suggested_max_num_threads
-from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from typing_extensions import override
+
+from ._compat import _MultiProcessingLauncher, _suggested_max_num_threads, _WorkerOutput
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -70,18 +71,21 @@ class ZeroMultiProcessingLauncher(_MultiProcessingLauncher):
         super().__init__(strategy, start_method=start_method)
         self._single_thread = False
 
+    @override
     def launch(self, function: Any, *args: Any, trainer: pl.Trainer | None = None, **kwargs: Any) -> Any:
         if self._start_method == "fork":
             processes = len(self._strategy.parallel_devices or [None])
             self._single_thread = _needs_single_thread(worker_threads(processes))
         return super().launch(function, *args, trainer=trainer, **kwargs)
 
+    @override
     def _wrapping_function(self, *args: Any, **kwargs: Any) -> None:
         if self._single_thread:  # before Lightning's own thread setting, which then leaves it alone
             torch.set_num_threads(1)
             os.environ["OMP_NUM_THREADS"] = "1"
         super()._wrapping_function(*args, **kwargs)
 
+    @override
     def _collect_rank_zero_results(self, trainer: pl.Trainer, results: Any) -> _WorkerOutput | None:
         callback = trainer.checkpoint_callback
         best_model_path = getattr(callback, "best_model_path", None) if callback else None

@@ -17,7 +17,6 @@ from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any, Literal, cast, get_args
 
 import torch
-from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
@@ -25,11 +24,14 @@ from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
+from typing_extensions import override
+
+from ds_strategy.runtime import ZeroEngine
+
+from ._compat import _convert_fp_tensor, _DtypeContextManager
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
-
-    from .strategy import ZeroStrategy
 
 PrecisionFlag = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
 
@@ -57,31 +59,55 @@ class ZeroPrecision(Precision):
         self.dtype = _DTYPE[precision]
 
     # ------------------------------------------------------------------ dtypes
+    @override
     def convert_module(self, module: Module) -> Module:
         return module.to(dtype=self.dtype) if self.precision.endswith("-true") else module
 
+    @override
     def convert_input(self, data: Any) -> Any:
         return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.dtype)
 
+    @override
     def tensor_init_context(self) -> AbstractContextManager:
         return _DtypeContextManager(self.dtype) if self.precision.endswith("-true") else nullcontext()
 
+    @override
     def module_init_context(self) -> AbstractContextManager:
         return self.tensor_init_context()
 
     # ------------------------------------------------------------------ the engine does the rest
+    # [Note: who decides the accumulation boundary] (strategy.py): Lightning does. Inside a window the
+    # strategy's block_backward_sync has told the engine "not a boundary"; optimizer_step tells it
+    # "boundary" before the closure's backward.
+    @override
     def backward(  # type: ignore[override]
         self, tensor: Tensor, model: pl.LightningModule, optimizer: Any, *args: Any, **kwargs: Any
     ) -> None:
-        _strategy(model).engine_backward(tensor, *args, **kwargs)
+        engine = _engine(model)
+        if not model.automatic_optimization:
+            engine.set_gradient_accumulation_boundary(False)  # manual: optimizer.step() reduces
+        if args:
+            raise TypeError(f"ZeroStrategy backward takes no extra positional arguments, got {len(args)}")
+        retain_graph = bool(kwargs.pop("retain_graph", False))
+        if kwargs:
+            raise TypeError(f"ZeroStrategy backward does not accept {', '.join(kwargs)}")
+        # Lightning already divided the loss by accumulate_grad_batches: the engine does not divide again.
+        engine.backward(tensor, retain_graph=retain_graph, scale_wrt_gas=False)
+        if model.automatic_optimization and not engine.is_gradient_accumulation_boundary():
+            # Lightning calls no optimizer step inside an accumulation window; the engine counts every
+            # micro-batch (micro_steps, DeepSpeed's step() after each backward) and steps nothing here.
+            engine.step()
 
+    @override
     def optimizer_step(  # type: ignore[override]
         self, optimizer: Any, model: pl.LightningModule, closure: Callable[[], Any], **kwargs: Any
     ) -> Any:
         if isinstance(optimizer, LBFGS):
             raise MisconfigurationException("ZeroStrategy cannot drive LBFGS: its step re-evaluates the closure")
-        strategy = _strategy(model)
-        strategy.begin_boundary()  # the closure's backward ends the accumulation window
+        if kwargs:
+            raise TypeError(f"optimizer.step() under ZeroStrategy takes no arguments, got {', '.join(kwargs)}")
+        engine = _engine(model)
+        engine.set_gradient_accumulation_boundary(True)  # the closure's backward ends the accumulation window
         closure_result = closure()
         self._after_closure(model, optimizer)
         if model.automatic_optimization and closure_result is None:
@@ -89,8 +115,9 @@ class ZeroPrecision(Precision):
                 "training_step returned None (skip this step) under ZeroStrategy: every rank must run backward "
                 "on every step, because the gradient reduction is a collective"
             )
-        return strategy.engine_step(**kwargs)
+        return engine.step()
 
+    @override
     def clip_gradients(
         self,
         optimizer: Optimizer,
@@ -100,10 +127,11 @@ class ZeroPrecision(Precision):
         """Nothing to do: the engine clips by the global norm (``gradient_clip_val`` went into its config)."""
 
 
-def _strategy(model: pl.LightningModule) -> ZeroStrategy:
-    from .strategy import ZeroStrategy
-
-    strategy = model.trainer.strategy
-    if not isinstance(strategy, ZeroStrategy):
-        raise TypeError(f"ZeroPrecision only works with ZeroStrategy, not {type(strategy).__name__}")
-    return strategy
+def _engine(model: pl.LightningModule) -> ZeroEngine:
+    """The engine Lightning trains through (``trainer.model``, as Lightning's DeepSpeedPrecision reads it)."""
+    engine = model.trainer.model
+    if not isinstance(engine, ZeroEngine):
+        raise TypeError(
+            f"ZeroPrecision drives a ds_strategy ZeroEngine (ZeroStrategy's model), not {type(engine).__name__}"
+        )
+    return engine

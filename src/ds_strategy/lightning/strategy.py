@@ -41,18 +41,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.distributed import (
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _sync_ddp_if_available,
-)
-from lightning.fabric.utilities.distributed import group as _group
-from lightning.fabric.utilities.imports import _IS_INTERACTIVE
 from lightning.fabric.utilities.seed import reset_seed
-from lightning.fabric.utilities.types import _PATH, ReduceOp
-from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers, _MockOptimizer
+from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
-from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -65,12 +56,26 @@ from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
+from typing_extensions import override
 
 from ds_strategy.accelerator import get_accelerator
 from ds_strategy.comm import init_distributed
+from ds_strategy.config import check_config
 
 from . import checkpoint as lckpt
 from . import stage3
+from ._compat import (
+    _IS_INTERACTIVE,
+    _PATH,
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _group,
+    _init_optimizers_and_lr_schedulers,
+    _MockOptimizer,
+    _SubprocessScriptLauncher,
+    _sync_ddp_if_available,
+    train_dataloader_of,
+)
 from .config import (
     ConfigArg,
     StrategyKeywords,
@@ -160,8 +165,10 @@ class ZeroStrategy(ParallelStrategy):
             micro_batch_size=micro_batch_size,
         )
         self.config = config
-        # Read and merged now, so a missing file or a contradiction fails at Trainer construction.
+        # Read, merged and checked now: a missing file, a contradiction or a bad key fails at construction,
+        # once, before any process is launched ("auto" entries wait for the Trainer's values at setup).
         self.raw_config: dict[str, Any] = apply_keywords(read_config(config), keywords)
+        check_config(self.raw_config)
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -183,6 +190,7 @@ class ZeroStrategy(ParallelStrategy):
         return True
 
     @property
+    @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
         device = self.parallel_devices[self.local_rank]
@@ -202,6 +210,7 @@ class ZeroStrategy(ParallelStrategy):
         return len(self.parallel_devices) if self.parallel_devices is not None else 0
 
     @property
+    @override
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
@@ -210,15 +219,18 @@ class ZeroStrategy(ParallelStrategy):
         return self._process_group_backend
 
     @property
+    @override
     def handles_gradient_accumulation(self) -> bool:
         return False  # see [Note: who decides the accumulation boundary]
 
     @property
+    @override
     def precision_plugin(self) -> ZeroPrecision:
         plugin = self._precision_plugin
         return plugin if isinstance(plugin, ZeroPrecision) else ZeroPrecision("32-true")
 
     @precision_plugin.setter
+    @override
     def precision_plugin(self, plugin: Precision | None) -> None:
         # The Trainer builds a plugin from its `precision` flag; ours replaces it so that Lightning's AMP
         # (autocast + GradScaler) never wraps the engine's own loss scaling.
@@ -235,6 +247,7 @@ class ZeroStrategy(ParallelStrategy):
             )
         self._precision_plugin = ZeroPrecision(flag)
 
+    @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
         method = self._start_method
@@ -246,6 +259,7 @@ class ZeroStrategy(ParallelStrategy):
             self._launcher = ZeroMultiProcessingLauncher(self, start_method=method)
 
     # ------------------------------------------------------------------ process group
+    @override
     def setup_environment(self) -> None:
         super().setup_environment()
         self.setup_distributed()
@@ -282,6 +296,7 @@ class ZeroStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ model and engine
     @contextmanager
+    @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
         if self.stage == 3:
             yield  # zero.Init (model_sharded_context) places and types the shards
@@ -290,6 +305,7 @@ class ZeroStrategy(ParallelStrategy):
             yield
 
     @contextmanager
+    @override
     def model_sharded_context(self) -> Generator[None, None, None]:
         if self.stage == 3:
             with stage3.sharded_init(self.raw_config):
@@ -297,14 +313,15 @@ class ZeroStrategy(ParallelStrategy):
         else:
             yield
 
+    @override
     def model_to_device(self) -> None:
         assert self.model is not None
         self.model.to(self.root_device)
 
+    @override
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        stage3.require_stage(self.stage)
         self._final_state_dict = None
         self._interrupted = False
         module = self.lightning_module
@@ -393,31 +410,8 @@ class ZeroStrategy(ParallelStrategy):
             raise RuntimeError("the ZeRO engine is not set up yet: ZeroStrategy.setup() has not run")
         return self.engine
 
-    def engine_backward(self, loss: Tensor, *args: Any, **kwargs: Any) -> None:
-        engine = self.require_engine()
-        module = self.lightning_module
-        if module is not None and not module.automatic_optimization:
-            engine.set_gradient_accumulation_boundary(False)  # manual: optimizer.step() reduces
-        if args:
-            raise TypeError(f"ZeroStrategy backward takes no extra positional arguments, got {len(args)}")
-        retain_graph = bool(kwargs.pop("retain_graph", False))
-        if kwargs:
-            raise TypeError(f"ZeroStrategy backward does not accept {', '.join(kwargs)}")
-        engine.backward(loss, retain_graph=retain_graph, scale_wrt_gas=False)
-        if module is not None and module.automatic_optimization and not engine.is_gradient_accumulation_boundary():
-            # Lightning calls no optimizer step inside an accumulation window; the engine counts every
-            # micro-batch (micro_steps, DeepSpeed's step() after each backward) and steps nothing here.
-            engine.step()
-
-    def begin_boundary(self) -> None:
-        self.require_engine().set_gradient_accumulation_boundary(True)
-
-    def engine_step(self, **kwargs: Any) -> None:
-        if kwargs:
-            raise TypeError(f"optimizer.step() under ZeroStrategy takes no arguments, got {', '.join(kwargs)}")
-        self.require_engine().step()
-
     @contextmanager
+    @override
     def block_backward_sync(self) -> Generator[None, None, None]:
         engine = self.engine
         if engine is None:
@@ -430,11 +424,13 @@ class ZeroStrategy(ParallelStrategy):
             engine.set_gradient_accumulation_boundary(None)
 
     # ------------------------------------------------------------------ collectives
+    @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
 
+    @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         if not _distributed_is_initialized():
             return
@@ -443,6 +439,7 @@ class ZeroStrategy(ParallelStrategy):
         else:
             torch.distributed.barrier()
 
+    @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
         if not _distributed_is_initialized():
             return obj
@@ -451,6 +448,7 @@ class ZeroStrategy(ParallelStrategy):
         return box[0]
 
     # ------------------------------------------------------------------ state
+    @override
     def lightning_module_state_dict(self) -> dict[str, Any]:
         """The module's weights for Lightning's checkpoint dict, gathering nothing (see stage3.py): stages
         0-2 the full state dict; stage 3 during a run the module's own state dict (partitioned weights are
@@ -461,10 +459,12 @@ class ZeroStrategy(ParallelStrategy):
         assert self.lightning_module is not None
         return self.lightning_module.state_dict()
 
+    @override
     def on_exception(self, exception: BaseException) -> None:
         self._interrupted = True  # teardown then issues no collective: the peers may be gone
         super().on_exception(exception)
 
+    @override
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Any]:
         # The engine saves the (partitioned) optimizer state itself, in save_checkpoint; Lightning's copy
         # would be dropped there, so it is not built.
@@ -472,13 +472,16 @@ class ZeroStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ checkpoints (see checkpoint.py)
     @property
+    @override
     def restore_checkpoint_after_setup(self) -> bool:
         return True  # the engine loads the checkpoint, so it must exist first
 
     @property
+    @override
     def lightning_restore_optimizer(self) -> bool:
         return False  # the engine restored it in load_checkpoint; Lightning still restores the schedulers
 
+    @override
     def save_checkpoint(self, checkpoint: dict[str, Any], filepath: _PATH, storage_options: Any | None = None) -> None:
         """Every rank writes its shard: ``filepath`` becomes a directory holding the tag ``checkpoint``
         (engine format, docs/checkpointing.md); Lightning's other state travels as the client state."""
@@ -502,6 +505,7 @@ class ZeroStrategy(ParallelStrategy):
             return
         engine.save_checkpoint(filepath, tag=lckpt.TAG, client_state=lckpt.client_state(checkpoint))
 
+    @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
         """Rank 0 deletes the checkpoint directory (or file) once every rank is past it. Call on every rank."""
         self.barrier()
@@ -511,6 +515,7 @@ class ZeroStrategy(ParallelStrategy):
             elif os.path.lexists(filepath):
                 self.checkpoint_io.remove_checkpoint(filepath)
 
+    @override
     def load_checkpoint(self, checkpoint_path: _PATH, weights_only: bool | None = None) -> dict[str, Any]:
         """A ZeroStrategy checkpoint directory loads through the engine (weights, optimizer state, counters,
         RNG: at any world size and stage) and returns Lightning's state; a single file loads its weights only."""
@@ -551,14 +556,17 @@ class ZeroStrategy(ParallelStrategy):
             checkpoint.setdefault("lr_schedulers", [c.scheduler.state_dict() for c in self.lr_scheduler_configs])
         return checkpoint
 
+    @override
     def load_model_state_dict(self, checkpoint: Mapping[str, Any], strict: bool = True) -> None:
         if not self._single_file_checkpoint:
             return  # the engine loaded the weights in load_checkpoint
         self.require_engine().load_full_state_dict(checkpoint["state_dict"], strict)
 
+    @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
         pass  # the engine loaded the optimizer state in load_checkpoint (single files hold none it can use)
 
+    @override
     def teardown(self) -> None:
         engine = self.engine
         if engine is not None:
@@ -569,12 +577,6 @@ class ZeroStrategy(ParallelStrategy):
             self.engine = None
         self.model = self.lightning_module
         super().teardown()
-
-    @classmethod
-    def register_strategies(cls, strategy_registry: Any) -> None:
-        from .registry import register_strategies
-
-        register_strategies(strategy_registry)
 
 
 def _check_clipping(trainer: pl.Trainer) -> None:
@@ -594,11 +596,8 @@ def _check_clipping(trainer: pl.Trainer) -> None:
 
 def _train_batch_size(trainer: pl.Trainer) -> int | None:
     """The train dataloader's batch size (Lightning's DeepSpeedStrategy does the same), or None."""
-    source = trainer.fit_loop._data_source
-    if not source.is_defined():
-        return None
     try:
-        loader = source.dataloader()
+        loader = train_dataloader_of(trainer)
     except Exception as exc:  # a dataloader that cannot be built twice: fall back to 1, say so
         rank_zero_info(f"ZeroStrategy: could not read the train dataloader's batch size ({exc}); using 1")
         return None
