@@ -79,12 +79,13 @@ def test_strategy_builds_the_engine_on_its_root_device(monkeypatch: pytest.Monke
 )
 def test_offload_pin_memory_key_decides_pinning(device: str, pin: bool, target: str, expected: bool) -> None:
     from ds_strategy.config import load_config
-    from ds_strategy.runtime.engine import pinned_host_buffers
+    from ds_strategy.runtime.zero.offload import Offload
     from ds_strategy.runtime.zero.stage3 import Stage3Options
 
     zero = {"stage": 3, "offload_optimizer": {"device": target, "pin_memory": pin}}
     zero["offload_param"] = {"device": target, "pin_memory": pin}
     cfg = load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": zero}, world_size=1)
-    assert pinned_host_buffers(cfg.zero_optimization.offload_optimizer, torch.device(device)) is expected
+    offload = Offload.from_config(cfg.zero_optimization)
+    assert offload.pin_masters(torch.device(device)) is expected
     # Parameter offload's own key (parameter-only offload is pinned too); the stage adds the CUDA condition.
-    assert Stage3Options.from_config(cfg).param_pin is (pin and target == "cpu")
+    assert Stage3Options.from_config(cfg, offload).param_pin is (pin and target == "cpu")

@@ -37,7 +37,8 @@ from .params import (
 )
 from .precision import Precision, make_loss_scaler
 from .timers import Throughput, Timers
-from .zero import STAGES, Collectives, StageOptions
+from .zero import STAGES, Collectives
+from .zero.offload import Offload
 
 log = get_logger("ds_strategy.runtime")
 
@@ -69,39 +70,30 @@ class ZeroEngine(nn.Module):
         self.batch = config.batch  # raises a ConfigError naming what is missing
         self.precision = Precision.from_config(config)
         self.module = module
-        zero = config.zero_optimization
-        offload = zero.offload_optimizer.device == "cpu"
-        if isinstance(optimizer, Optimizer):  # fail before the parameters are moved into flat buffers
-            check_client_optimizer(optimizer, stage=config.zero_stage, offload=offload, config=config)
-        groups = param_groups(module, optimizer, model_parameters)
-        named, registration = named_trainable_groups(module, groups)
-        # Stage 3 moves its trainable parameters to the device bucket by bucket while partitioning them.
-        partitioned = [p for group in named for _, p in group] if config.zero_stage == 3 else []
-        self.device = _place(module, device, keep=partitioned)
-        master_device = torch.device("cpu") if offload else self.device
-        pre, post = _averaging(config, self.coll.world_size)
-        options = StageOptions(
-            bucket_numel=_bucket_numel(config),
-            compute_dtype=self.precision.compute_dtype,
-            accum_dtype=self.precision.accum_dtype,
-            comm_dtype=self.precision.comm_dtype,
-            master_device=master_device,
-            async_comm=zero.overlap_comm or config.zero_stage == 0,
-            pre_scale=pre,
-            post_scale=post,
-            pin_memory=pinned_host_buffers(zero.offload_optimizer, self.device),
-            sub_group_numel=int(zero.sub_group_size),
-            device=self.device,
-        )
         stage_cls = STAGES.get(config.zero_stage)
         if stage_cls is None:
             raise ValueError(f"ZeRO stage {config.zero_stage} is not implemented by this engine (stages 0-3)")
+        self.offload = Offload.from_config(config.zero_optimization)
+        if isinstance(optimizer, Optimizer):  # fail before the parameters are moved into flat buffers
+            check_client_optimizer(optimizer, stage=config.zero_stage, offload=self.offload.optimizer, config=config)
+        groups = param_groups(module, optimizer, model_parameters)
+        named, registration = named_trainable_groups(module, groups)
+        partitioned = [p for group in named for _, p in group] if stage_cls.places_its_parameters else []
+        self.device = _place(module, device, keep=partitioned)
+        options = stage_cls.options_from(
+            config, precision=self.precision, device=self.device, world_size=self.coll.world_size, offload=self.offload
+        )
         self.stage = stage_cls.create(
             named, registration, coll=self.coll, options=options, module=module, config=config
         )
         self._cast_and_sync_the_rest(registration)
         self.optimizer: Optimizer | None = attach_optimizer(
-            optimizer, groups, self.stage.masters, config, master_device=master_device
+            optimizer,
+            groups,
+            self.stage.masters,
+            config,
+            master_device=self.offload.master_device(self.device),
+            offload=self.offload.optimizer,
         )
         self.lr_scheduler = self._scheduler(lr_scheduler)
         self.loss_scaler = make_loss_scaler(config)
@@ -510,35 +502,6 @@ class ZeroEngine(nn.Module):
             if module is not None and hasattr(module, name):
                 return getattr(module, name)
             raise
-
-
-def _bucket_numel(config: DeepSpeedConfig) -> int:
-    """Elements per bucket of the flat layout. A bucket is the unit of both the gradient reduction and (stages
-    1-2) the all-gather of the updated weights, so there it honours both reduce_bucket_size and
-    allgather_bucket_size; stage 0 gathers nothing and stage 3 gathers by module (as DeepSpeed, which reads
-    allgather_bucket_size only at stages 1-2)."""
-    zero = config.zero_optimization
-    if config.zero_stage in (1, 2):
-        return int(min(zero.reduce_bucket_size, zero.allgather_bucket_size))
-    return int(zero.reduce_bucket_size)
-
-
-def _averaging(config: DeepSpeedConfig, world_size: int) -> tuple[float, float]:
-    """(factor before, factor after) the gradient sum across ranks (DeepSpeed's allreduce_bucket):
-    prescale_gradients divides by W before; otherwise by gradient_predivide_factor f before and by W/f
-    after. gradient_allreduce_op "sum" skips the averaging."""
-    f = config.gradient_predivide_factor
-    if config.gradient_allreduce_op == "sum":
-        return 1.0 / f, f
-    if config.prescale_gradients:
-        return 1.0 / world_size, 1.0
-    return 1.0 / f, f / world_size
-
-
-def pinned_host_buffers(offload: Any, device: torch.device) -> bool:
-    """Whether an offload block's host buffers are pinned: its ``pin_memory`` key, for a device that copies
-    to and from page-locked memory faster (CUDA); pinning means nothing when the compute device is the CPU."""
-    return offload.device == "cpu" and bool(offload.pin_memory) and device.type == "cuda"
 
 
 def _place(

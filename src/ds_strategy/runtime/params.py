@@ -88,12 +88,12 @@ def attach_optimizer(
     config: DeepSpeedConfig,
     *,
     master_device: torch.device,
+    offload: bool,
 ) -> Optimizer | None:
     """The optimizer, stepping ``masters``: a client optimizer rewired (its group dicts, hence its
     hyperparameters and any scheduler built on them, are kept), a client factory called, or the
     config's ``optimizer`` block built. None when there is neither (an engine for evaluation)."""
     stage = config.zero_stage
-    offload = config.zero_optimization.offload_optimizer.device == "cpu"
     rewired = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": list(m)}
         for g, m in zip(groups, masters, strict=True)

@@ -25,7 +25,7 @@ from __future__ import annotations
 import math
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager, nullcontext
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
@@ -35,8 +35,10 @@ from torch.utils.hooks import RemovableHandle
 from ds_strategy.ops import multi_tensor_l2norm
 
 from ..optimizers import is_cpu_kernel_optimizer
+from ..precision import Precision
 from .buffers import GroupState
 from .collectives import Collectives, Handle
+from .offload import Offload
 from .offload_copy import HostCopier
 
 BucketKey = tuple[int, int]  # (group index, bucket index)
@@ -44,7 +46,8 @@ BucketKey = tuple[int, int]  # (group index, bucket index)
 
 @dataclass(frozen=True)
 class StageOptions:
-    """What a stage needs to know beyond its parameters; built by the engine from the config."""
+    """What a stage needs to know beyond its parameters; each stage builds its own from the config
+    (``ZeroStage.options_from``)."""
 
     bucket_numel: int
     compute_dtype: torch.dtype = torch.float32
@@ -57,6 +60,7 @@ class StageOptions:
     pin_memory: bool = False
     sub_group_numel: int = 1_000_000_000  # zero_optimization.sub_group_size: see ``step_tiles``
     device: torch.device | None = None  # the compute device (None: the first parameter's device)
+    offload: Offload = field(default_factory=Offload)
 
 
 class ZeroStage:
@@ -65,6 +69,40 @@ class ZeroStage:
     stage: int = -1
     partitioned: bool = False  # masters/optimizer state hold only this rank's shards
     reduces_every_backward: bool = False  # stage 2: gradients leave for their owner every micro-step
+    places_its_parameters: bool = False  # stage 3 moves its trainable parameters to the device itself
+
+    @classmethod
+    def options_from(
+        cls, config: Any, *, precision: Precision, device: torch.device, world_size: int, offload: Offload
+    ) -> StageOptions:
+        """This stage's options from the config (``bucket_numel`` and ``async_comm`` are per stage)."""
+        zero = config.zero_optimization
+        pre, post = averaging(config, world_size)
+        return StageOptions(
+            bucket_numel=cls.bucket_numel(zero),
+            compute_dtype=precision.compute_dtype,
+            accum_dtype=precision.accum_dtype,
+            comm_dtype=precision.comm_dtype,
+            master_device=offload.master_device(device),
+            async_comm=cls.async_comm(zero),
+            pre_scale=pre,
+            post_scale=post,
+            pin_memory=offload.pin_masters(device),
+            sub_group_numel=int(zero.sub_group_size),
+            device=device,
+            offload=offload,
+        )
+
+    @classmethod
+    def bucket_numel(cls, zero: Any) -> int:
+        """Elements per bucket of the flat layout: ``reduce_bucket_size`` (stage 0 gathers nothing, stage 3
+        gathers by module; DeepSpeed reads ``allgather_bucket_size`` only at stages 1-2)."""
+        return int(zero.reduce_bucket_size)
+
+    @classmethod
+    def async_comm(cls, zero: Any) -> bool:
+        """Whether reductions overlap backward: ``overlap_comm``."""
+        return bool(zero.overlap_comm)
 
     def __init__(
         self,
@@ -432,3 +470,15 @@ class ZeroStage:
         self._window_reduced = False
         self._unmanaged = False
         self._reset_window()
+
+
+def averaging(config: Any, world_size: int) -> tuple[float, float]:
+    """(factor before, factor after) the gradient sum across ranks (DeepSpeed's allreduce_bucket):
+    prescale_gradients divides by W before; otherwise by gradient_predivide_factor f before and by W/f
+    after. gradient_allreduce_op "sum" skips the averaging."""
+    f = config.gradient_predivide_factor
+    if config.gradient_allreduce_op == "sum":
+        return 1.0 / f, f
+    if config.prescale_gradients:
+        return 1.0 / world_size, 1.0
+    return 1.0 / f, f / world_size

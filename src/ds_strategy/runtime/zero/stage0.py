@@ -9,6 +9,7 @@ flat parameter buffer itself in fp32) and no gather is needed.
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -20,6 +21,10 @@ from .collectives import Collectives, Handle
 class Stage0(ZeroStage):
     stage = 0
     partitioned = False
+
+    @classmethod
+    def async_comm(cls, zero: Any) -> bool:
+        return True  # the all-reduces always overlap backward (DDP's behaviour; overlap_comm is ZeRO's key)
 
     def __init__(
         self,

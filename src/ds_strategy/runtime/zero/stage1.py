@@ -9,6 +9,7 @@ back into the flat parameter buffer (``publish``).
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -21,6 +22,15 @@ from .stage0 import Stage0, _CopyBack
 class Stage1(Stage0):
     stage = 1
     partitioned = True
+
+    @classmethod
+    def async_comm(cls, zero: Any) -> bool:
+        return bool(zero.overlap_comm)
+
+    @classmethod
+    def bucket_numel(cls, zero: Any) -> int:
+        # A bucket is both the gradient reduction and the all-gather unit of the updated weights here.
+        return int(min(zero.reduce_bucket_size, zero.allgather_bucket_size))
 
     def __init__(
         self,

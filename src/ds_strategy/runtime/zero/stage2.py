@@ -11,6 +11,7 @@ them). The partition gradient is always contiguous (``contiguous_gradients`` is 
 from __future__ import annotations
 
 from collections.abc import Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -24,6 +25,11 @@ class Stage2(ZeroStage):
     stage = 2
     partitioned = True
     reduces_every_backward = True
+
+    @classmethod
+    def bucket_numel(cls, zero: Any) -> int:
+        # A bucket is both the gradient reduction and the all-gather unit of the updated weights here.
+        return int(min(zero.reduce_bucket_size, zero.allgather_bucket_size))
 
     def __init__(
         self,

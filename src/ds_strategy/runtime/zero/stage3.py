@@ -32,6 +32,7 @@ from .base import BucketKey, StageOptions, ZeroStage
 from .buffers import GroupState
 from .collectives import Collectives, Handle
 from .init import init_shard, keep_shard, unpartition_param
+from .offload import HOST, Offload
 from .param_gather import EXTERNAL_ATTR, ParamGatherer
 from .sharded import ShardedGroup
 from .stage2 import Stage2
@@ -55,17 +56,16 @@ class Stage3Options:
     gather_on_save: bool = False
 
     @classmethod
-    def from_config(cls, config: Any) -> Stage3Options:
+    def from_config(cls, config: Any, offload: Offload) -> Stage3Options:
         zero = config.zero_optimization
-        offload = zero.offload_param.device == "cpu"
         return cls(
             persistence_threshold=int(zero.stage3_param_persistence_threshold),
             model_persistence_numel=int(zero.stage3_model_persistence_threshold),
             prefetch_numel=int(zero.stage3_prefetch_bucket_size),
             max_live_numel=int(zero.stage3_max_live_parameters),
             reuse_distance=int(zero.stage3_max_reuse_distance),
-            param_device=torch.device("cpu") if offload else None,
-            param_pin=offload and bool(zero.offload_param.pin_memory),
+            param_device=HOST if offload.params else None,
+            param_pin=offload.params and offload.pin_params,
             gather_on_save=bool(zero.stage3_gather_16bit_weights_on_model_save),
         )
 
@@ -74,6 +74,11 @@ class Stage3(Stage2):
     stage = 3
     partitioned = True
     reduces_every_backward = True
+    places_its_parameters = True  # bucket by bucket while partitioning: the whole model never on the device
+
+    @classmethod
+    def bucket_numel(cls, zero: Any) -> int:
+        return int(zero.reduce_bucket_size)  # gathers by module, not by allgather_bucket_size (as DeepSpeed)
 
     @classmethod
     def create(
@@ -87,7 +92,12 @@ class Stage3(Stage2):
         config: Any,
     ) -> ZeroStage:
         return cls(
-            groups, registration, coll=coll, options=options, module=module, s3=Stage3Options.from_config(config)
+            groups,
+            registration,
+            coll=coll,
+            options=options,
+            module=module,
+            s3=Stage3Options.from_config(config, options.offload),
         )
 
     def __init__(
