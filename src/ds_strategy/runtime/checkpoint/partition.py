@@ -24,12 +24,12 @@ import torch
 from torch.optim import Optimizer
 
 from ..layout import FlatLayout
-from ..zero.buffers import GroupState
+from ..zero.buffers import GroupStorage
 from .format import CheckpointError
 from .reshard import SavedParam, fill_flat_range
 
 
-def _rank_shard(gs: GroupState, bucket: int, value: torch.Tensor) -> torch.Tensor:
+def _rank_shard(gs: GroupStorage, bucket: int, value: torch.Tensor) -> torch.Tensor:
     """This rank's shard of ``bucket`` out of a master-shaped tensor."""
     lo, _ = gs.master_range(bucket)
     s_lo, s_hi = gs.layout.shard_range(bucket, gs.rank)
@@ -42,7 +42,7 @@ def _cat(pieces: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([p.detach().to("cpu") for p in pieces])  # a fresh tensor: never saves a larger storage
 
 
-def saved_group(gs: GroupState, optimizer: Optimizer | None) -> dict[str, Any]:
+def saved_group(gs: GroupStorage, optimizer: Optimizer | None) -> dict[str, Any]:
     """``{"fp32": partition, "state": {key: partition}, "scalars": {key: {...}}}`` of one param group."""
     fp32 = _cat([_rank_shard(gs, b, m.detach().float()) for b, m in enumerate(gs.masters)], torch.float32)
     states = [dict(optimizer.state.get(m, {})) if optimizer is not None else {} for m in gs.masters]
@@ -116,7 +116,7 @@ class Source:
     def state_dtype(self, group: int, key: str) -> torch.dtype:
         return self.rank_data(0)["groups"][group]["state"][key].dtype
 
-    def fill(self, gs: GroupState, kind: str | tuple[str, str], dtype: torch.dtype) -> list[torch.Tensor]:
+    def fill(self, gs: GroupStorage, kind: str | tuple[str, str], dtype: torch.dtype) -> list[torch.Tensor]:
         """Per bucket of ``gs``, a CPU tensor holding the saved values of that master's flat range."""
         out = []
         for b in range(len(gs.masters)):

@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from ..counters import StepCounters
-from ..zero.buffers import GroupState
+from ..zero.buffers import GroupStorage
 from ..zero.collectives import Collectives
 
 
@@ -31,7 +31,7 @@ class PartitionedState(Protocol):
     def stage(self) -> int: ...
 
     @property
-    def groups(self) -> Sequence[GroupState]: ...
+    def groups(self) -> Sequence[GroupStorage]: ...
 
     def publish(self) -> None:
         """Masters -> compute-dtype parameters (and, partitioned, the gathered copies)."""

@@ -36,7 +36,7 @@ from ds_strategy.ops import multi_tensor_l2norm
 
 from ..optimizers import is_cpu_kernel_optimizer
 from ..precision import Precision
-from .buffers import GroupState
+from .buffers import GroupState, GroupStorage
 from .collectives import Collectives, Handle
 from .offload import Offload
 from .offload_copy import HostCopier
@@ -114,7 +114,7 @@ class ZeroStage:
     ) -> None:
         self.coll = coll
         self.options = options
-        self.groups: list[GroupState] = [self._make_group(g, named) for g, named in enumerate(groups)]
+        self.groups: list[GroupStorage] = [self._make_group(g, named) for g, named in enumerate(groups)]
         # Where collectives of control data (the gradient norm) run: not a group's device, which an empty
         # first group leaves at the host default.
         first_device = next((p.device for named in groups for _, p in named), None)
@@ -159,7 +159,7 @@ class ZeroStage:
         hooks and its ``stage3_*`` keys) override this; the others ignore ``module`` and ``config``."""
         return cls(groups, registration, coll=coll, options=options)
 
-    def _make_group(self, index: int, named: Sequence[tuple[str, nn.Parameter]]) -> GroupState:
+    def _make_group(self, index: int, named: Sequence[tuple[str, nn.Parameter]]) -> GroupStorage:
         """The storage of one param group (stage 3 keeps only this rank's shards)."""
         for name, p in named:
             if getattr(p, "_ds_init_shard", None) is not None:
@@ -455,6 +455,7 @@ class ZeroStage:
         handles = []
         for g, b in self.bucket_order:
             gs = self.groups[g]
+            assert isinstance(gs, GroupState)  # stages 1-2 keep flat buffers (stage 3 publishes its own way)
             bucket = gs.layout.bucket_view(gs.flat, b)
             mine = gs.layout.shard_view(gs.flat, b, self.coll.rank)
             handles.append(self.coll.all_gather(bucket, mine, async_op=self.options.async_comm))

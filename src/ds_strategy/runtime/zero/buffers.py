@@ -26,8 +26,55 @@ from ..layout import FlatLayout
 from .collectives import Collectives
 
 
-class GroupState:
-    """Flat parameter buffer, masters and layout of one optimizer param group."""
+class GroupStorage:
+    """What stages and checkpoints use of one param group's storage, whatever keeps it: the flat buffers
+    of stages 0-2 (``GroupState``) or stage 3's shards (``ShardedGroup``). Each subclass builds all of
+    it in its own ``__init__``; the methods here only read the layout."""
+
+    index: int
+    params: list[nn.Parameter]
+    names: list[str]
+    partitioned: bool  # masters hold this rank's shard of each bucket (else the whole bucket: stage 0)
+    rank: int
+    layout: FlatLayout
+    device: torch.device  # the compute device of the parameters
+    aliased: bool  # the masters are the fp32 parameter storage itself (no separate master buffer)
+    master_flat: torch.Tensor | None
+    masters: list[nn.Parameter]  # one fp32 leaf per bucket, what the optimizer steps
+
+    def _master_pieces(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Per-bucket views of a master-shaped buffer (a partition, or a full flat copy for stage 0)."""
+        if self.partitioned:
+            return self.layout.partition_views(buffer)
+        return [self.layout.bucket_view(buffer, b) for b in range(len(self.layout.buckets))]
+
+    def master_range(self, bucket: int) -> tuple[int, int]:
+        """The flat ``[start, end)`` of the layout that ``masters[bucket]`` holds (checkpoints use this)."""
+        if self.partitioned:
+            return self.layout.shard_range(bucket, self.rank)
+        b = self.layout.buckets[bucket]
+        return b.start, b.end
+
+    def master_shaped(self, buffer: torch.Tensor) -> list[torch.Tensor]:
+        """Per-bucket views of ``buffer`` (partition-sized or flat-sized) lined up with ``masters``."""
+        return self._master_pieces(buffer)
+
+    def copy_masters_to_params(self) -> None:
+        """Write the updated masters into this rank's compute-dtype parameter storage."""
+        raise NotImplementedError
+
+    def sixteen_bit_outputs(self) -> dict[torch.Tensor, torch.Tensor]:
+        """master -> this rank's 16-bit parameter piece, for an optimizer kernel that writes the updated
+        parameters in its own pass (``out_16bit``); empty when the parameters are fp32 or on another device."""
+        raise NotImplementedError
+
+    def numel_bytes(self) -> dict[str, int]:
+        """Bytes held: {"params": ..., "master": ...}."""
+        raise NotImplementedError
+
+
+class GroupState(GroupStorage):
+    """Flat parameter buffer, masters and layout of one optimizer param group (stages 0-2)."""
 
     def __init__(
         self,
@@ -82,34 +129,14 @@ class GroupState:
             return self.layout.shard_view(flat, bucket, self.rank)
         return self.layout.bucket_view(flat, bucket)
 
-    def _master_pieces(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """Per-bucket views of a master-shaped buffer (a partition, or a full flat copy for stage 0)."""
-        if self.partitioned:
-            return self.layout.partition_views(buffer)
-        return [self.layout.bucket_view(buffer, b) for b in range(len(self.layout.buckets))]
-
-    def master_range(self, bucket: int) -> tuple[int, int]:
-        """The flat ``[start, end)`` of the layout that ``masters[bucket]`` holds (checkpoints use this)."""
-        if self.partitioned:
-            return self.layout.shard_range(bucket, self.rank)
-        b = self.layout.buckets[bucket]
-        return b.start, b.end
-
-    def master_shaped(self, buffer: torch.Tensor) -> list[torch.Tensor]:
-        """Per-bucket views of ``buffer`` (partition-sized or flat-sized) lined up with ``masters``."""
-        return self._master_pieces(buffer)
-
     @torch.no_grad()
     def copy_masters_to_params(self) -> None:
-        """Write the updated masters into this rank's part of the flat parameter buffer (cast + device copy)."""
         if self.aliased:
             return
         for b, master in enumerate(self.masters):
             self._own(self.flat, b).copy_(master.detach(), non_blocking=True)
 
     def sixteen_bit_outputs(self) -> dict[torch.Tensor, torch.Tensor]:
-        """master -> this rank's 16-bit parameter piece, for an optimizer kernel that writes the updated
-        parameters in its own pass (``out_16bit``); empty when the parameters are fp32 or on another device."""
         if self.aliased or self.flat.dtype not in (torch.bfloat16, torch.float16):
             return {}
         if self.master_flat is None or self.flat.device != self.master_flat.device:

@@ -27,16 +27,16 @@ from torch import nn
 
 from ..layout import FlatLayout, ParamSlot
 from . import host_memory
-from .buffers import GroupState
+from .buffers import GroupStorage
 from .collectives import DONE, Collectives, Handle
 from .init import gather_init_param, init_shard, release_init_shard
 
 
-class ShardedGroup(GroupState):
+class ShardedGroup(GroupStorage):
     """Partition buffer, per-bucket gathered tensors and fp32 masters of one param group (stage 3).
 
-    A ``GroupState`` for the stage machinery (``layout``, ``params``, ``masters``, ``master_shaped``,
-    ``copy_masters_to_params``, ``numel_bytes``) with its own construction: nothing full-size is kept.
+    The ``GroupStorage`` the stage machinery and checkpoints use (``layout``, ``params``, ``masters``,
+    ``master_shaped``, ``copy_masters_to_params``, ``numel_bytes``); nothing full-size is kept.
     """
 
     def __init__(
@@ -55,7 +55,6 @@ class ShardedGroup(GroupState):
         pin_memory: bool = False,
         pin_part: bool = False,
     ) -> None:
-        # Deliberately not GroupState.__init__: that one materialises the full flat buffer.
         self.index = index
         self.params = [p for _, p in named_params]
         self.names = [n for n, _ in named_params]
@@ -195,7 +194,7 @@ class ShardedGroup(GroupState):
     def live_numel(self) -> int:
         return sum(self.full[b].numel() for b, live in enumerate(self.live) if live and b not in self.persistent)
 
-    # ------------------------------------------------------------------ GroupState interface
+    # ------------------------------------------------------------------ GroupStorage interface
     @torch.no_grad()
     def copy_masters_to_params(self) -> None:
         if self.master_flat is None:
@@ -204,7 +203,7 @@ class ShardedGroup(GroupState):
             view.copy_(master.detach(), non_blocking=True)
 
     def sixteen_bit_outputs(self) -> dict[torch.Tensor, torch.Tensor]:
-        """master -> this rank's 16-bit partition piece (see ``GroupState.sixteen_bit_outputs``)."""
+        """master -> this rank's 16-bit partition piece (see ``GroupStorage.sixteen_bit_outputs``)."""
         if self.master_flat is None or self.part.dtype not in (torch.bfloat16, torch.float16):
             return {}
         if self.part.device != self.master_flat.device:

@@ -17,7 +17,7 @@ import torch
 from torch import nn
 
 from .base import BucketKey, StageOptions, ZeroStage
-from .buffers import GroupState
+from .buffers import GroupStorage
 from .collectives import Collectives, Handle
 
 
@@ -46,7 +46,7 @@ class Stage2(ZeroStage):
         # in (or reduce-scattered straight into place), later ones are added.
         self._fresh = {key: True for key in self.bucket_order}
 
-    def _partition_grad(self, gs: GroupState) -> torch.Tensor:
+    def _partition_grad(self, gs: GroupStorage) -> torch.Tensor:
         """This rank's fp32 gradient partition of one group (stage 3 allocates it lazily)."""
         return torch.zeros(gs.layout.partition_numel, dtype=torch.float32, device=gs.device)
 

@@ -29,7 +29,7 @@ from torch import nn
 
 from . import host_memory
 from .base import BucketKey, StageOptions, ZeroStage
-from .buffers import GroupState
+from .buffers import GroupStorage
 from .collectives import Collectives, Handle
 from .init import init_shard, keep_shard, unpartition_param
 from .offload import HOST, Offload
@@ -154,7 +154,7 @@ class Stage3(Stage2):
             for p in getattr(m, EXTERNAL_ATTR, []):
                 self.gatherer.add_external(m, p)
 
-    def _make_group(self, index: int, named: Sequence[tuple[str, nn.Parameter]]) -> GroupState:
+    def _make_group(self, index: int, named: Sequence[tuple[str, nn.Parameter]]) -> GroupStorage:
         breaks, persistent = self._plans[index]
         device = self.options.device or next((p.device for _, p in named), torch.device("cpu"))
         return ShardedGroup(
@@ -194,7 +194,7 @@ class Stage3(Stage2):
         if self._bucket_grads[key] == len(self.groups[g].layout.buckets[key[1]].params):
             self.gatherer.grads_done(key)  # see [Note: gather units and hooks]
 
-    def _partition_grad(self, gs: GroupState) -> torch.Tensor:
+    def _partition_grad(self, gs: GroupStorage) -> torch.Tensor:
         """Released (0 elements) until a reduction lands in it: neither the engine build nor the time
         between a step and the next backward holds the gradient partition."""
         return torch.empty(0, dtype=torch.float32, device=gs.device)
