@@ -41,18 +41,22 @@ reduce_scatter); nccl reduces with AVG natively.
 
 from __future__ import annotations
 
+import functools
 import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import Any, Protocol
+from typing import Any, Protocol, TypeVar, cast
 
 import torch
 import torch.distributed as dist
+from torch.profiler import record_function
 
 from ds_strategy.accelerator import strict
 from ds_strategy.comm.logger import CommsLogger, Timing
 from ds_strategy.comm.worker import CollectiveWorker
+
+F = TypeVar("F", bound=Callable[..., Any])
 
 SHM_ENV = "DS_STRATEGY_SHM"
 SHM_ASYNC_ENV = "DS_STRATEGY_SHM_ASYNC"
@@ -71,6 +75,21 @@ ReduceOpLike = str | dist.ReduceOp | Any  # a name above, or a torch.distributed
 # torch >= 2.10 renamed the tensor collectives; use whichever this torch has.
 _reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
 _all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
+
+
+def _labelled(label: str) -> Callable[[F], F]:
+    """The collective's span in a profiler trace (``ds::all_reduce``, ...): its launch, and with
+    ``async_op=False`` its completion."""
+
+    def wrap(method: F) -> F:
+        @functools.wraps(method)
+        def run(*args: Any, **kwargs: Any) -> Any:
+            with record_function(label):
+                return method(*args, **kwargs)
+
+        return cast(F, run)
+
+    return wrap
 
 
 class FastPath(Protocol):
@@ -237,6 +256,7 @@ class Communicator:
         return self._device_backends.get(tensor.device.type, self.backend)
 
     # ---- collectives ---------------------------------------------------------------------------------
+    @_labelled("ds::all_reduce")
     def all_reduce(self, tensor: torch.Tensor, op: ReduceOpLike = "sum", *, async_op: bool = False) -> CommHandle:
         """Reduce ``tensor`` across the group, in place (a non-contiguous tensor goes through a contiguous copy)."""
         name = reduce_op_name(op)
@@ -249,6 +269,7 @@ class Communicator:
 
         return self._all_reduce(buf, name, async_op=async_op, label="all_reduce", then=copy_back)
 
+    @_labelled("ds::reduce_scatter")
     def reduce_scatter_tensor(
         self,
         output: torch.Tensor,
@@ -296,6 +317,7 @@ class Communicator:
 
         return self._handle([work], average if divide else None, timing, async_op)
 
+    @_labelled("ds::all_gather")
     def all_gather_into_tensor(
         self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False, tag: int = 0
     ) -> CommHandle:
@@ -330,6 +352,7 @@ class Communicator:
         work = _all_gather(output, input, group=self.group, async_op=True)
         return self._handle([work], None, timing, async_op)
 
+    @_labelled("ds::broadcast")
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> CommHandle:
         """Copy group rank ``src``'s ``tensor`` to every rank of the group."""
         if not 0 <= src < self.world_size:
@@ -341,6 +364,7 @@ class Communicator:
         work = dist.broadcast(tensor, src=self._global_rank(src), group=self.group, async_op=True)
         return self._handle([work], None, timing, async_op)
 
+    @_labelled("ds::barrier")
     def barrier(self, *, async_op: bool = False) -> CommHandle:
         """Wait until every rank of the group has reached this call."""
         devices = self._device_backends
@@ -355,6 +379,7 @@ class Communicator:
         work = dist.barrier(group=self.group, async_op=True)
         return self._handle([work], None, timing, async_op)
 
+    @_labelled("ds::all_reduce")
     def all_reduce_coalesced(
         self, tensors: Iterable[torch.Tensor], op: ReduceOpLike = "sum", *, async_op: bool = False
     ) -> CommHandle:
@@ -371,6 +396,7 @@ class Communicator:
             )
         return self._combine(children, async_op)
 
+    @_labelled("ds::broadcast")
     def broadcast_coalesced(
         self, tensors: Iterable[torch.Tensor], src: int = 0, *, async_op: bool = False
     ) -> CommHandle:

@@ -30,6 +30,7 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
 from ds_strategy.ops import multi_tensor_l2norm
@@ -346,6 +347,10 @@ class ZeroStage:
         Still scaled: the engine divides by the loss scale and averaging factor. Stages 1-2 combine the
         per-rank squares with one all-reduce of ``[norm**2, found_inf]``.
         """
+        with record_function("ds::grad_norm"):
+            return self._grad_norm()
+
+    def _grad_norm(self) -> tuple[float, bool]:
         pieces = self._reduced_grads()
         norm, found_inf = multi_tensor_l2norm(pieces)
         if self.partitioned and self.coll.world_size > 1:
@@ -399,11 +404,12 @@ class ZeroStage:
             }
             for m in hidden:
                 m.grad = None
-            if fused:
-                out = {m: t for m, t in outputs.items() if m in tile}
-                optimizer.step(clip_coef=factor, out_16bit=out or None)  # type: ignore[call-overload]
-            else:
-                optimizer.step()
+            with record_function("ds::optimizer_step"):
+                if fused:
+                    out = {m: t for m, t in outputs.items() if m in tile}
+                    optimizer.step(clip_coef=factor, out_16bit=out or None)  # type: ignore[call-overload]
+                else:
+                    optimizer.step()
             for m, saved in hidden.items():
                 m.grad = saved
         for gs in self.groups:

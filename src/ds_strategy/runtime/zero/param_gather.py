@@ -50,6 +50,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
+from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
 from .base import BucketKey
@@ -181,6 +182,10 @@ class ParamGatherer:
         keys = self.units.get(id(module))
         if not keys:
             return
+        with record_function(f"ds::gather[{self.names.get(id(module), '?')}]"):
+            self._fetch(module, keys)
+
+    def _fetch(self, module: nn.Module, keys: list[BucketKey]) -> None:
         self._advance(id(module))
         need = [k for k in keys if not self._live(k) and k not in self.inflight]
         plan = self._prefetch_plan(set(keys), sum(self._numel(k) for k in need))
@@ -207,6 +212,10 @@ class ParamGatherer:
 
     def acquire(self, keys: Sequence[BucketKey], label: str) -> None:
         """Gather ``keys`` for temporary full access (GatheredParameters); every rank must call it."""
+        with record_function(f"ds::gather[{label}]"):
+            self._acquire(keys, label)
+
+    def _acquire(self, keys: Sequence[BucketKey], label: str) -> None:
         need = [k for k in keys if not self._live(k) and k not in self.inflight]
         self.names[-1] = label
         tag = self._label(-1, blocking=True)
