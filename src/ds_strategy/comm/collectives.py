@@ -13,9 +13,11 @@ or division) is finished by ``handle.wait()``, otherwise before returning. There
 communicator: build one per process group and pass it along.
 
 [Note: routing]
-CPU tensors in fp32 / bf16 / fp16 reduced with sum or avg (and all_gather of such tensors) go to the
-shared-memory fast path (``ds_strategy.comm.shm.ShmCommunicator``) when every rank of the group runs on
-this node and the compiled kernels load; everything else goes to torch.distributed. The fast path is
+Each call picks one ``CollectivePath`` (paths.py: local, shared memory, gloo, torch/NCCL; built once per
+communicator) and hands it the call; the path starts it and returns what to wait for. CPU tensors in
+fp32 / bf16 / fp16 reduced with sum or avg (and all_gather of such tensors) go to the shared-memory path
+(``ds_strategy.comm.shm.ShmCommunicator``) when every rank of the group runs on this node and the
+compiled kernels load; everything else goes to torch.distributed. The fast path is
 decided once, collectively, in the constructor: ``fast_path=False`` or ``DS_STRATEGY_SHM=0`` disables it,
 ``fast_path=True`` insists on it (an error when unavailable; the argument wins over the variable), and a
 fast-path object may be injected (tests use a double). Synchronous fast-path calls are done on return;
@@ -41,12 +43,13 @@ reduce_scatter); nccl reduces with AVG natively.
 
 from __future__ import annotations
 
+import datetime
 import functools
 import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
-from typing import Any, Protocol, TypeVar, cast
+from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
@@ -54,6 +57,16 @@ from torch.profiler import record_function
 
 from ds_strategy.accelerator import strict
 from ds_strategy.comm.logger import CommsLogger, Timing
+from ds_strategy.comm.paths import (
+    REDUCE_OPS,
+    CollectivePath,
+    FastPath,
+    GlooPath,
+    Launch,
+    LocalPath,
+    ShmPath,
+    TorchPath,
+)
 from ds_strategy.comm.worker import CollectiveWorker
 
 F = TypeVar("F", bound=Callable[..., Any])
@@ -63,18 +76,7 @@ SHM_ASYNC_ENV = "DS_STRATEGY_SHM_ASYNC"
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FAST_OPS = ("sum", "avg")
 
-_REDUCE_OPS: dict[str, Any] = {
-    "sum": dist.ReduceOp.SUM,
-    "avg": dist.ReduceOp.SUM,  # AVG is sum + divide, except on nccl (see _torch_op)
-    "max": dist.ReduceOp.MAX,
-    "min": dist.ReduceOp.MIN,
-    "product": dist.ReduceOp.PRODUCT,
-}
 ReduceOpLike = str | dist.ReduceOp | Any  # a name above, or a torch.distributed.ReduceOp member
-
-# torch >= 2.10 renamed the tensor collectives; use whichever this torch has.
-_reduce_scatter = getattr(dist, "reduce_scatter_single", None) or dist.reduce_scatter_tensor
-_all_gather = getattr(dist, "all_gather_single", None) or dist.all_gather_into_tensor
 
 
 def _labelled(label: str) -> Callable[[F], F]:
@@ -90,16 +92,6 @@ def _labelled(label: str) -> Callable[[F], F]:
         return cast(F, run)
 
     return wrap
-
-
-class FastPath(Protocol):
-    """What the Communicator needs from a fast path (``ShmCommunicator`` or a test double)."""
-
-    def supports(self, *tensors: torch.Tensor) -> bool: ...
-    def all_reduce(self, tensor: torch.Tensor, op: str = "sum") -> None: ...
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, op: str = "sum") -> None: ...
-    def all_gather(self, output: torch.Tensor, input: torch.Tensor) -> None: ...
-    def close(self) -> None: ...
 
 
 class CommHandle:
@@ -125,14 +117,19 @@ class CommHandle:
         self._logger = logger
         self._children = list(children)
 
-    def wait(self) -> None:
+    def wait(self, timeout: float | None = None) -> None:
+        """Finish the operation; ``timeout`` (seconds) bounds each underlying wait (a RuntimeError past it)."""
         if self._works is None:
             return
         works, self._works = self._works, None
+        limit = None if timeout is None else datetime.timedelta(seconds=timeout)
         for work in works:
-            work.wait()
+            if limit is None:
+                work.wait()
+            else:
+                work.wait(limit)
         for child in self._children:
-            child.wait()
+            child.wait(timeout)
         if self._finish is not None:
             self._finish()
         if self._logger is not None:
@@ -181,6 +178,10 @@ class Communicator:
         # on the caller's thread.
         injected = fast_path is not None and not isinstance(fast_path, bool)
         self._worker = CollectiveWorker() if self.fast_path is not None and not (off or injected) else None
+        # The paths, built once (see paths.py); a call picks one in _route.
+        self._local = LocalPath()
+        self._shm = None if self.fast_path is None else ShmPath(self.fast_path, self._worker)
+        self._torch: dict[str, CollectivePath] = {}
 
     # ---- lifecycle -----------------------------------------------------------------------------------
     def _open_fast_path(self, fast_path: FastPath | bool | None) -> FastPath | None:
@@ -204,7 +205,7 @@ class Communicator:
             worker, self._worker = self._worker, None
             worker.close()
         if self.fast_path is not None:
-            fast, self.fast_path = self.fast_path, None
+            fast, self.fast_path, self._shm = self.fast_path, None, None
             fast.close()
 
     def __enter__(self) -> Communicator:
@@ -219,30 +220,35 @@ class Communicator:
             f"Communicator(rank={self.rank}, world_size={self.world_size}, backend={self.backend!r}, fast_path={fast})"
         )
 
-    # ---- routing -------------------------------------------------------------------------------------
+    # ---- routing (see [Note: routing]) ---------------------------------------------------------------
     def path_for(self, op: ReduceOpLike | None, *tensors: torch.Tensor) -> str:
         """Which path an operation on ``tensors`` takes: "local", "shm", or the torch backend's name.
 
         ``op`` None means a non-reducing collective (all_gather).
         """
-        if self.world_size == 1:
-            return "local"
-        name = None if op is None else reduce_op_name(op)
-        if strict.ACTIVE:  # every tensor of the collective, whichever path (shm and the gloo emulations
-            # hand torch only some of them)
-            strict.check_collective(f"Communicator {name or 'all_gather'}", tensors)
-        if self._fast_ok(name, tensors):
-            return "shm"
-        return self._torch_path(tensors[0])
+        return self._route(None if op is None else reduce_op_name(op), tensors).name
+
+    def route(self, op: ReduceOpLike | None, *tensors: torch.Tensor) -> CollectivePath:
+        """The ``CollectivePath`` an operation on ``tensors`` takes (its tags, peer tags and timeout)."""
+        return self._route(None if op is None else reduce_op_name(op), tensors)
 
     def checks_tags(self, *tensors: torch.Tensor) -> bool:
         """Whether an all_gather of ``tensors`` compares its ``tag`` across ranks (the shared-memory path)."""
-        return self.path_for(None, *tensors) == "shm" and hasattr(self.fast_path, "peer_tags")
+        return self._route(None, tensors).compares_tags
 
     def peer_tags(self) -> list[int]:
         """Every rank's tag for the latest fast-path collective (after a tag mismatch; see ``checks_tags``)."""
-        tags = getattr(self.fast_path, "peer_tags", None)
-        return [] if tags is None else list(tags())
+        return [] if self._shm is None else self._shm.peer_tags()
+
+    def _route(self, name: str | None, tensors: Sequence[torch.Tensor]) -> CollectivePath:
+        if self.world_size == 1:
+            return self._local
+        if strict.ACTIVE:  # every tensor of the collective, whichever path (shm and the gloo emulations
+            # hand torch only some of them)
+            strict.check_collective(f"Communicator {name or 'all_gather'}", tensors)
+        if self._shm is not None and self._fast_ok(name, tensors):
+            return self._shm
+        return self._torch_for(tensors[0])
 
     def _fast_ok(self, op: str | None, tensors: Sequence[torch.Tensor]) -> bool:
         return (
@@ -252,8 +258,15 @@ class Communicator:
             and self.fast_path.supports(*tensors)
         )
 
-    def _torch_path(self, tensor: torch.Tensor) -> str:
-        return self._device_backends.get(tensor.device.type, self.backend)
+    def _torch_for(self, tensor: torch.Tensor) -> CollectivePath:
+        return self._torch_path_named(self._device_backends.get(tensor.device.type, self.backend))
+
+    def _torch_path_named(self, backend: str) -> CollectivePath:
+        path = self._torch.get(backend)
+        if path is None:
+            kind = GlooPath if backend == "gloo" and self.emulate_gloo else TorchPath
+            path = self._torch[backend] = kind(self.group, backend, self.rank, self.world_size)
+        return path
 
     # ---- collectives ---------------------------------------------------------------------------------
     @_labelled("ds::all_reduce")
@@ -285,37 +298,16 @@ class Communicator:
         """
         name = reduce_op_name(op)
         _check_pair("reduce_scatter_tensor", big=input, small=output, world=self.world_size)
-        path = self.path_for(name, output, input)
-        timing = self._start("reduce_scatter", input, path)
-        if path == "local":
-            if output.data_ptr() != input.data_ptr():
-                output.view(-1).copy_(input.view(-1))
-            return self._done(timing)
-        if path == "shm":
-            fast = self.fast_path
-            assert fast is not None
-            return self._fast(lambda: fast.reduce_scatter(output, input, name), timing, async_op)
-        _check_avg(name, output)
-        if path == "gloo" and self.emulate_gloo:
-            timing = _relabel(timing, "gloo-ar")
-            buf = input.view(-1) if input_is_scratch else input.detach().reshape(-1).clone()
-            work = dist.all_reduce(buf, op=_REDUCE_OPS[name], group=self.group, async_op=True)
-            mine = buf.view(self.world_size, -1)[self.rank]
-
-            def keep_shard() -> None:
-                if mine.data_ptr() != output.data_ptr():
-                    output.view(-1).copy_(mine)
-                if name == "avg":
-                    output.div_(self.world_size)
-
-            return self._handle([work], keep_shard, timing, async_op)
-        torch_op, divide = self._torch_op(name, path)
-        work = _reduce_scatter(output, input, op=torch_op, group=self.group, async_op=True)
-
-        def average() -> None:
-            output.div_(self.world_size)
-
-        return self._handle([work], average if divide else None, timing, async_op)
+        path = self._route(name, (output, input))
+        if isinstance(path, TorchPath):
+            _check_avg(name, output)
+        return self._issue(
+            "reduce_scatter",
+            input,
+            path,
+            lambda: path.reduce_scatter(output, input, name, async_op=async_op, input_is_scratch=input_is_scratch),
+            async_op,
+        )
 
     @_labelled("ds::all_gather")
     def all_gather_into_tensor(
@@ -325,59 +317,33 @@ class Communicator:
         this rank's shard of ``output``. ``tag`` labels the call where ``checks_tags`` says the path
         compares labels across ranks (a mismatch raises on every rank); other paths ignore it."""
         _check_pair("all_gather_into_tensor", big=output, small=input, world=self.world_size)
-        path = self.path_for(None, output, input)
-        timing = self._start("all_gather", output, path)
-        shards = output.view(self.world_size, -1)
-        mine = shards[self.rank]
-        if path == "local":
-            if mine.data_ptr() != input.data_ptr():
-                mine.copy_(input.view(-1))
-            return self._done(timing)
-        if path == "shm":
-            fast = self.fast_path
-            assert fast is not None
-            if tag:
-                return self._fast(lambda: fast.all_gather(output, input, tag=tag), timing, async_op)  # type: ignore[call-arg]
-            return self._fast(lambda: fast.all_gather(output, input), timing, async_op)
-        if path == "gloo" and self.emulate_gloo:
-            timing = _relabel(timing, "gloo-ar")
-            if mine.data_ptr() != input.data_ptr():
-                mine.copy_(input.view(-1))
-            if self.rank > 0:
-                shards[: self.rank].zero_()
-            if self.rank < self.world_size - 1:
-                shards[self.rank + 1 :].zero_()
-            work = dist.all_reduce(_as_integers(output), op=dist.ReduceOp.SUM, group=self.group, async_op=True)
-            return self._handle([work], None, timing, async_op)
-        work = _all_gather(output, input, group=self.group, async_op=True)
-        return self._handle([work], None, timing, async_op)
+        path = self._route(None, (output, input))
+        return self._issue(
+            "all_gather", output, path, lambda: path.all_gather(output, input, async_op=async_op, tag=tag), async_op
+        )
 
     @_labelled("ds::broadcast")
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> CommHandle:
         """Copy group rank ``src``'s ``tensor`` to every rank of the group."""
         if not 0 <= src < self.world_size:
             raise ValueError(f"broadcast: src={src} is not a rank of this group of {self.world_size}")
-        path = self.path_for(None, tensor) if self.world_size == 1 else self._torch_path(tensor)
-        timing = self._start("broadcast", tensor, path)
-        if path == "local":
-            return self._done(timing)
-        work = dist.broadcast(tensor, src=self._global_rank(src), group=self.group, async_op=True)
-        return self._handle([work], None, timing, async_op)
+        path = self._route(None, (tensor,)) if self.world_size == 1 else self._torch_for(tensor)
+        return self._issue("broadcast", tensor, path, lambda: path.broadcast(tensor, src, async_op=async_op), async_op)
 
     @_labelled("ds::barrier")
     def barrier(self, *, async_op: bool = False) -> CommHandle:
         """Wait until every rank of the group has reached this call."""
         devices = self._device_backends
-        path = "local" if self.world_size == 1 else devices.get("cuda") or next(iter(devices.values()), self.backend)
+        if self.world_size == 1:
+            path: CollectivePath = self._local
+        else:
+            path = self._torch_path_named(devices.get("cuda") or next(iter(devices.values()), self.backend))
         timing = (
             None
             if self.logger is None
-            else self.logger.start("barrier", nbytes=0, world_size=self.world_size, path=path)
+            else self.logger.start("barrier", nbytes=0, world_size=self.world_size, path=path.name)
         )
-        if path == "local":
-            return self._done(timing)
-        work = dist.barrier(group=self.group, async_op=True)
-        return self._handle([work], None, timing, async_op)
+        return self._finish(path.barrier(async_op=async_op), timing, async_op)
 
     @_labelled("ds::all_reduce")
     def all_reduce_coalesced(
@@ -412,69 +378,43 @@ class Communicator:
     def _all_reduce(
         self, tensor: torch.Tensor, name: str, *, async_op: bool, label: str, then: Callable[[], None] | None = None
     ) -> CommHandle:
-        path = self.path_for(name, tensor)
-        timing = self._start(label, tensor, path)
-        if path == "local":
-            if then is not None:
-                then()
-            return self._done(timing)
-        if path == "shm":
-            fast = self.fast_path
-            assert fast is not None
-            return self._fast(lambda: fast.all_reduce(tensor, name), timing, async_op, then)
-        _check_avg(name, tensor)
-        torch_op, divide = self._torch_op(name, path)
-        work = dist.all_reduce(tensor, op=torch_op, group=self.group, async_op=True)
+        path = self._route(name, (tensor,))
+        if isinstance(path, TorchPath):
+            _check_avg(name, tensor)
+        return self._issue(
+            label, tensor, path, lambda: path.all_reduce(tensor, name, async_op=async_op), async_op, then
+        )
 
-        def finish() -> None:
-            if divide:
-                tensor.div_(self.world_size)
-            if then is not None:
-                then()
+    def _issue(
+        self,
+        op: str,
+        tensor: torch.Tensor,
+        path: CollectivePath,
+        start: Callable[[], Launch],
+        async_op: bool,
+        then: Callable[[], None] | None = None,
+    ) -> CommHandle:
+        """Time and start one collective on ``path``; its handle finishes it (now, unless ``async_op``)."""
+        timing = self._start(op, tensor, path.name)  # before the start: a synchronous path runs inside it
+        launch = start()
+        if launch.label is not None:
+            timing = _relabel(timing, launch.label)
+        finish = launch.finish
+        if then is not None:
+            finish = then if finish is None else _chain(finish, then)
+        return self._finish(Launch(launch.works, finish, ran=launch.ran), timing, async_op)
 
-        return self._handle([work], finish, timing, async_op)
-
-    def _torch_op(self, name: str, path: str) -> tuple[Any, bool]:
-        """(torch ReduceOp, divide afterwards?): nccl averages natively, other backends sum then divide."""
-        if name == "avg":
-            return (dist.ReduceOp.AVG, False) if path == "nccl" else (dist.ReduceOp.SUM, True)
-        return _REDUCE_OPS[name], False
-
-    def _global_rank(self, group_rank: int) -> int:
-        return group_rank if self.group is None else dist.get_global_rank(self.group, group_rank)
+    def _finish(self, launch: Launch, timing: Timing | None, async_op: bool) -> CommHandle:
+        handle = CommHandle(launch.works, launch.finish, timing=timing, logger=self.logger)
+        if not async_op or launch.ran:
+            handle.wait()
+        return handle
 
     def _start(self, op: str, tensor: torch.Tensor, path: str) -> Timing | None:
         if self.logger is None:
             return None
         nbytes = tensor.numel() * tensor.element_size()
         return self.logger.start(op, nbytes=nbytes, world_size=self.world_size, path=path, device=tensor.device)
-
-    def _fast(
-        self, run: Callable[[], None], timing: Timing | None, async_op: bool, then: Callable[[], None] | None = None
-    ) -> CommHandle:
-        """A fast-path call: queued to the worker when asynchronous, else run now (after anything queued)."""
-        if self._worker is not None and async_op:
-            return CommHandle([self._worker.submit(run)], then, timing=timing, logger=self.logger)  # type: ignore[list-item]
-        if self._worker is not None:
-            self._worker.run(run)
-        else:
-            run()
-        if then is not None:
-            then()
-        return self._done(timing)
-
-    def _done(self, timing: Timing | None) -> CommHandle:
-        handle = CommHandle(timing=timing, logger=self.logger)
-        handle.wait()
-        return handle
-
-    def _handle(
-        self, works: list[dist.Work], finish: Callable[[], None] | None, timing: Timing | None, async_op: bool
-    ) -> CommHandle:
-        handle = CommHandle(works, finish, timing=timing, logger=self.logger)
-        if not async_op:
-            handle.wait()
-        return handle
 
     @staticmethod
     def _combine(children: list[CommHandle], async_op: bool) -> CommHandle:
@@ -496,8 +436,8 @@ def reduce_op_name(op: ReduceOpLike) -> str:
     if isinstance(op, str):
         name = op.strip().lower()
         name = {"mean": "avg", "prod": "product"}.get(name, name)
-        if name not in _REDUCE_OPS:
-            raise ValueError(f"unknown reduce op {op!r}; use one of {', '.join(_REDUCE_OPS)}")
+        if name not in REDUCE_OPS:
+            raise ValueError(f"unknown reduce op {op!r}; use one of {', '.join(REDUCE_OPS)}")
         return name
     for name, member in (
         ("sum", dist.ReduceOp.SUM),
@@ -508,7 +448,7 @@ def reduce_op_name(op: ReduceOpLike) -> str:
     ):
         if op == member:
             return name
-    raise ValueError(f"unsupported reduce op {op!r}; use one of {', '.join(_REDUCE_OPS)}")
+    raise ValueError(f"unsupported reduce op {op!r}; use one of {', '.join(REDUCE_OPS)}")
 
 
 def _create_shm(group: dist.ProcessGroup | None) -> FastPath | None:
@@ -550,20 +490,6 @@ def _check_avg(name: str, tensor: torch.Tensor) -> None:
         raise ValueError(f"avg of a {tensor.dtype} tensor: averaging needs a floating-point dtype")
 
 
-def _as_integers(tensor: torch.Tensor) -> torch.Tensor:
-    """The same bytes as an integer tensor (int32 where the size and alignment allow, else uint8)."""
-    flat = tensor.view(-1)
-    if flat.dtype in (torch.int32, torch.uint8):
-        return flat
-    raw = flat.view(torch.uint8)
-    if raw.numel() % 4 == 0 and raw.data_ptr() % 4 == 0:
-        try:
-            return raw.view(torch.int32)
-        except RuntimeError:
-            pass
-    return raw
-
-
 def _buckets(tensors: Iterable[torch.Tensor]) -> list[list[torch.Tensor]]:
     buckets: dict[tuple[torch.device, torch.dtype], list[torch.Tensor]] = {}
     for t in tensors:
@@ -577,6 +503,14 @@ def _copy_back(flat: torch.Tensor, tensors: list[torch.Tensor]) -> Callable[[], 
             t.copy_(part.view_as(t))
 
     return copy
+
+
+def _chain(first: Callable[[], None], then: Callable[[], None]) -> Callable[[], None]:
+    def both() -> None:
+        first()
+        then()
+
+    return both
 
 
 def _relabel(timing: Timing | None, path: str) -> Timing | None:

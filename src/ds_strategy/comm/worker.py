@@ -17,6 +17,7 @@ for a dead peer (bounded by the kernels' timeout anyway) never holds up exit.
 from __future__ import annotations
 
 import atexit
+import datetime
 import queue
 import threading
 from collections.abc import Callable
@@ -42,8 +43,9 @@ class Job:
         finally:
             self._done.set()
 
-    def wait(self) -> None:
-        self._done.wait()
+    def wait(self, timeout: datetime.timedelta | None = None) -> None:
+        if not self._done.wait(None if timeout is None else timeout.total_seconds()):
+            raise RuntimeError(f"a queued shared-memory collective did not finish within {timeout}")
         if self._error is not None:
             raise self._error
 
