@@ -123,7 +123,16 @@ class ShmPath:
         self.fast = fast
         self.worker = worker
         self.compares_tags = hasattr(fast, "peer_tags")
-        self.timeout: float | None = getattr(fast, "timeout", None)
+
+    @property
+    def timeout(self) -> float | None:
+        """The kernels' own bound on a wait for the peers (seconds); settable."""
+        value = getattr(self.fast, "timeout", None)
+        return None if value is None else float(value)
+
+    @timeout.setter
+    def timeout(self, seconds: float | None) -> None:
+        self.fast.timeout = seconds  # type: ignore[attr-defined]
 
     def _run(self, call: Callable[[], None], async_op: bool) -> Launch:
         if self.worker is not None and async_op:

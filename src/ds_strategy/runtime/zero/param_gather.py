@@ -22,32 +22,17 @@ room). When a unit's users drop to 0 it stays gathered if the record says it is 
 dropped: no prefetch or reuse until the next iteration. All of this depends only on what every rank
 executes, so all ranks issue the same collectives in the same order.
 
-[Note: divergence detection]
-If ranks run different modules (data-dependent control flow), their all-gathers would pair up wrongly:
-a hang, or silently wrong weights when sizes happen to match. Every fetch therefore carries a label
-(module index, fetch number) that the ranks compare. Where the buckets go through the shared-memory
-path (CPU ranks on one node), the label rides on the all-gathers themselves: the path compares it with
-the op, dtype and size after its first barrier, so a mismatch raises on every rank at no extra cost, and
-one label all-reduce per iteration (end of backward, or of a no-grad forward) catches ranks whose
-divergence never reached a gather. On other paths every fetch all-reduces a tiny header in the same
-stream of collectives; a fetch that must block on its own buckets first checks every outstanding header,
-a fetch served by prefetched buckets leaves its header in flight until the next blocking fetch or the end
-of backward (so prefetch overlap is kept). Either way a mismatch raises a RuntimeError on every rank
-naming each rank's module, and a gather or header that does not complete within the gather timeout
-(``DS_STRATEGY_GATHER_TIMEOUT`` seconds, default: the process group's, or the shared-memory path's,
-timeout) raises one naming this rank and the module it was gathering.
+Divergence detection (ranks running different modules) lives in divergence.py.
 """
 
 from __future__ import annotations
 
-import datetime
 import os
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.profiler import record_function
@@ -55,6 +40,7 @@ from torch.utils.hooks import RemovableHandle
 
 from .base import BucketKey
 from .collectives import Collectives, Handle
+from .divergence import DivergenceCheck
 from .sharded import ShardedGroup
 
 EXTERNAL_ATTR = "_ds_external_params"
@@ -62,7 +48,6 @@ EXTERNAL_ATTR = "_ds_external_params"
 # (MultiheadAttention passes ``out_proj.weight`` to the functional attention): their unit is the subtree.
 READS_CHILD_PARAMETERS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 TIMEOUT_ENV = "DS_STRATEGY_GATHER_TIMEOUT"
-_INDEX_BITS = 20  # a gather label: fetch number << 20 | (module index + 2), see [Note: divergence detection]
 
 
 class ParamGatherer:
@@ -105,19 +90,13 @@ class ParamGatherer:
             if isinstance(m, READS_CHILD_PARAMETERS):
                 params += list(m.parameters())
             self.units[id(m)] = self.keys_of(params)
-        # Labels ride on the all-gathers where the path compares them (see [Note: divergence detection]).
-        probe = next((gs.full[0] for gs in groups if gs.full), None)
-        self.tagged = coll.world_size > 1 and probe is not None and coll.checks_tags(probe)
-        if self.tagged and self.timeout_s is not None:  # the gathers' own waits are the shm kernel's
-            coll.fast_path.timeout = self.timeout_s  # type: ignore[union-attr]
-        self._last_mid = -1
+        probe = next((gs.full[0] for gs in groups if gs.full), None)  # what a bucket gather looks like
+        self.divergence = DivergenceCheck(coll, self.device, probe, self.names, self.index, self.timeout_s)
         self.users: dict[BucketKey, int] = defaultdict(int)
         self.inflight: dict[BucketKey, _Gather] = {}
         self.trace: list[int] | None = None
         self._recording: list[int] | None = None
         self._cursor: int | None = None
-        self._seq = 0
-        self._headers: list[tuple[Any, torch.Tensor, int, int]] = []
         self._hooks: list[RemovableHandle] = []
         self.gathers = 0  # bucket all-gathers issued (for tests and reports) ...
         self.misses = 0  # ... fetches that found a bucket neither gathered nor prefetched ...
@@ -320,95 +299,19 @@ class ParamGatherer:
                     if live + extra <= self.max_live_numel:
                         return
 
-    # ------------------------------------------------------------------ divergence detection
+    # ------------------------------------------------------------------ divergence detection (divergence.py)
     def _label(self, mid: int, *, blocking: bool) -> int:
-        """Count a fetch of ``mid`` and label it; the label to pass to its gathers (0 where headers carry it)."""
-        if self.coll.world_size == 1:
-            return 0
-        self._seq += 1
-        self._last_mid = mid
-        if self.tagged:
-            return self._seq << _INDEX_BITS | (self.index.get(mid, -1) + 2)
-        self._header(mid, self._seq, blocking=blocking)
-        return 0
+        return self.divergence.label(mid, blocking=blocking)
 
     def check_agreement(self) -> None:
-        """End of an iteration: wait for the headers in flight, or (labels on gathers) compare the last label."""
-        if self.tagged and self.coll.world_size > 1:
-            self._header(self._last_mid, self._seq, blocking=True)
-        else:
-            self.verify_headers()
+        self.divergence.check_agreement()
 
     def _gather(self, key: BucketKey, tag: int, mid: int) -> _Gather:
         """All-gather one bucket (asynchronously); its failure will name this rank's module and the others'."""
         try:
             return _Gather(self, self.groups[key[0]].gather(key[1], async_op=True, tag=tag), tag, mid)
         except RuntimeError as err:
-            raise self._gather_failed(err, tag, mid) from err
-
-    def _gather_failed(self, err: RuntimeError, tag: int, mid: int) -> RuntimeError:
-        if not tag:
-            return err
-        seq = tag >> _INDEX_BITS
-        tags = self.coll.peer_tags() if "different collectives" in str(err) else []
-        if tags:  # each rank's label back to (module index + 2, fetch number), as the headers carry them
-            return self._diverged(mid, seq, [[t & ((1 << _INDEX_BITS) - 1), t >> _INDEX_BITS] for t in tags])
-        return self._timed_out(mid, seq, err, fast_timeout=self.coll.fast_path)
-
-    def _header(self, mid: int, seq: int, *, blocking: bool) -> None:
-        # Built on the host and copied once (one small transfer, no per-element writes to device memory).
-        row = torch.zeros(self.coll.world_size, 2, dtype=torch.int64)
-        row[self.coll.rank, 0] = self.index.get(mid, -1) + 2  # 1: GatheredParameters, 0: nothing
-        row[self.coll.rank, 1] = seq
-        header = row.to(self.device)
-        work = dist.all_reduce(header, group=self.coll.group, async_op=True)
-        self._headers.append((work, header, mid, seq))
-        if blocking:
-            self.verify_headers()
-
-    def verify_headers(self) -> None:
-        """Wait for the outstanding headers; raise naming the ranks/modules if they do not match."""
-        headers, self._headers = self._headers, []
-        for work, header, mid, seq in headers:
-            try:
-                if self.timeout_s is None:
-                    work.wait()
-                else:
-                    work.wait(datetime.timedelta(seconds=self.timeout_s))
-            except RuntimeError as err:
-                raise self._timed_out(mid, seq, err) from err
-            rows = header.tolist()
-            if any(row != rows[0] for row in rows):
-                raise self._diverged(mid, seq, rows)
-
-    def _timed_out(self, mid: int, seq: int, err: Exception, fast_timeout: Any = None) -> RuntimeError:
-        seconds = self.timeout_s if self.timeout_s is not None else getattr(fast_timeout, "timeout", None)
-        limit = f"within {seconds:g}s" if seconds is not None else "(process group timeout)"
-        return RuntimeError(
-            f"ZeRO-3: rank {self.coll.rank} timed out in parameter gather #{seq} for module "
-            f"{self.names.get(mid, '?')!r}: another rank did not gather it {limit} ({err}). The ranks took "
-            "different code paths (a module skipped or called a different number of times on some rank), or "
-            "another rank failed. Under ZeRO stage 3 every rank must run the same modules in the same order."
-        )
-
-    def _diverged(self, mid: int, seq: int, rows: list[list[int]]) -> RuntimeError:
-        """``rows``: each rank's (module index + 2, fetch number); 0 as index + 2 means it was not gathering."""
-        by_rank = ", ".join(
-            f"rank {r} gathers {self._name_of_index(row[0] - 2)!r} (gather #{row[1]})" for r, row in enumerate(rows)
-        )
-        return RuntimeError(
-            f"ZeRO-3: ranks diverged at parameter gather #{seq} (this is rank {self.coll.rank}, gathering "
-            f"{self.names.get(mid, '?')!r}): {by_rank}. The ranks took different code paths; under ZeRO stage 3 "
-            "every rank must run the same modules in the same order (make the control flow agree across ranks)."
-        )
-
-    def _name_of_index(self, index: int) -> str:
-        if index == -1:
-            return "GatheredParameters"
-        for mid, i in self.index.items():
-            if i == index:
-                return self.names[mid]
-        return "<nothing: this rank was not gathering>"
+            raise self.divergence.gather_failed(err, tag, mid) from err
 
 
 class _Gather:
@@ -423,7 +326,7 @@ class _Gather:
         try:
             self._handle.wait()
         except RuntimeError as err:
-            raise self._gatherer._gather_failed(err, self._tag, self._mid) from err
+            raise self._gatherer.divergence.gather_failed(err, self._tag, self._mid) from err
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
