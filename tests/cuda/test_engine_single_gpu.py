@@ -12,10 +12,9 @@ send CUDA tensors through a real backend); what this module proves is the CUDA p
 placement, flat buffers, stage 3's gather/free on the device, offload copies to and from pinned host
 memory, the CUDA norm and optimizer kernels, loss scaling.
 
-Tolerances (tests/runtime/test_parity.py's, which states why): losses rtol 1e-5; fp32 weights rtol 1e-5;
-16-bit weights one unit in the last place (bf16 2**-8, fp16 2**-11 relative); fp32 masters rtol 1e-4
-in 16 bits. On a GPU the engine's matmuls and torch's run the same cuBLAS kernels on the same shapes,
-so the only differences left are the gradient summation order and the optimizer implementation.
+Tolerances: ``TOLERANCES`` in tests/cuda/common.py, which says why: fp32 rtol 1e-5 (losses, weights,
+masters), bf16 / fp16 a few units of the 16-bit format (cuBLAS may pick other kernels for the engine's
+flat-buffer views than for the reference's fresh tensors).
 """
 
 from __future__ import annotations
@@ -28,6 +27,7 @@ import torch
 from torch import nn
 
 from tests.cuda.common import (
+    assert_trains_like,
     destroy_process_group,
     device,
     engine_run,
@@ -41,11 +41,6 @@ from tests.runtime.common import batches, config, groups_of, make_model
 pytestmark = [requires_gpu, pytest.mark.kernels]
 
 STEPS, MICRO, GAS, LR = 5, 4, 2, 1e-2
-TOLERANCES = {  # (losses rtol, weights rtol, masters rtol): see the module docstring
-    "fp32": (1e-5, 1e-5, 1e-5),
-    "bf16": (1e-5, 2.0**-8, 1e-4),
-    "fp16": (1e-5, 2.0**-11, 1e-4),
-}
 # (stage, offload_optimizer, offload_param)
 LAYOUTS = [(0, False, False), (1, False, False), (1, True, False), (2, False, False), (2, True, False),
            (3, False, False), (3, True, False), (3, True, True)]  # fmt: skip
@@ -95,34 +90,6 @@ def _train(stage: int, precision: str, offload_optimizer: bool, offload_param: b
     return got, ref, engine
 
 
-def assert_trains_like(got: dict[str, Any], ref: dict[str, Any], precision: str, label: str) -> None:
-    loss_tol, param_tol, master_tol = TOLERANCES[precision]
-    assert got["skipped"] == 0, f"{label}: {got['skipped']} step(s) skipped"
-    torch.testing.assert_close(
-        torch.tensor(got["losses"]),
-        torch.tensor(ref["losses"]),
-        rtol=loss_tol,
-        atol=1e-6,
-        msg=lambda m: f"{label} losses: {m}",
-    )
-    torch.testing.assert_close(
-        torch.tensor(got["norms"]),
-        torch.tensor(ref["norms"]),
-        rtol=1e-4,
-        atol=1e-6,
-        msg=lambda m: f"{label} norms: {m}",
-    )
-    assert max(ref["norms"]) > 0.5, f"{label}: clipping never engaged"
-    for name, value in ref["params"].items():
-        torch.testing.assert_close(
-            got["params"][name], value, rtol=param_tol, atol=1e-6, msg=lambda m, n=name: f"{label} weight {n}: {m}"
-        )
-    for name, value in got["masters"].items():
-        torch.testing.assert_close(
-            value, ref["masters"][name], rtol=master_tol, atol=1e-6, msg=lambda m, n=name: f"{label} master {n}: {m}"
-        )
-
-
 @pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
 @pytest.mark.parametrize(
     ("stage", "offload_optimizer", "offload_param"),
@@ -135,7 +102,7 @@ def test_stage_trains_like_torch_on_the_gpu(
     label = f"stage {stage} offload_optimizer={offload_optimizer} offload_param={offload_param} {precision}"
     got, ref, engine = _train(stage, precision, offload_optimizer, offload_param)
     try:
-        assert_trains_like(got, ref, precision, label)
+        assert_trains_like(got, ref, precision, label, clip=0.5)
         assert got["gathered_on_device"], f"{label}: GatheredParameters handed back host tensors"
         errors = placement_errors(
             engine, offload_optimizer=offload_optimizer, offload_param=offload_param, pin_memory=True

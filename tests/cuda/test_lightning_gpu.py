@@ -103,7 +103,7 @@ def test_zero3_resume_from_model_checkpoint_on_the_gpu(tmp_path: Path) -> None:
     assert resumed["global_step"] == whole["global_step"] == 2 * STEPS_PER_EPOCH
     assert len(resumed["losses"]) == STEPS_PER_EPOCH  # the second epoch only
     torch.testing.assert_close(
-        torch.tensor(resumed["losses"]), torch.tensor(whole["losses"][STEPS_PER_EPOCH:]), rtol=1e-6, atol=0
+        torch.tensor(resumed["losses"]), torch.tensor(whole["losses"][STEPS_PER_EPOCH:]), rtol=1e-5, atol=0
     )
     for name, w in whole["weights"].items():
         torch.testing.assert_close(resumed["weights"][name], w, rtol=0, atol=1e-6, msg=name)
