@@ -85,6 +85,8 @@ fi
     echo "commit: $(git -C "$ROOT" rev-parse HEAD 2>/dev/null || echo unknown)"
     nvidia-smi --query-gpu=name,driver_version,memory.total --format=csv,noheader 2>/dev/null || echo "nvidia-smi: unavailable"
     "$PYTHON" -c "import torch, lightning; print('torch', torch.__version__, 'cuda', torch.version.cuda, 'lightning', lightning.__version__, 'gpu', torch.cuda.get_device_name(0))"
+    "$PYTHON" -c "from torch.utils.cpp_extension import CUDA_HOME; print('CUDA_HOME', CUDA_HOME)"
+    echo "nvcc: $(command -v nvcc || echo 'not on PATH: the CUDA kernels cannot be built')"
     "$PYTHON" -m pip list 2>/dev/null
 } >"$OUT_DIR/environment.txt"
 log "$(head -3 "$OUT_DIR/environment.txt" | tr '\n' ' ')"
