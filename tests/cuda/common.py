@@ -80,10 +80,15 @@ def on_host(t: torch.Tensor, pinned: bool) -> bool:
 # ---- a process group of one ------------------------------------------------------------------------------
 
 
+_SAVED_ENV: dict[str, str | None] = {}
+_RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
+
+
 def init_single_process_group() -> None:
     """World size 1 on this GPU with NCCL (gloo in a rehearsal), as ``torchrun --nproc-per-node 1`` would."""
     from tests.harness import free_port
 
+    _SAVED_ENV.update({k: os.environ.get(k) for k in _RENDEZVOUS})
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if ON_GPU:
         torch.cuda.set_device(0)
@@ -91,8 +96,15 @@ def init_single_process_group() -> None:
 
 
 def destroy_process_group() -> None:
+    """Destroy the group and restore the rendezvous variables (the worker pools spawned later inherit them)."""
     if dist.is_initialized():
         dist.destroy_process_group()
+    for k, v in _SAVED_ENV.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
+    _SAVED_ENV.clear()
 
 
 # ---- engine runs with every tensor on the device ----------------------------------------------------------

@@ -72,7 +72,8 @@ def _assert_close_runs(got: dict[str, Any], ref: dict[str, Any]) -> None:
     assert len(got["losses"]) == len(ref["losses"]) > 0
     torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(ref["losses"]), rtol=1e-5, atol=0)
     for name, w in ref["weights"].items():
-        torch.testing.assert_close(got["weights"][name], w, rtol=0, atol=1e-6, msg=f"weight {name}")
+        # On the host: the strategy may hand stage-3 weights back on the CPU, DDP keeps them on the GPU.
+        torch.testing.assert_close(got["weights"][name].cpu(), w.cpu(), rtol=0, atol=1e-6, msg=f"weight {name}")
 
 
 def test_zero3_fit_and_validate_match_ddp_on_the_gpu(ddp: dict[str, Any], tmp_path: Path) -> None:
@@ -106,7 +107,7 @@ def test_zero3_resume_from_model_checkpoint_on_the_gpu(tmp_path: Path) -> None:
         torch.tensor(resumed["losses"]), torch.tensor(whole["losses"][STEPS_PER_EPOCH:]), rtol=1e-5, atol=0
     )
     for name, w in whole["weights"].items():
-        torch.testing.assert_close(resumed["weights"][name], w, rtol=0, atol=1e-6, msg=name)
+        torch.testing.assert_close(resumed["weights"][name].cpu(), w.cpu(), rtol=0, atol=1e-6, msg=name)
 
 
 def test_the_engine_and_the_parameters_live_on_the_gpu() -> None:
