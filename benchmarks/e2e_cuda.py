@@ -144,22 +144,6 @@ def table(records: list[dict[str, Any]]) -> str:
     return markdown_table(columns, rows)
 
 
-def headlines(payload: dict[str, Any]) -> list[tuple[str, str]]:
-    ok = {r["case"]: r for r in payload.get("cases", []) if "error" not in r}
-    out = []
-    for stage in (2, 3):
-        ours = ok.get(f"ds_strategy stage {stage}")
-        for peer in (f"deepspeed stage {stage}", "torch FSDP2"):
-            if ours and ok.get(peer):
-                out.append(
-                    (
-                        f"ds_strategy stage {stage} on one GPU: step / peak allocated vs {peer}",
-                        f"{_ratio(ours, ok[peer], 'seconds_per_step')} / {_ratio(ours, ok[peer], 'peak_allocated')}",
-                    )
-                )
-    return out
-
-
 def plot(records: list[dict[str, Any]], name: str) -> bool:
     """Two bar charts (ms/step, peak allocated) into NAME.png; False when matplotlib is not installed."""
     try:
