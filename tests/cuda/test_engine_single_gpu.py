@@ -10,7 +10,8 @@ same 16-bit forward/backward per micro-step with fp32 masters (bf16/fp16).
 At world size 1 the engine's collectives are local copies (the 2-process runs of test_gloo_two_processes.py
 send CUDA tensors through a real backend); what this module proves is the CUDA path of everything else:
 placement, flat buffers, stage 3's gather/free on the device, offload copies to and from pinned host
-memory, the CUDA norm and optimizer kernels, loss scaling.
+memory, the CUDA norm kernel, loss scaling, and (with the config's optimizer block) FusedAdam on the GPU
+and CPUAdam on offloaded masters.
 
 Tolerances: ``TOLERANCES`` in tests/cuda/common.py, which says why: fp32 rtol 1e-5 (losses, weights,
 masters), bf16 / fp16 a few units of the 16-bit format (cuBLAS may pick other kernels for the engine's
@@ -27,6 +28,7 @@ import torch
 from torch import nn
 
 from tests.cuda.common import (
+    ON_GPU,
     assert_trains_like,
     destroy_process_group,
     device,
@@ -53,27 +55,38 @@ def process_group() -> Iterator[None]:
     destroy_process_group()
 
 
-def zero_config(stage: int, precision: str, offload_optimizer: bool, offload_param: bool) -> dict[str, Any]:
+def zero_config(
+    stage: int, precision: str, offload_optimizer: bool, offload_param: bool, client_optimizer: bool = True
+) -> dict[str, Any]:
+    """tests/runtime/common.py's config; ``client_optimizer``: without its optimizer block (a torch AdamW is
+    passed in), else with it (AdamW built by the engine: FusedAdam on the GPU, CPUAdam when offloaded)."""
     cfg = config(stage=stage, precision=precision, offload=offload_optimizer, micro=MICRO, gas=GAS, lr=LR, clip=0.5)
-    del cfg["optimizer"]  # the client's torch AdamW below
     zero = cfg["zero_optimization"]
+    if client_optimizer:
+        del cfg["optimizer"]
     if offload_optimizer:
         zero["offload_optimizer"] = {"device": "cpu", "pin_memory": True}
-        cfg["zero_force_ds_cpu_optimizer"] = False  # a torch AdamW stepping the host masters
+        if client_optimizer:
+            cfg["zero_force_ds_cpu_optimizer"] = False  # a torch AdamW stepping the host masters
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0  # every bucket gathered and freed per module
         zero["offload_param"] = {"device": "cpu" if offload_param else "none", "pin_memory": True}
     return cfg
 
 
-def _train(stage: int, precision: str, offload_optimizer: bool, offload_param: bool) -> tuple[dict, dict, Any]:
+def _train(
+    stage: int, precision: str, offload_optimizer: bool, offload_param: bool, client_optimizer: bool = True
+) -> tuple[dict, dict, Any]:
     import ds_strategy
 
     data = batches(STEPS, MICRO * GAS)
     model = make_model()
-    optimizer = torch.optim.AdamW(groups_of(model), lr=LR)
-    cfg = zero_config(stage, precision, offload_optimizer, offload_param)
-    engine, opt, _, _ = ds_strategy.initialize(model=model, optimizer=optimizer, config=cfg)
+    cfg = zero_config(stage, precision, offload_optimizer, offload_param, client_optimizer)
+    if client_optimizer:
+        optimizer = torch.optim.AdamW(groups_of(model), lr=LR)
+        engine, opt, _, _ = ds_strategy.initialize(model=model, optimizer=optimizer, config=cfg)
+    else:
+        engine, opt, _, _ = ds_strategy.initialize(model=model, model_parameters=groups_of(model), config=cfg)
     assert engine.device == device(), engine.device
     assert opt is not None
     got = engine_run(engine, data, micro=MICRO, gas=GAS)
@@ -104,6 +117,35 @@ def test_stage_trains_like_torch_on_the_gpu(
     try:
         assert_trains_like(got, ref, precision, label, clip=0.5)
         assert got["gathered_on_device"], f"{label}: GatheredParameters handed back host tensors"
+        errors = placement_errors(
+            engine, offload_optimizer=offload_optimizer, offload_param=offload_param, pin_memory=True
+        )
+        assert not errors, f"{label}: tensors in the wrong memory:\n" + "\n".join(errors)
+    finally:
+        engine.destroy()
+
+
+CONFIG_LAYOUTS = [(1, False, False), (2, False, False), (2, True, False), (3, False, False), (3, True, True)]
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize(
+    ("stage", "offload_optimizer", "offload_param"),
+    CONFIG_LAYOUTS,
+    ids=[f"stage{s}{'-offload' if o else ''}{'-param' if p else ''}" for s, o, p in CONFIG_LAYOUTS],
+)
+def test_the_configs_optimizer_trains_like_torch_adamw(
+    stage: int, offload_optimizer: bool, offload_param: bool, precision: str
+) -> None:
+    """The user's usual path: ``"optimizer": {"type": "AdamW"}`` in the config, which the engine builds as
+    the CUDA FusedAdam (masters on the GPU) or the CPU kernels' CPUAdam (offloaded masters), stepped in the
+    engine's fused optimizer pass; the same comparison with torch's AdamW."""
+    label = f"config AdamW: stage {stage} offload={offload_optimizer}/{offload_param} {precision}"
+    got, ref, engine = _train(stage, precision, offload_optimizer, offload_param, client_optimizer=False)
+    try:
+        expected = "CPUAdam" if offload_optimizer or not ON_GPU else "FusedAdam"
+        assert type(engine.optimizer).__name__ == expected, f"{label}: {type(engine.optimizer).__name__}"
+        assert_trains_like(got, ref, precision, label, clip=0.5)
         errors = placement_errors(
             engine, offload_optimizer=offload_optimizer, offload_param=offload_param, pin_memory=True
         )
