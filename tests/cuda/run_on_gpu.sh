@@ -7,7 +7,7 @@
 #   tests/cuda/run_on_gpu.sh [OUTPUT_DIR]            # default: $OUT if set, else ./gpu-results
 #   tests/cuda/run_on_gpu.sh --install-only [DIR]    # only the install step and its import check
 #
-# Environment: PYTHON (default python3), WHEELS (default .whl/), DEPS (default .gpu-deps/),
+# Environment: PYTHON (default python3), WHEELS (default .whl/), DEPS (default .gpu-deps/, rebuilt each run),
 # FORCE_WHEELS=1 (install every wheel brought, even where the environment has the package),
 # BENCH=0 (skip the benchmark), PYTEST_ARGS (extra pytest arguments).
 # Writes into OUTPUT_DIR: run.log, environment.txt, cuda-suite.log/.xml, e2e_cuda.{json,md,png}, bench.log.
@@ -25,8 +25,17 @@ OUT_DIR="${1:-${OUT:-$ROOT/gpu-results}}"
 PYTHON="${PYTHON:-python3}"
 WHEELS="${WHEELS:-$ROOT/.whl}"
 DEPS="${DEPS:-$ROOT/.gpu-deps}"
-mkdir -p "$OUT_DIR" "$DEPS"
+mkdir -p "$OUT_DIR"
 OUT_DIR="$(cd "$OUT_DIR" && pwd)"
+# DEPS is rebuilt by every run (what is installed there depends on this run's environment and wheels);
+# a folder that is not empty and was not made by this script is left alone.
+if [[ -d "$DEPS" && -n "$(ls -A "$DEPS")" && ! -e "$DEPS/.made-by-run_on_gpu" ]]; then
+    echo "[run_on_gpu] error: DEPS=$DEPS is not empty and was not made by this script; name another folder" >&2
+    exit 1
+fi
+rm -rf "$DEPS"
+mkdir -p "$DEPS"
+touch "$DEPS/.made-by-run_on_gpu"
 DEPS="$(cd "$DEPS" && pwd)"
 ENV_PYTHONPATH="${PYTHONPATH:-}"  # the environment as it is, without DEPS: what it lacks is installed
 export PYTHONPATH="$DEPS${PYTHONPATH:+:$PYTHONPATH}"
@@ -59,9 +68,11 @@ if ! "$PYTHON" -c "import setuptools" 2>/dev/null; then
         || die "pip install of ${tools[*]} failed"
     build_tools="$DEPS/.build-tools:"
 fi
-log "installing into $DEPS: ds_strategy (no dependencies) ${missing[*]##*/}"
+names=""
+for whl in ${missing[@]+"${missing[@]}"}; do names+=" ${whl##*/}"; done
+log "installing into $DEPS: ds_strategy (no dependencies)$names"
 PYTHONPATH="$build_tools$PYTHONPATH" "$PYTHON" -m pip install --quiet --no-index --no-deps --no-build-isolation --upgrade --target "$DEPS" \
-    "${missing[@]}" "$ROOT" || die "pip install --no-deps into $DEPS failed (is setuptools installed, or its wheel in $WHEELS?)"
+    ${missing[@]+"${missing[@]}"} "$ROOT" || die "pip install --no-deps into $DEPS failed (is setuptools installed, or its wheel in $WHEELS?)"
 command -v ninja >/dev/null || log "warning: no ninja on PATH and no ninja wheel in $WHEELS: the kernels cannot be built"
 "$PYTHON" - <<'EOF' || die "the installed package does not import; see above"
 import importlib.metadata as m
