@@ -10,6 +10,8 @@ from __future__ import annotations
 
 import os
 import shlex
+import shutil
+import subprocess
 
 import nox
 
@@ -32,6 +34,48 @@ def tests(session: nox.Session) -> None:
     _install(session, "[test]")
     session.run("python", "-m", "ds_strategy.ops", "build")  # one warm kernel cache for every test process
     session.run("python", "-m", "pytest", "tests", "-q", *session.posargs, env={"DS_STRATEGY_REQUIRE_KERNELS": "1"})
+
+
+CUDA_SUITE = ["tests/cuda", "tests/ops/test_fused_adam_cuda.py"]
+
+
+def _gpu_listed() -> str:
+    """What ``nvidia-smi -L`` lists (empty without a driver or a GPU): checked before anything is installed,
+    so a machine without a GPU never downloads torch for this session."""
+    smi = shutil.which("nvidia-smi")
+    if smi is None:
+        return ""
+    try:
+        out = subprocess.run([smi, "-L"], capture_output=True, text=True, timeout=60, check=False)
+    except (OSError, subprocess.SubprocessError):
+        return ""
+    return out.stdout.strip() if out.returncode == 0 and "GPU" in out.stdout else ""
+
+
+@nox.session
+def cuda(session: nox.Session) -> None:
+    """The CUDA suite on this machine's GPU (docs/gpu.md): stages 0-3 +- offload against torch on the GPU,
+    zero.Init, Lightning on ``accelerator="gpu"``, FusedAdam and the norm kernel. Skips where there is no GPU.
+
+    torch comes from DS_STRATEGY_TORCH like every session (PyPI's torch for Linux x86-64 is a CUDA build; for
+    another CUDA version name its index, e.g. ``DS_STRATEGY_TORCH="torch==2.13.0 --index-url
+    https://download.pytorch.org/whl/cu128"``)."""
+    listed = _gpu_listed()
+    if not listed:
+        session.skip("no CUDA device here (nvidia-smi is missing or lists no GPU): the CUDA suite needs one")
+    session.log(listed)
+    _install(session, "[test]")
+    probe = "import torch; print(torch.cuda.is_available(), torch.__version__, torch.version.cuda)"
+    out = str(session.run("python", "-c", probe, silent=True) or "").split()
+    if not out or out[0] != "True":
+        version = " ".join(out[1:]) or "unknown"
+        session.skip(
+            f"this session's torch ({version}) sees no CUDA device: set DS_STRATEGY_TORCH to a CUDA build of torch"
+        )
+    session.run("python", "-m", "ds_strategy.ops", "build")  # CPU and CUDA kernels, before any test times out
+    session.run(
+        "python", "-m", "pytest", *CUDA_SUITE, "-q", "-rs", *session.posargs, env={"DS_STRATEGY_REQUIRE_KERNELS": "1"}
+    )
 
 
 @nox.session

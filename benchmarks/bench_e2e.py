@@ -12,6 +12,7 @@ Writes benchmarks/results/e2e.{json,md,png} (NAME.* with --name). ``--quick``: a
 one after another in one set of processes (a smoke run: one start-up instead of 14; RSS not per case).
 
     python -m benchmarks.bench_e2e [--quick] [--only "case,case"] [--name NAME] [--paired N]
+    python -m benchmarks.bench_e2e --device cuda [--quick] [--only ...] [--name NAME]   # one GPU: e2e_cuda.py
 
 glibc's malloc keeps freed multi-MiB blocks resident once its dynamic mmap threshold has grown, which
 inflates the peak RSS of every peer; the MALLOC_* environment of the run is recorded in the JSON.
@@ -291,9 +292,26 @@ def main(argv: list[str] | None = None) -> None:
         "--quick", action="store_true", help="tiny model, 3 steps, every case in one set of processes (smoke run)"
     )
     parser.add_argument("--only", default="", help="comma-separated case labels to run (no interleaved run)")
-    parser.add_argument("--name", default="e2e", help="results file name (benchmarks/results/NAME.*)")
+    parser.add_argument(
+        "--name", default=None, help="results file name (benchmarks/results/NAME.*; default e2e, e2e_cuda on cuda)"
+    )
     parser.add_argument("--paired", type=int, default=0, help="only the interleaved stage 2/3/3+offload, N steps")
+    parser.add_argument(
+        "--device",
+        choices=("cpu", "cuda"),
+        default="cpu",
+        help="cpu: 2 CPU ranks (default); cuda: one GPU, NCCL, vs DeepSpeed and FSDP2 (benchmarks/e2e_cuda.py)",
+    )
     args = parser.parse_args(argv)
+    if args.device == "cuda":
+        from benchmarks import e2e_cuda
+
+        if args.paired:
+            parser.error("--paired is a CPU measurement; it does not combine with --device cuda")
+        only = {s.strip() for s in args.only.split(",") if s.strip()}
+        e2e_cuda.main(args.quick, only, args.name or "e2e_cuda")
+        return
+    args.name = args.name or "e2e"
     shape, steps = (QUICK_SHAPE, QUICK_STEPS) if args.quick else (SHAPE, STEPS)
     head = {"machine": machine(), "shape": shape, "world_size": WORLD, "stage3_keys": STAGE3,
             "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},

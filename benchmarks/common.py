@@ -40,13 +40,17 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
-def _rank_main(rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple[Any, ...]) -> None:
+def _rank_main(
+    rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple[Any, ...], backend: str = "gloo"
+) -> None:
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
     )  # fmt: skip
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world))
-    dist.init_process_group("gloo", rank=rank, world_size=world)
+    if backend == "nccl":
+        torch.cuda.set_device(rank)  # one GPU per rank
+    dist.init_process_group(backend, rank=rank, world_size=world)
     try:
         result = fn(rank, world, *args)
         gathered: list[Any] = [None] * world
@@ -57,14 +61,17 @@ def _rank_main(rank: int, world: int, port: int, out: str, fn: Callable[..., Any
         dist.destroy_process_group()
 
 
-def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes (fresh: so peak RSS is the
-    run's own); return every rank's JSON-serialisable result."""
+    run's own) over ``backend`` ("nccl": rank r on GPU r); return every rank's JSON-serialisable result."""
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
         try:
             mp.start_processes(
-                _rank_main, args=(world_size, _free_port(), out, fn, args), nprocs=world_size, start_method="spawn"
+                _rank_main,
+                args=(world_size, _free_port(), out, fn, args, backend),
+                nprocs=world_size,
+                start_method="spawn",
             )
         except mp.ProcessExitedException as err:
             # Every rank's result reached rank 0 before the file was written: a rank dying afterwards (seen
@@ -119,7 +126,12 @@ def _each(rank: int, world: int, fn: Callable[..., Any], items: Sequence[Any], a
 
 
 def run_each(
-    fn: Callable[..., Any], world_size: int, items: Sequence[Any], *args: Any, fresh: bool = True
+    fn: Callable[..., Any],
+    world_size: int,
+    items: Sequence[Any],
+    *args: Any,
+    fresh: bool = True,
+    backend: str = "gloo",
 ) -> Iterator[tuple[Any, list[Any] | Exception]]:
     """``fn(rank, world_size, item, *args)`` for every item, yielding (item, every rank's result) as each
     finishes: each item in its own fresh processes (``fresh``: its peak RSS is its own) or all of them one
@@ -128,7 +140,7 @@ def run_each(
     peer that cannot run here is reported by the caller, not fatal."""
     for group in [[item] for item in items] if fresh else [list(items)]:
         try:
-            per_rank = run_ranks(_each, world_size, fn, group, args)
+            per_rank = run_ranks(_each, world_size, fn, group, args, backend=backend)
         except Exception as err:
             yield from ((item, err) for item in group)
             continue

@@ -13,6 +13,7 @@ import time
 from pathlib import Path
 
 import pytest
+import torch
 from benchmarks.run_all import BENCHMARKS
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -70,3 +71,50 @@ def test_run_all_quick_writes_every_result(tmp_path: Path, cpu_kernels: bool) ->
     after = {p: p.stat().st_mtime_ns for p in (ROOT / "benchmarks" / "results").glob("*")}
     assert after == committed, "the smoke run touched the committed results"
     print(f"run_all --quick: {wall:.0f} s")
+
+
+def _bench_env(results: Path) -> dict[str, str]:
+    return {
+        **os.environ,
+        "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
+        "DS_STRATEGY_BENCH_RESULTS": str(results),
+    }
+
+
+@pytest.mark.skipif(torch.cuda.is_available(), reason="checks the refusal on a machine without CUDA")
+def test_e2e_device_cuda_refuses_at_once_without_a_gpu(tmp_path: Path) -> None:
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_e2e", "--device", "cuda"],
+        cwd=ROOT, env=_bench_env(tmp_path), capture_output=True, text=True, timeout=120, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 1, proc.stdout + proc.stderr
+    assert proc.stdout == ""
+    lines = proc.stderr.strip().splitlines()
+    assert len(lines) == 1 and "bench_e2e --device cuda: no CUDA device here" in lines[0], proc.stderr
+    assert list(tmp_path.iterdir()) == []  # nothing started, nothing written
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_e2e_cuda_pipeline_on_the_cpu(tmp_path: Path) -> None:
+    """benchmarks/e2e_cuda.py's plumbing (a fresh process per case, timing, records, table, JSON, PNG) with
+    the CPU in place of the GPU: what --device cuda runs, short of the CUDA calls."""
+    script = (
+        "from benchmarks import e2e_cuda\n"
+        "if __name__ == '__main__':\n"
+        "    e2e_cuda.main(True, {'torch FSDP2', 'ds_strategy stage 3'}, 'e2e_cuda', device='cpu')\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT, env=_bench_env(tmp_path), capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    payload = json.loads((tmp_path / "e2e_cuda.json").read_text())
+    assert payload["device"] == "cpu" and payload["world_size"] == 1 and payload["params"] > 0
+    cases = {r["case"]: r for r in payload["cases"]}
+    assert set(cases) == {"torch FSDP2", "ds_strategy stage 3"}, cases
+    for r in cases.values():
+        assert "error" not in r and r["seconds_per_step"] > 0 and r["peak_allocated"] > 0, r
+    text = (tmp_path / "e2e_cuda.md").read_text()
+    assert "| ds_strategy stage 3 |" in text and "step vs FSDP2" in text
+    assert (tmp_path / "e2e_cuda.png").read_bytes()[:8] == PNG
