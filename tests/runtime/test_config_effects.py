@@ -354,14 +354,14 @@ def _comm_dtypes(rank: int, world: int) -> dict[str, Any]:
                 cfg.pop("communication_data_type", None)  # common.config pins fp32 for the references
             engine, _, _, _ = rt.initialize(model=make_model(), config=cfg)
             seen: set[torch.dtype] = set()
-            for op in ("all_reduce", "reduce_scatter"):  # gradient reductions; the norm / overflow pair is 2 long
+            for op in ("all_reduce", "reduce_scatter"):  # gradients: not the 2-long norm pair, not stage 3 int headers
                 original = getattr(engine.coll, op)
 
                 def record(
                     tensor: torch.Tensor, *args: Any, _original: Any = original, _seen: Any = seen, **kw: Any
                 ) -> Any:
                     inputs = [tensor, *[a for a in args if isinstance(a, torch.Tensor)]]
-                    _seen.update(t.dtype for t in inputs if t.numel() > 2)
+                    _seen.update(t.dtype for t in inputs if t.numel() > 2 and t.is_floating_point())
                     return _original(tensor, *args, **kw)
 
                 setattr(engine.coll, op, record)
