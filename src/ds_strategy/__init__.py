@@ -12,8 +12,7 @@ import importlib
 from typing import TYPE_CHECKING, Any
 
 from ds_strategy import _lightning_hook
-
-__version__ = "0.1.0"
+from ds_strategy._version import __version__
 
 # public name -> submodule that defines it
 _LAZY: dict[str, str] = {

@@ -108,4 +108,4 @@ def test_without_world_size_the_triple_must_still_admit_some_world_size() -> Non
     assert not partial.batch_resolved
     with pytest.raises(ConfigError, match="the data-parallel world size is needed"):
         _ = partial.batch
-    assert partial.resolve(world_size=3).batch.train_batch_size == 12
+    assert load_config(partial, world_size=3).batch.train_batch_size == 12

@@ -165,7 +165,7 @@ def render_markdown() -> str:
         "determine the third. Only `train_batch_size`: `gradient_accumulation_steps` is 1. Only the micro batch: "
         "`gradient_accumulation_steps` is 1. A contradiction, or a derived value that is not a positive integer, "
         "is an error that prints the equation with the numbers. Without a world size the triple stays unresolved "
-        "(`DeepSpeedConfig.batch` raises) until `load_config(cfg, world_size=...)` or `cfg.resolve(...)`.",
+        "(`DeepSpeedConfig.batch` raises) until `load_config(cfg, world_size=...)` re-resolves it.",
         "",
         '## "auto" values and the context',
         "",

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import sys
-from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -322,7 +321,7 @@ class DeepSpeedConfig:
                         f"the batch sizes are not resolved yet (train_batch_size={format_value(tb)}, "
                         f"train_micro_batch_size_per_gpu={format_value(mb)}, gradient_accumulation_steps="
                         f"{format_value(gas)}): {missing} is needed; pass it with load_config(..., world_size=..., "
-                        "context=ConfigContext(micro_batch_size=...)) or config.resolve(...)",
+                        "context=ConfigContext(micro_batch_size=...))",
                     )
                 ]
             )
@@ -332,14 +331,6 @@ class DeepSpeedConfig:
             gradient_accumulation_steps=gas,
             world_size=self.world_size,
         )
-
-    def resolve(
-        self, *, world_size: int | None = None, context: ConfigContext | Mapping[str, Any] | None = None
-    ) -> DeepSpeedConfig:
-        """Re-resolve "auto" values from the original input with a new world size and/or context."""
-        from .loader import load_config
-
-        return load_config(self, world_size=world_size, context=context)
 
     def to_dict(self) -> dict[str, Any]:
         """The resolved config as DeepSpeed JSON (ignored settings included), e.g. for checkpoints."""

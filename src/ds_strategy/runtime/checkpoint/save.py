@@ -68,7 +68,7 @@ def _meta(engine: CheckpointTarget, tag: str, client_state: dict[str, Any]) -> d
         if optimizer is not None
         else [None] * len(engine.stage.groups)
     )
-    from ds_strategy import __version__
+    from ds_strategy._version import __version__
 
     return {
         "format": FORMAT,
