@@ -18,6 +18,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "ds_strategy._version": (0, "the version string: readable from anywhere"),
     "ds_strategy.log": (0, "logging helpers, no torch"),
     "ds_strategy.table": (0, "rich tables for summaries, no torch"),
+    "ds_strategy.scheduler_env": (0, "MPI / SLURM / Azure ML variables -> ranks, torch-free (comm and launcher)"),
     "ds_strategy.ops": (0, "kernels: build/load, wrappers, fallbacks"),
     "ds_strategy.accelerator": (1, "device kind, memory stats, the device-strict mode"),
     "ds_strategy.config": (1, "the typed DeepSpeed config (no torch at import)"),
@@ -157,3 +158,13 @@ def test_the_walker_counts_lazy_imports_and_finds_cycles() -> None:
     assert "ds_strategy.runtime.checkpoint" in graph["ds_strategy.runtime.engine"]
     assert _cycles({"a": {"b": 1}, "b": {"a": 2}, "c": {"a": 3}}) == [["a", "b"]]
     assert _cycles({"a": {"b": 1}, "b": {}}) == []
+
+
+def test_the_scheduler_environment_is_read_without_torch() -> None:
+    """scheduler_env.py serves init_distributed and the launcher's bootstrap: it must not import torch."""
+    import subprocess
+    import sys
+
+    code = "import sys, ds_strategy.scheduler_env; print('torch' in sys.modules)"
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip() == "False"

@@ -22,7 +22,8 @@ import torch
 import torch.distributed as dist
 
 from ds_strategy.comm import TIMEOUT_ENV, init_distributed, resolve_timeout
-from ds_strategy.comm.distributed import ENV_VARS, discover_mpi, first_host
+from ds_strategy.comm.distributed import ENV_VARS, discover_mpi
+from ds_strategy.scheduler_env import first_host
 from tests.harness import free_port, run_distributed
 
 LAUNCHER_VARS = (

@@ -22,8 +22,8 @@ from ds_strategy.launcher.runners import (
     slurm_commands,
     ssh_commands,
 )
-from ds_strategy.launcher.slurm import expand_nodelist, expand_tasks_per_node
 from ds_strategy.launcher.supervise import supervise
+from ds_strategy.scheduler_env import expand_nodelist, expand_tasks_per_node
 from tests.launcher.common import alive
 
 PLAN = WorldPlan((Node("w0", (0, 1)), Node("w1", (0, 1))))

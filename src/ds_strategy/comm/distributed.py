@@ -17,10 +17,10 @@ communicate through it. The order (DeepSpeed's, extended):
 4. ``mpi`` / ``launcher`` (``auto_mpi_discovery=True``): under an MPI launcher (OMPI_COMM_WORLD_*,
    PMI_*, PMIX_RANK or MV2_COMM_WORLD_* in the environment) with mpi4py importable, rank and size come
    from ``MPI.COMM_WORLD``, rank 0's address is broadcast and LOCAL_RANK is derived from host names.
-   Without mpi4py the launcher's variables are read directly: OpenMPI (also how Azure ML and SageMaker
-   start MPI jobs; Azure's AZ_BATCH_MASTER_NODE / AZ_BATCHAI_MPI_MASTER_NODE name the master), MVAPICH,
-   MPICH / Intel MPI (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID) and SLURM's ``srun`` (SLURM_PROCID,
-   SLURM_STEP_NUM_TASKS, SLURM_LOCALID, first host of SLURM_STEP_NODELIST). The discovered values are
+   Without mpi4py the launcher's variables are read directly, by ds_strategy/scheduler_env.py (the
+   launcher's bootstrap reads them there too): OpenMPI (also how Azure ML and SageMaker start MPI jobs;
+   Azure's AZ_BATCH_MASTER_NODE / AZ_BATCHAI_MPI_MASTER_NODE name the master), MVAPICH, MPICH / Intel MPI
+   and SLURM's ``srun`` (a batch script's own SLURM_PROCID is not a rank). The discovered values are
    written to RANK / WORLD_SIZE / LOCAL_RANK / MASTER_ADDR / MASTER_PORT, then torch initialises from them.
 5. ``single``: none of the above: a one-process group on a free local port, so the same script runs
    alone. The environment is left untouched (a later Lightning Trainer must not think it was launched).
@@ -47,6 +47,13 @@ from typing import Literal
 import torch.distributed as dist
 
 from ds_strategy.accelerator import get_accelerator
+from ds_strategy.scheduler_env import (
+    LOCAL_RANK_VARS,
+    MPI_LAUNCHER_VARS,
+    SchedulerEnvError,
+    azure_master,
+    read_scheduler,
+)
 
 log = logging.getLogger(__name__)
 
@@ -55,25 +62,6 @@ DEFAULT_PORT = 29500
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 Source = Literal["existing", "init_method", "env", "mpi", "launcher", "single"]
-
-# Variables whose presence means "started by an MPI launcher" (OpenMPI, MPICH/Intel hydra, PMIx, MVAPICH).
-MPI_LAUNCHER_VARS = ("OMPI_COMM_WORLD_SIZE", "PMI_SIZE", "PMIX_RANK", "MV2_COMM_WORLD_SIZE")
-
-# (launcher, rank var, size var, local rank var, local size var), tried in order without mpi4py.
-_LAUNCHERS = (
-    (
-        "openmpi",
-        "OMPI_COMM_WORLD_RANK",
-        "OMPI_COMM_WORLD_SIZE",
-        "OMPI_COMM_WORLD_LOCAL_RANK",
-        "OMPI_COMM_WORLD_LOCAL_SIZE",
-    ),
-    ("mvapich", "MV2_COMM_WORLD_RANK", "MV2_COMM_WORLD_SIZE", "MV2_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_SIZE"),
-    ("pmi", "PMI_RANK", "PMI_SIZE", "MPI_LOCALRANKID", "MPI_LOCALNRANKS"),
-    # SLURM_STEP_NUM_TASKS is set by srun only: a batch script running one `python` must not wait for peers.
-    ("slurm", "SLURM_PROCID", "SLURM_STEP_NUM_TASKS", "SLURM_LOCALID", "SLURM_STEP_TASKS_PER_NODE"),
-)
-_LOCAL_RANK_VARS = ("OMPI_COMM_WORLD_LOCAL_RANK", "MV2_COMM_WORLD_LOCAL_RANK", "MPI_LOCALRANKID", "SLURM_LOCALID")
 
 
 @dataclass(frozen=True)
@@ -265,7 +253,7 @@ def _from_mpi4py(comm: object, env: Mapping[str, str], port: int) -> _Found:
     hosts: list[str] = list(comm.allgather(host))  # type: ignore[attr-defined]
     proposal = None
     if rank == 0:
-        addr = env.get("MASTER_ADDR") or _azure_master(env)[0]
+        addr = env.get("MASTER_ADDR") or azure_master(env)[0]
         if addr is None:
             addr = "127.0.0.1" if len(set(hosts)) == 1 else _host_address(host)
         proposal = (addr, _int_env(env, "MASTER_PORT") or port)
@@ -274,29 +262,23 @@ def _from_mpi4py(comm: object, env: Mapping[str, str], port: int) -> _Found:
 
 
 def _from_launcher_env(env: Mapping[str, str], port: int) -> _Found | None:
-    for name, rank_var, size_var, local_var, local_size_var in _LAUNCHERS:
-        if rank_var not in env or size_var not in env:
-            continue
-        rank, size = _int_env(env, rank_var), _int_env(env, size_var)
-        assert rank is not None and size is not None
-        local_rank = _int_env(env, local_var)
-        master_port = _int_env(env, "MASTER_PORT")
-        addr = env.get("MASTER_ADDR")
-        if addr is None:
-            addr, az_port = _azure_master(env)
-            master_port = master_port or az_port
-        if addr is None and name == "slurm" and env.get("SLURM_STEP_NODELIST"):
-            addr = first_host(env["SLURM_STEP_NODELIST"])
-        if addr is None and (size == 1 or _safe_int(env.get(local_size_var)) == size):
-            addr = "127.0.0.1"  # every rank on this node
-        if addr is None:
-            raise ValueError(
-                f"init_distributed: found {name} launcher variables ({rank_var}={rank}, {size_var}={size}) "
-                "but cannot tell rank 0's address: set MASTER_ADDR (and MASTER_PORT), or install mpi4py so "
-                "rank 0 broadcasts it"
-            )
-        return _Found(rank, size, local_rank, addr, master_port or port, name)
-    return None
+    try:
+        found = read_scheduler(env)
+    except SchedulerEnvError as exc:
+        raise ValueError(f"init_distributed: {exc}") from None
+    if found is None:
+        return None
+    name, size = found.scheme.name, found.world_size
+    addr = found.master_addr
+    if addr is None and (size == 1 or found.local_size == size):
+        addr = "127.0.0.1"  # every rank on this node
+    if addr is None:
+        raise ValueError(
+            f"init_distributed: found {name} launcher variables ({found.scheme.rank}={found.rank}, "
+            f"{found.scheme.size}={size}) but cannot tell rank 0's address: set MASTER_ADDR (and MASTER_PORT), "
+            "or install mpi4py so rank 0 broadcasts it"
+        )
+    return _Found(found.rank, size, found.local_rank, addr, found.master_port or port, name)
 
 
 def _fail_if_partial(env: Mapping[str, str], rank: int, world_size: int, auto_mpi_discovery: bool) -> None:
@@ -441,15 +423,8 @@ def _int_env(env: Mapping[str, str], name: str) -> int | None:
         raise ValueError(f"init_distributed: {name}={raw!r} is not an integer") from None
 
 
-def _safe_int(raw: str | None) -> int | None:
-    try:
-        return None if raw is None else int(raw)
-    except ValueError:
-        return None  # e.g. SLURM's "2(x3)" tasks-per-node notation
-
-
 def _local_rank_from_env(env: Mapping[str, str]) -> int | None:
-    for name in ("LOCAL_RANK", *_LOCAL_RANK_VARS):
+    for name in ("LOCAL_RANK", *LOCAL_RANK_VARS):
         value = _int_env(env, name)
         if value is not None:
             return value
@@ -471,15 +446,6 @@ def _local_rank_after_init(env: Mapping[str, str]) -> int:
     return hosts.count(host)
 
 
-def _azure_master(env: Mapping[str, str]) -> tuple[str | None, int | None]:
-    """Azure ML's master node: AZ_BATCH_MASTER_NODE ("host:port", multi-node) or AZ_BATCHAI_MPI_MASTER_NODE."""
-    node = env.get("AZ_BATCH_MASTER_NODE")
-    if node:
-        host, _, port = node.partition(":")
-        return host, int(port) if port.isdigit() else None
-    return env.get("AZ_BATCHAI_MPI_MASTER_NODE") or None, None
-
-
 def _host_address(host: str) -> str:
     """This host's first non-loopback IPv4 address (what ``hostname -I`` lists first), else its name."""
     try:
@@ -491,21 +457,3 @@ def _host_address(host: str) -> str:
         if not addr.startswith("127."):
             return addr
     return host
-
-
-def first_host(nodelist: str) -> str:
-    """The first host of a SLURM node list: ``"gpu[03-05,9],cpu1"`` -> ``"gpu03"``."""
-    depth, end = 0, len(nodelist)
-    for i, ch in enumerate(nodelist):
-        depth += ch == "["
-        depth -= ch == "]"
-        if ch == "," and depth == 0:
-            end = i
-            break
-    item = nodelist[:end].strip()
-    if "[" not in item:
-        return item
-    prefix, _, rest = item.partition("[")
-    ranges, _, suffix = rest.partition("]")
-    first = ranges.split(",")[0].split("-")[0]
-    return f"{prefix}{first}{suffix}"

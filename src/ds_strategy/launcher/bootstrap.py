@@ -2,10 +2,10 @@
 
     mpirun ... python -u -m ds_strategy.launcher.bootstrap [--no_local_rank] [--module] script.py args
 
-OpenMPI (OMPI_COMM_WORLD_*), MPICH / Intel MPI (PMI_RANK, PMI_SIZE, MPI_LOCALRANKID, MPI_LOCALNRANKS)
-and SLURM (SLURM_PROCID, SLURM_NTASKS, SLURM_LOCALID, SLURM_TASKS_PER_NODE, SLURM_NODEID) are translated
-into RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK; MASTER_ADDR comes from the launcher
-(``-x`` / the environment) or, under SLURM, the first host of SLURM_JOB_NODELIST. The script then runs in
+The scheduler's variables (ds_strategy/scheduler_env.py: OpenMPI, MVAPICH, MPICH / Intel MPI, SLURM) are
+translated into RANK, WORLD_SIZE, LOCAL_RANK, LOCAL_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK; MASTER_ADDR comes
+from the launcher (``-x`` / the environment), Azure ML's master node or, under SLURM, the first host of the
+node list. The script then runs in
 this process (``runpy``), so the rank the scheduler signals is the rank that trains.
 """
 
@@ -17,71 +17,44 @@ import runpy
 import sys
 from collections.abc import Mapping, Sequence
 
+from ds_strategy.scheduler_env import SchedulerEnvError, read_scheduler
+
 from .cli import DEFAULT_MASTER_PORT
-from .slurm import expand_nodelist, expand_tasks_per_node
 
-
-class SchedulerEnvError(RuntimeError):
-    """The process was not started by a scheduler we know, or its variables are incomplete."""
-
-
-def _need(environ: Mapping[str, str], name: str, scheme: str) -> str:
-    if name not in environ:
-        raise SchedulerEnvError(f"{scheme} started this process but {name} is not set")
-    return environ[name]
+__all__ = ["SchedulerEnvError", "main", "rank_variables"]
 
 
 def rank_variables(environ: Mapping[str, str]) -> dict[str, str]:
-    """torch.distributed's env:// variables derived from whichever scheduler started this process."""
-    if "OMPI_COMM_WORLD_RANK" in environ:
-        scheme = "OpenMPI"
-        out = {
-            "RANK": environ["OMPI_COMM_WORLD_RANK"],
-            "WORLD_SIZE": _need(environ, "OMPI_COMM_WORLD_SIZE", scheme),
-            "LOCAL_RANK": _need(environ, "OMPI_COMM_WORLD_LOCAL_RANK", scheme),
-            "LOCAL_SIZE": _need(environ, "OMPI_COMM_WORLD_LOCAL_SIZE", scheme),
-        }
-    elif "PMI_RANK" in environ:
-        scheme = "MPICH / Intel MPI"
-        out = {
-            "RANK": environ["PMI_RANK"],
-            "WORLD_SIZE": _need(environ, "PMI_SIZE", scheme),
-            "LOCAL_RANK": _need(environ, "MPI_LOCALRANKID", scheme),
-            "LOCAL_SIZE": _need(environ, "MPI_LOCALNRANKS", scheme),
-        }
-    elif "SLURM_PROCID" in environ:
-        scheme = "SLURM"
-        counts = expand_tasks_per_node(_need(environ, "SLURM_TASKS_PER_NODE", scheme))
-        node_id = int(_need(environ, "SLURM_NODEID", scheme))
-        if node_id >= len(counts):
-            raise SchedulerEnvError(f"SLURM_NODEID={node_id} but SLURM_TASKS_PER_NODE lists {len(counts)} nodes")
-        out = {
-            "RANK": environ["SLURM_PROCID"],
-            "WORLD_SIZE": _need(environ, "SLURM_NTASKS", scheme),
-            "LOCAL_RANK": _need(environ, "SLURM_LOCALID", scheme),
-            "LOCAL_SIZE": str(counts[node_id]),
-            "GROUP_RANK": str(node_id),
-        }
-    elif "RANK" in environ and "WORLD_SIZE" in environ:
-        return {}  # torchrun or a user already set them
-    else:
+    """torch.distributed's env:// variables derived from whichever scheduler started this process
+    (ds_strategy/scheduler_env.py: OpenMPI, MVAPICH, MPICH / Intel MPI, SLURM)."""
+    found = read_scheduler(environ, srun_task=True, complete=True)
+    if found is None:
+        if "RANK" in environ and "WORLD_SIZE" in environ:
+            return {}  # torchrun or a user already set them
         raise SchedulerEnvError(
             "no rank variables found: start this module with mpirun (OpenMPI / MPICH) or srun, "
             "or set RANK, WORLD_SIZE, LOCAL_RANK, MASTER_ADDR and MASTER_PORT"
         )
-    out["LOCAL_WORLD_SIZE"] = out["LOCAL_SIZE"]
-    # The node index (torchelastic's GROUP_RANK; Lightning reads it when LOCAL_RANK is set). MPI has no such
-    # variable; our mpirun lines fill hosts one after the other, so it is RANK // LOCAL_SIZE.
-    out.setdefault("GROUP_RANK", str(int(out["RANK"]) // max(int(out["LOCAL_SIZE"]), 1)))
+    assert found.local_rank is not None and found.local_size is not None  # complete=True
+    out = {
+        "RANK": str(found.rank),
+        "WORLD_SIZE": str(found.world_size),
+        "LOCAL_RANK": str(found.local_rank),
+        "LOCAL_SIZE": str(found.local_size),
+        "LOCAL_WORLD_SIZE": str(found.local_size),
+    }
+    # The node index (torchelastic's GROUP_RANK; Lightning reads it when LOCAL_RANK is set): the scheduler's
+    # when it has one, else RANK // LOCAL_SIZE (our mpirun lines fill hosts one after the other).
+    node = found.node_rank if found.node_rank is not None else found.rank // max(found.local_size, 1)
+    out["GROUP_RANK"] = str(node)
     if not environ.get("MASTER_ADDR"):
-        nodelist = environ.get("SLURM_JOB_NODELIST") or environ.get("SLURM_NODELIST")
-        if not nodelist:
+        if found.master_addr is None:
             raise SchedulerEnvError(
-                f"{scheme} gave this process rank {out['RANK']} but MASTER_ADDR is not set: pass "
+                f"{found.scheme.title} gave this process rank {found.rank} but MASTER_ADDR is not set: pass "
                 "--master_addr to ds-launch or export MASTER_ADDR to every rank"
             )
-        out["MASTER_ADDR"] = expand_nodelist(nodelist)[0]
-    out.setdefault("MASTER_PORT", environ.get("MASTER_PORT", str(DEFAULT_MASTER_PORT)))
+        out["MASTER_ADDR"] = found.master_addr
+    out["MASTER_PORT"] = environ.get("MASTER_PORT") or str(found.master_port or DEFAULT_MASTER_PORT)
     return out
 
 

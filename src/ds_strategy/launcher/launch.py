@@ -9,11 +9,12 @@ from collections.abc import Mapping, Sequence
 from dataclasses import dataclass
 from pathlib import Path
 
+from ds_strategy.scheduler_env import expand_nodelist
+
 from .cli import LaunchArgs, parse_args
 from .environment import EnvError, exported_variables, user_variables
 from .hostfile import HostfileError, Node, WorldPlan, parse_hostfile, resolve_plan
 from .programs import EXIT_MISSING_PROGRAM, MissingProgramError, require_launcher_programs, require_script_program
-from .slurm import expand_nodelist
 
 
 @dataclass(frozen=True)
