@@ -16,6 +16,7 @@ SRC = Path(__file__).resolve().parents[1] / "src"
 # prefix -> (layer, why it sits there); the longest matching prefix wins.
 LAYERS: dict[str, tuple[int, str]] = {
     "ds_strategy._version": (0, "the version string: readable from anywhere"),
+    "ds_strategy.env": (0, "the environment variables the package reads, declared once"),
     "ds_strategy.log": (0, "logging helpers, no torch"),
     "ds_strategy.table": (0, "rich tables for summaries, no torch"),
     "ds_strategy.scheduler_env": (0, "MPI / SLURM / Azure ML variables -> ranks, torch-free (comm and launcher)"),

@@ -9,11 +9,12 @@ elsewhere keeps full control. ``DS_STRATEGY_LOG_LEVEL`` (DEBUG, INFO, WARNING, .
 from __future__ import annotations
 
 import logging
-import os
 import sys
 
+from ds_strategy import env
+
 ROOT = "ds_strategy"
-LEVEL_ENV = "DS_STRATEGY_LOG_LEVEL"
+LEVEL_ENV = env.LOG_LEVEL
 
 
 def get_logger(name: str) -> logging.Logger:
@@ -27,7 +28,7 @@ def _configure_root() -> None:
     if getattr(root, "_ds_configured", False):
         return
     root._ds_configured = True  # type: ignore[attr-defined]
-    level = os.environ.get(LEVEL_ENV, "INFO").upper()
+    level = (env.get(LEVEL_ENV) or "INFO").upper()
     if not isinstance(logging.getLevelName(level), int):
         raise ValueError(f"{LEVEL_ENV}={level!r} is not a logging level; use DEBUG, INFO, WARNING or ERROR")
     if root.level == logging.NOTSET:

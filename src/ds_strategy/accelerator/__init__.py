@@ -17,15 +17,15 @@ MPS, then CPU. Neither importing this package nor selecting an accelerator initi
 from __future__ import annotations
 
 import functools
-import os
 
+from ds_strategy import env
 from ds_strategy.accelerator import strict
 from ds_strategy.accelerator.base import Accelerator, MemoryStats
 from ds_strategy.accelerator.cpu import CpuAccelerator
 from ds_strategy.accelerator.cuda import CudaAccelerator
 from ds_strategy.accelerator.mps import MpsAccelerator
 
-ACCELERATOR_ENV = "DS_ACCELERATOR"
+ACCELERATOR_ENV = env.ACCELERATOR
 _KINDS: dict[str, type[Accelerator]] = {"cuda": CudaAccelerator, "cpu": CpuAccelerator, "mps": MpsAccelerator}
 VALID_ACCELERATORS: tuple[str, ...] = tuple(_KINDS)
 
@@ -50,9 +50,9 @@ def get_accelerator(name: str | None = None) -> Accelerator:
     """
     if name is not None:
         return _checked(_parse(name, "get_accelerator(name=...)"), "get_accelerator(name=...)")
-    env = os.environ.get(ACCELERATOR_ENV, "").strip()
-    if env:
-        return _checked(_parse(env, f"{ACCELERATOR_ENV}={env!r}"), f"{ACCELERATOR_ENV}={env}")
+    forced = (env.get(ACCELERATOR_ENV) or "").strip()
+    if forced:
+        return _checked(_parse(forced, f"{ACCELERATOR_ENV}={forced!r}"), f"{ACCELERATOR_ENV}={forced}")
     return _instance(detect_accelerator())
 
 

@@ -33,16 +33,17 @@ it is a test mode, several times slower.
 
 from __future__ import annotations
 
-import os
 import threading
 import weakref
 from collections.abc import Iterator
 from typing import TYPE_CHECKING, Any
 
+from ds_strategy import env
+
 if TYPE_CHECKING:
     import torch
 
-STRICT_ENV = "DS_STRATEGY_DEVICE_STRICT"
+STRICT_ENV = env.DEVICE_STRICT
 
 # True once activate() ran in this process: the flag every check reads first (no cost when False).
 ACTIVE = False
@@ -68,7 +69,7 @@ class DeviceStrictError(RuntimeError):
 
 def requested() -> bool:
     """Whether ``$DS_STRATEGY_DEVICE_STRICT`` asks for the mode (1 / true / yes / on)."""
-    return os.environ.get(STRICT_ENV, "").strip().lower() in ("1", "true", "yes", "on")
+    return (env.get(STRICT_ENV) or "").strip().lower() in ("1", "true", "yes", "on")
 
 
 def device() -> torch.device:

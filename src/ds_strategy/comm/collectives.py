@@ -45,7 +45,6 @@ from __future__ import annotations
 
 import datetime
 import functools
-import os
 import warnings
 from collections.abc import Callable, Iterable, Sequence
 from dataclasses import replace
@@ -55,6 +54,7 @@ import torch
 import torch.distributed as dist
 from torch.profiler import record_function
 
+from ds_strategy import env
 from ds_strategy.accelerator import strict
 from ds_strategy.comm.logger import CommsLogger, Timing
 from ds_strategy.comm.paths import (
@@ -71,8 +71,8 @@ from ds_strategy.comm.worker import CollectiveWorker
 
 F = TypeVar("F", bound=Callable[..., Any])
 
-SHM_ENV = "DS_STRATEGY_SHM"
-SHM_ASYNC_ENV = "DS_STRATEGY_SHM_ASYNC"
+SHM_ENV = env.SHM
+SHM_ASYNC_ENV = env.SHM_ASYNC
 FAST_DTYPES = (torch.float32, torch.bfloat16, torch.float16)
 _FAST_OPS = ("sum", "avg")
 
@@ -428,7 +428,7 @@ class Communicator:
 
 
 def _env_off(name: str) -> bool:
-    return os.environ.get(name, "1").strip().lower() in ("0", "false", "no", "off")
+    return (env.get(name) or "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def reduce_op_name(op: ReduceOpLike) -> str:

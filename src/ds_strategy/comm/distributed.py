@@ -46,6 +46,7 @@ from typing import Literal
 
 import torch.distributed as dist
 
+from ds_strategy import env
 from ds_strategy.accelerator import get_accelerator
 from ds_strategy.scheduler_env import (
     LOCAL_RANK_VARS,
@@ -57,7 +58,7 @@ from ds_strategy.scheduler_env import (
 
 log = logging.getLogger(__name__)
 
-TIMEOUT_ENV = "DS_STRATEGY_DIST_TIMEOUT"
+TIMEOUT_ENV = env.DIST_TIMEOUT
 DEFAULT_PORT = 29500
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -169,7 +170,7 @@ def init_distributed(
 def resolve_timeout(timeout: datetime.timedelta | float | None) -> datetime.timedelta | None:
     """The argument (timedelta or seconds), else ``$DS_STRATEGY_DIST_TIMEOUT`` seconds, else None (torch's)."""
     if timeout is None:
-        raw = os.environ.get(TIMEOUT_ENV, "").strip()
+        raw = (env.get(TIMEOUT_ENV) or "").strip()
         if not raw:
             return None
         try:
@@ -367,7 +368,7 @@ def destroy_at_normal_exit() -> None:
 # store and waits (bounded: EXIT_WAIT_ENV seconds, default 300) until every rank has, then all destroy the
 # group at the same moment, as ranks that finish together do. A peer that crashed never marks: the wait
 # times out (or the launcher ends this rank first), then the group is destroyed as before.
-EXIT_WAIT_ENV = "DS_STRATEGY_EXIT_WAIT"
+EXIT_WAIT_ENV = env.EXIT_WAIT
 
 
 def _destroy_if_clean() -> None:
@@ -384,7 +385,7 @@ def _meet_peers_before_teardown() -> None:
     world = dist.get_world_size()
     if world == 1:
         return
-    seconds = float(os.environ.get(EXIT_WAIT_ENV, "300"))
+    seconds = float(env.get(EXIT_WAIT_ENV) or "300")
     if seconds <= 0:
         return
     store = dist.distributed_c10d._get_default_store()

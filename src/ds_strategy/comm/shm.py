@@ -21,7 +21,6 @@ groups), ``DS_STRATEGY_SHM_SLOT_BYTES`` (per-rank chunk, default 2 MiB), ``DS_ST
 
 from __future__ import annotations
 
-import os
 import socket
 import warnings
 from pathlib import Path
@@ -30,9 +29,11 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-TIMEOUT_ENV = "DS_STRATEGY_SHM_TIMEOUT"
-SLOT_BYTES_ENV = "DS_STRATEGY_SHM_SLOT_BYTES"
-SMALL_BYTES_ENV = "DS_STRATEGY_SHM_SMALL_BYTES"
+from ds_strategy import env
+
+TIMEOUT_ENV = env.SHM_TIMEOUT
+SLOT_BYTES_ENV = env.SHM_SLOT_BYTES
+SMALL_BYTES_ENV = env.SHM_SMALL_BYTES
 DEFAULT_TIMEOUT = 1800.0
 DEFAULT_SLOT_BYTES = 2 << 20
 DEFAULT_SMALL_BYTES = 64 << 10
@@ -62,7 +63,7 @@ def _kernel_class() -> Any:
 
 
 def _env_number(name: str, default: float) -> float:
-    raw = os.environ.get(name)
+    raw = env.get(name)
     if raw is None or raw == "":
         return default
     try:

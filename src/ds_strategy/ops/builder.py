@@ -30,14 +30,15 @@ from typing import Any
 
 import torch
 
+from ds_strategy import env
 from ds_strategy.ops.isa import detect_isa, isa_flags
 from ds_strategy.ops.lock import BuildLock
 
 CPU_LIBRARY = "ds_strategy_cpu"
 CUDA_LIBRARY = "ds_strategy_cuda"
-TIMEOUT_ENV = "DS_STRATEGY_BUILD_TIMEOUT"
-REQUIRE_ENV = "DS_STRATEGY_REQUIRE_KERNELS"  # "1": a failed build raises instead of falling back
-DISABLE_ENV = "DS_STRATEGY_DISABLE_KERNELS"  # "1": never build; use the pure-torch fallbacks
+TIMEOUT_ENV = env.BUILD_TIMEOUT
+REQUIRE_ENV = env.REQUIRE_KERNELS  # "1": a failed build raises instead of falling back
+DISABLE_ENV = env.DISABLE_KERNELS  # "1": never build; use the pure-torch fallbacks
 _SOURCE_SUFFIXES = (".cpp", ".cu", ".h", ".cuh")
 
 
@@ -159,7 +160,7 @@ def build_library(spec: LibrarySpec, root: Path | None = None, verbose: bool = F
     target = final_dir / f"{spec.name}.so"
     if target.exists():
         return BuiltLibrary(target, built_here=False, seconds=0.0)
-    timeout = float(os.environ.get(TIMEOUT_ENV, "900"))
+    timeout = float(env.get(TIMEOUT_ENV) or "900")
     with BuildLock(root / f"{key}.lock", timeout=timeout, done=target.exists) as lock:
         if not lock.acquired or target.exists():
             return BuiltLibrary(target, built_here=False, seconds=0.0)
@@ -218,11 +219,11 @@ def _compile(spec: LibrarySpec, build_dir: Path, verbose: bool) -> None:
 
 
 def _kernels_disabled() -> bool:
-    return os.environ.get(DISABLE_ENV, "") == "1"
+    return env.get(DISABLE_ENV) == "1"
 
 
 def _fall_back(reason: str) -> bool:
-    if os.environ.get(REQUIRE_ENV, "") == "1":
+    if env.get(REQUIRE_ENV) == "1":
         raise KernelBuildError(f"{reason} ({REQUIRE_ENV}=1 forbids the pure-torch fallback)")
     warnings.warn(
         f"ds_strategy: {reason}. Using pure-torch fallbacks (slower, same results). "

@@ -2,12 +2,13 @@
 
 from __future__ import annotations
 
-import os
 import platform
 from functools import cache
 
+from ds_strategy import env
+
 ISAS = ("avx512", "avx2", "neon", "scalar")
-ISA_ENV = "DS_STRATEGY_SIMD"
+ISA_ENV = env.SIMD
 
 # Exactly the extensions simd.h uses per ISA; never -march=native, so the cache key says what was built.
 _FLAGS = {
@@ -36,7 +37,7 @@ def _cpu_flags() -> frozenset[str]:
 
 def detect_isa() -> str:
     """The best ISA this CPU runs, or the one forced through ``DS_STRATEGY_SIMD``."""
-    forced = os.environ.get(ISA_ENV, "").strip().lower()
+    forced = (env.get(ISA_ENV) or "").strip().lower()
     if forced:
         if forced not in ISAS:
             raise ValueError(f"{ISA_ENV}={forced!r} is not a known instruction set; valid: {', '.join(ISAS)}")

@@ -30,6 +30,8 @@ from typing import Any
 
 import torch
 
+from ds_strategy import env
+
 FORMAT = "ds_strategy.zero_checkpoint"
 VERSION = 1
 LATEST = "latest"
@@ -96,7 +98,7 @@ def to_plain(value: Any) -> Any:
 def pause_for_tests(name: str) -> None:
     """Test-only hook: ``DS_STRATEGY_CKPT_TEST_PAUSE=<seconds>`` announces each file on stderr and sleeps
     before writing it, so a test can SIGKILL a process in the middle of a save. Never set it otherwise."""
-    delay = os.environ.get("DS_STRATEGY_CKPT_TEST_PAUSE")
+    delay = env.get(env.CKPT_TEST_PAUSE)
     if delay:
         import sys
         import time

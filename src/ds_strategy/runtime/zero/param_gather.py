@@ -27,7 +27,6 @@ Divergence detection (ranks running different modules) lives in divergence.py.
 
 from __future__ import annotations
 
-import os
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
 from typing import Any
@@ -38,6 +37,8 @@ from torch.autograd.graph import register_multi_grad_hook
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
+from ds_strategy import env
+
 from .base import BucketKey
 from .collectives import Collectives, Handle
 from .divergence import DivergenceCheck
@@ -47,7 +48,7 @@ EXTERNAL_ATTR = "_ds_external_params"
 # torch modules whose forward reads their children's parameters without calling the children
 # (MultiheadAttention passes ``out_proj.weight`` to the functional attention): their unit is the subtree.
 READS_CHILD_PARAMETERS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
-TIMEOUT_ENV = "DS_STRATEGY_GATHER_TIMEOUT"
+TIMEOUT_ENV = env.GATHER_TIMEOUT
 
 
 class ParamGatherer:
@@ -72,8 +73,8 @@ class ParamGatherer:
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.reuse_distance = reuse_distance
-        env = os.environ.get(TIMEOUT_ENV)
-        self.timeout_s = float(env) if env else timeout_s
+        configured = env.get(TIMEOUT_ENV)
+        self.timeout_s = float(configured) if configured else timeout_s
         self.bucket_of: dict[int, BucketKey] = {}
         for g, gs in enumerate(groups):
             for i, p in enumerate(gs.params):
