@@ -1,17 +1,19 @@
 """Peak host memory a ModelCheckpoint save adds at stage 3, per rank, as a multiple of the full model size.
 
-    MALLOC_PERTURB_=165 python -m torch.distributed.run --nproc_per_node 2 checkpoint_memory.py LAYERS WIDTH DIR
+    MALLOC_PERTURB_=165 python -m torch.distributed.run --nproc_per_node 2 checkpoint_memory.py LAYERS WIDTH DIR [ROWS]
 
 A LAYERS x Linear(WIDTH, WIDTH) model (fp32, every parameter partitioned:
 ``stage3_param_persistence_threshold: 0``) trains with a stateless SGD under ``Trainer(strategy=zero3)``;
 ModelCheckpoint saves after every step. A callback that runs just before ModelCheckpoint's (Lightning
 orders checkpoint callbacks last) resets VmHWM; the next batch's start reads it, so the window is the save.
 MALLOC_PERTURB_ makes glibc write every allocation, as a device allocator commits it. Prints one JSON line
-per rank: {"rank", "added", "model", "ratio", "saves"}.
+per rank: {"rank", "added", "model", "ratio", "saves"}, and writes it to ROWS/rank<N>.json when ROWS is given
+(the ranks' stdout lines can interleave).
 """
 
 import json
 import sys
+from pathlib import Path
 
 import lightning.pytorch as pl
 import torch
@@ -70,8 +72,10 @@ def main() -> None:
     model_bytes = layers * width * width * 4
     added = max(probe.added)
     row = {"rank": trainer.global_rank, "added": added, "model": model_bytes, "ratio": added / model_bytes}
-    print(json.dumps({**row, "saves": len(probe.added)}))
-    sys.stdout.flush()
+    line = json.dumps({**row, "saves": len(probe.added)})
+    print(line, flush=True)
+    if len(sys.argv) > 4:
+        Path(sys.argv[4], f"rank{trainer.global_rank}.json").write_text(line)
 
 
 if __name__ == "__main__":

@@ -1,15 +1,17 @@
 """Peak host memory that building a stage-3 engine adds, per rank, as a multiple of the full model size.
 
-    MALLOC_PERTURB_=165 python -m torch.distributed.run --nproc_per_node 2 stage3_build_memory.py LAYERS WIDTH
+    MALLOC_PERTURB_=165 python -m torch.distributed.run --nproc_per_node 2 stage3_build_memory.py LAYERS WIDTH [ROWS]
 
 The model (LAYERS x Linear(WIDTH, WIDTH), fp32) is built under zero.Init; then VmHWM is reset and
 initialize() builds a stage-3 engine with a stateless torch SGD. MALLOC_PERTURB_ makes glibc write every
 allocation, as a device allocator commits it (an untouched CPU allocation costs nothing and would hide a
-full-size buffer). Prints one JSON line per rank: {"rank", "added", "model", "ratio"}.
+full-size buffer). Prints one JSON line per rank: {"rank", "added", "model", "ratio"}, and writes it to ROWS/rank<N>.json when
+ROWS is given (the ranks' stdout lines can interleave).
 """
 
 import json
 import sys
+from pathlib import Path
 
 import torch
 import torch.distributed as dist
@@ -35,8 +37,10 @@ def main() -> None:
     _engine, *_ = ds_strategy.initialize(model=model, optimizer=opt, config=cfg)  # kept alive until the end
     _, peak = process_memory()
     added = (peak or before) - before
-    print(json.dumps({"rank": dist.get_rank(), "added": added, "model": model_bytes, "ratio": added / model_bytes}))
-    sys.stdout.flush()
+    line = json.dumps({"rank": dist.get_rank(), "added": added, "model": model_bytes, "ratio": added / model_bytes})
+    print(line, flush=True)
+    if len(sys.argv) > 3:
+        Path(sys.argv[3], f"rank{dist.get_rank()}.json").write_text(line)
     dist.barrier()
 
 
