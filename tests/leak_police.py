@@ -20,9 +20,19 @@ import pytest
 
 # Variables a test may leave in the pytest process. Lightning's seed_everything exports its seed for
 # workers it might spawn (PL_GLOBAL_SEED, PL_SEED_WORKERS); Lightning's own suite allows them too.
-# PYTEST_CURRENT_TEST is pytest's own, rewritten at every phase. torch's inductor exports its cache
-# directory (TORCHINDUCTOR_CACHE_DIR) at the first compile in the process (opcheck's AOT dispatch test).
-LEAKABLE_ENV = frozenset({"PL_GLOBAL_SEED", "PL_SEED_WORKERS", "PYTEST_CURRENT_TEST", "TORCHINDUCTOR_CACHE_DIR"})
+# PYTEST_CURRENT_TEST is pytest's own, rewritten at every phase. Set once per process by an import or a
+# first use, so whichever test comes first would be blamed: torch's inductor exports its cache directory
+# (TORCHINDUCTOR_CACHE_DIR) at the first compile (opcheck's AOT dispatch test); importing lightning.fabric
+# sets PYTORCH_NVML_BASED_CUDA_CHECK=1 (a test that imports Lightning lazily).
+LEAKABLE_ENV = frozenset(
+    {
+        "PL_GLOBAL_SEED",
+        "PL_SEED_WORKERS",
+        "PYTEST_CURRENT_TEST",
+        "TORCHINDUCTOR_CACHE_DIR",
+        "PYTORCH_NVML_BASED_CUDA_CHECK",
+    }
+)
 THREAD_GRACE_S = 2.0  # a thread that is finishing (joined late by a callback) gets this long to end
 
 

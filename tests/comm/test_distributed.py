@@ -493,11 +493,13 @@ def test_real_mpirun(tmp_path: Path) -> None:
 
 @contextlib.contextmanager
 def destroyed_afterwards() -> Iterator[None]:
+    hook = sys.excepthook  # init_process_group wraps it and destroy does not unwrap (tests/leak_police.py)
     try:
         yield
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def test_single_process_fallback(clean_env: pytest.MonkeyPatch) -> None:
