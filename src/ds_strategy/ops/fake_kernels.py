@@ -31,7 +31,13 @@ def _l2norm_fake(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.T
     return _flag_like(tensors), _flag_like(tensors)
 
 
+_registered: list[bool] = []  # torch refuses a second fake kernel for an op: register once per process
+
+
 def register_fake_kernels() -> None:
+    if _registered:
+        return
+    _registered.append(True)
     for name in ("adam_step_", "adagrad_step_", "lion_step_"):
         torch.library.register_fake(f"ds_strategy::{name}", _step_fake)
     torch.library.register_fake("ds_strategy::optim_traffic_ceiling_", _traffic_ceiling_fake)
