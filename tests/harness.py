@@ -11,9 +11,19 @@
         assert run_distributed(body, world_size=2, args=(2.0,)) == [2.0, 2.0]
 
 Workers are spawned once per world size and reused by every test (spawning costs seconds); each call
-gets a fresh default process group on a free loopback port, torn down afterwards. A failing rank fails
-the test with every rank's traceback; a rank that does not finish within ``timeout`` seconds fails it
-with the stacks of the hanging ranks (dumped through faulthandler), and the pool is replaced.
+gets a fresh default process group that rendezvouses through a ``FileStore`` in a fresh temp file (no
+port to pick, so no free-port race with other test runs on the machine), torn down afterwards. A failing
+rank fails the test with every rank's traceback; a rank that does not finish within ``timeout`` seconds
+fails it with the stacks of the hanging ranks (dumped through faulthandler), and the pool is replaced.
+A rank that calls ``pytest.skip`` skips the test, unless another rank raised: a raise outweighs a skip,
+as in PyTorch's MultiProcessTestCase (so skip on every rank, or before the first collective, since a
+peer left in a collective by the skipping rank raises when that rank's group goes away).
+
+MASTER_ADDR/MASTER_PORT are still set for every call, for bodies that rendezvous themselves
+(``init_process_group=False``: Lightning's ``TorchElasticEnvironment`` and ``init_distributed`` read them).
+That port is held by the parent (bound with SO_REUSEADDR, never listening) for the whole call, so the
+kernel cannot hand it to anyone else while rank 0's TCPStore binds it (TCPStore binds with SO_REUSEADDR
+too).
 """
 
 from __future__ import annotations
@@ -26,6 +36,7 @@ import io
 import multiprocessing as mp
 import os
 import queue
+import shutil
 import signal
 import socket
 import sys
@@ -37,6 +48,7 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+import pytest
 import torch
 import torch.distributed as dist
 
@@ -48,10 +60,15 @@ class DistributedTestError(AssertionError):
     """One or more ranks raised, died or hung; the message holds every rank's story."""
 
 
-def free_port() -> int:
+@contextlib.contextmanager
+def held_port() -> Iterator[int]:
+    """A loopback port that stays reserved while the block runs: the socket is bound (SO_REUSEADDR, not
+    listening), so the kernel gives the port to no other ``bind(0)``, yet a TCPStore that binds it with
+    SO_REUSEADDR (as c10d does) and listens still can."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+        yield int(s.getsockname()[1])
 
 
 @dataclass
@@ -61,6 +78,7 @@ class _Task:
     args: tuple[Any, ...]
     kwargs: dict[str, Any]
     port: int
+    store_path: str  # the FileStore of this call's default group: a fresh file, never reused
     timeout: float
     init_process_group: bool
     env: dict[str, str]
@@ -84,6 +102,10 @@ def _patched_env(env: dict[str, str]) -> Iterator[None]:
                 os.environ.pop(k, None)
             else:
                 os.environ[k] = v
+
+
+# What a rank reports for a task.
+_OK, _FAILED, _SKIPPED = "ok", "failed", "skipped"
 
 
 def _worker_main(
@@ -119,15 +141,17 @@ def _worker_main(
                 if task.init_process_group:
                     dist.init_process_group(
                         "gloo",
-                        init_method=f"tcp://127.0.0.1:{task.port}",
+                        store=dist.FileStore(task.store_path, world_size),
                         rank=rank,
                         world_size=world_size,
                         timeout=datetime.timedelta(seconds=task.timeout),
                     )
                 value = task.fn(rank, world_size, *task.args, **task.kwargs)
-                results.put((task.task_id, rank, True, _dumps(value)))
+                results.put((task.task_id, rank, _OK, _dumps(value)))
+            except pytest.skip.Exception as skipped:
+                results.put((task.task_id, rank, _SKIPPED, skipped.msg))
             except BaseException:
-                results.put((task.task_id, rank, False, traceback.format_exc()))
+                results.put((task.task_id, rank, _FAILED, traceback.format_exc()))
             finally:
                 if dist.is_initialized():
                     dist.destroy_process_group()
@@ -140,7 +164,7 @@ class WorkerPool:
     def __init__(self, world_size: int, process_env: dict[str, str] | None = None) -> None:
         ctx = mp.get_context("spawn")
         self.world_size = world_size
-        self._stack_dir = tempfile.mkdtemp(prefix="ds_harness_")
+        self._stack_dir = tempfile.mkdtemp(prefix="ds_harness_")  # also holds the calls' FileStores
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._next_id = 0
@@ -178,32 +202,46 @@ class WorkerPool:
         timeout: float,
         init_process_group: bool,
         env: dict[str, str],
-    ) -> tuple[list[Any], bool]:
-        """Return (per-rank results, pool still usable)."""
+    ) -> list[Any]:
+        """Return the per-rank results; raise DistributedTestError (the pool is then unusable) or skip."""
         self._next_id += 1
-        task = _Task(self._next_id, fn, args, kwargs, free_port(), timeout, init_process_group, env)
-        for q in self._tasks:
-            q.put(task)
-        done: dict[int, tuple[bool, Any]] = {}
+        store_path = str(Path(self._stack_dir) / f"store{self._next_id}")
+        with held_port() as port:
+            task = _Task(self._next_id, fn, args, kwargs, port, store_path, timeout, init_process_group, env)
+            for q in self._tasks:
+                q.put(task)
+            done = self._collect(task.task_id, timeout)
+        hanging = [r for r in range(self.world_size) if r not in done]
+        failed = {r: payload for r, (status, payload) in sorted(done.items()) if status == _FAILED}
+        skipped = {r: payload for r, (status, payload) in sorted(done.items()) if status == _SKIPPED}
+        if not hanging and not failed and not skipped:
+            return [torch.load(io.BytesIO(done[r][1]), weights_only=False) for r in range(self.world_size)]
+        if skipped and not failed:
+            reasons = "; ".join(f"rank {r}: {msg}" for r, msg in skipped.items())
+            if hanging:  # peers left waiting in a collective for the rank that skipped
+                self.kill()
+                reasons += f" (ranks {hanging} were still running and were stopped)"
+            pytest.skip(reasons)
+        raise DistributedTestError(self._report(fn, failed, hanging, timeout))
+
+    def _collect(self, task_id: int, timeout: float) -> dict[int, tuple[str, Any]]:
+        """Every rank's (status, payload) that came back in time; a rank that died counts as failed."""
+        done: dict[int, tuple[str, Any]] = {}
         deadline = time.monotonic() + timeout
         while len(done) < self.world_size and time.monotonic() < deadline:
             try:
-                task_id, rank, ok, payload = self._results.get(timeout=0.2)
+                answer_id, rank, status, payload = self._results.get(timeout=0.2)
             except queue.Empty:
                 dead = [r for r, p in enumerate(self.procs) if not p.is_alive() and r not in done]
                 for r in dead:
-                    done[r] = (False, f"rank {r} died with exit code {self.procs[r].exitcode}")
+                    done[r] = (_FAILED, f"rank {r} died with exit code {self.procs[r].exitcode}")
                 continue
-            if task_id != task.task_id:
+            if answer_id != task_id:
                 continue  # a late answer from a task that already failed
-            done[rank] = (ok, payload)
-            if not ok:
+            done[rank] = (status, payload)
+            if status != _OK:  # the others may wait for this rank in a collective: do not wait long
                 deadline = min(deadline, time.monotonic() + FAILURE_GRACE)
-        hanging = [r for r in range(self.world_size) if r not in done]
-        failed = {r: payload for r, (ok, payload) in sorted(done.items()) if not ok}
-        if not hanging and not failed:
-            return [torch.load(io.BytesIO(done[r][1]), weights_only=False) for r in range(self.world_size)], True
-        raise DistributedTestError(self._report(fn, failed, hanging, timeout))
+        return done
 
     def _report(self, fn: Callable[..., Any], failed: dict[int, str], hanging: list[int], timeout: float) -> str:
         lines = [f"{getattr(fn, '__qualname__', fn)} on {self.world_size} ranks:"]
@@ -231,6 +269,7 @@ class WorkerPool:
             if p.is_alive():
                 p.kill()
                 p.join(timeout=5)
+        self._remove_files()
 
     def kill(self) -> None:
         for p in self.procs:
@@ -238,6 +277,10 @@ class WorkerPool:
                 p.kill()
         for p in self.procs:
             p.join(timeout=5)
+        self._remove_files()
+
+    def _remove_files(self) -> None:
+        shutil.rmtree(self._stack_dir, ignore_errors=True)
 
 
 _pools: dict[tuple[int, frozenset[tuple[str, str]]], WorkerPool] = {}
@@ -256,8 +299,9 @@ def run_distributed(
     """Run ``fn(rank, world_size, *args, **kwargs)`` on every rank; return the per-rank results.
 
     ``fn`` must be importable by name (module level). With ``init_process_group`` the default gloo group
-    is ready when ``fn`` starts; otherwise RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are set in the
-    environment for ``fn`` to use. ``env`` adds variables for this call only; ``process_env`` runs it in a
+    (FileStore rendezvous) is ready when ``fn`` starts; RANK/WORLD_SIZE/MASTER_ADDR/MASTER_PORT are set in
+    the environment either way, for ``fn`` to rendezvous itself (the port is reserved for this call).
+    ``pytest.skip`` on any rank skips the test. ``env`` adds variables for this call only; ``process_env`` runs it in a
     pool of its own whose processes have those variables from the start (for settings read at import).
     """
     key = (world_size, frozenset((process_env or {}).items()))
@@ -267,7 +311,11 @@ def run_distributed(
             pool.kill()
         pool = _pools[key] = WorkerPool(world_size, process_env)
     try:
-        results, _ = pool.run(fn, args, kwargs or {}, timeout, init_process_group, env or {})
+        results = pool.run(fn, args, kwargs or {}, timeout, init_process_group, env or {})
+    except pytest.skip.Exception:
+        if not pool.alive():
+            _pools.pop(key, None)
+        raise
     except DistributedTestError:
         # Ranks may be stuck in a collective: replace the whole pool rather than reuse it.
         pool.kill()

@@ -11,24 +11,11 @@
 #include <memory>
 #include <string>
 
+#include "../includes/dispatch.h"
 #include "shm_collectives.h"
 
 namespace ds::comm {
 namespace {
-
-DType element_type(const at::Tensor& t, const char* op, const char* arg) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return DType::kFloat32;
-    case at::kBFloat16:
-      return DType::kBFloat16;
-    case at::kHalf:
-      return DType::kFloat16;
-    default:
-      TORCH_CHECK(false, "shm ", op, ": ", arg, " has dtype ", t.scalar_type(),
-                  "; expected float32, bfloat16 or float16");
-  }
-}
 
 void check_tensor(const at::Tensor& t, const char* op, const char* arg) {
   TORCH_CHECK(t.defined(), "shm ", op, ": ", arg, " is undefined");
@@ -74,7 +61,8 @@ class ShmComm : public torch::CustomClassHolder {
     Communicator& c = get(op);
     check_tensor(tensor, op, "tensor");
     const bool avg = parse_avg(op_name, op);
-    c.all_reduce(tensor.data_ptr(), tensor.numel(), element_type(tensor, op, "tensor"), avg, at::get_num_threads());
+    const DType dtype = kernel_dtype(tensor, "shm ", op, ": tensor");
+    c.all_reduce(tensor.data_ptr(), tensor.numel(), dtype, avg, at::get_num_threads());
   }
 
   void reduce_scatter(at::Tensor output, at::Tensor input, std::string op_name) {
@@ -83,7 +71,7 @@ class ShmComm : public torch::CustomClassHolder {
     check_tensor(output, op, "output");
     check_tensor(input, op, "input");
     const bool avg = parse_avg(op_name, op);
-    const DType dtype = element_type(input, op, "input");
+    const DType dtype = kernel_dtype(input, "shm ", op, ": input");
     TORCH_CHECK(output.scalar_type() == input.scalar_type(), "shm ", op, ": output has dtype ", output.scalar_type(),
                 " but input has ", input.scalar_type(), "; they must match");
     TORCH_CHECK(input.numel() == world_ * output.numel(), "shm ", op, ": input has ", input.numel(),
@@ -106,7 +94,7 @@ class ShmComm : public torch::CustomClassHolder {
     Communicator& c = get(op);
     check_tensor(output, op, "output");
     check_tensor(input, op, "input");
-    const DType dtype = element_type(input, op, "input");
+    const DType dtype = kernel_dtype(input, "shm ", op, ": input");
     TORCH_CHECK(output.scalar_type() == input.scalar_type(), "shm ", op, ": output has dtype ", output.scalar_type(),
                 " but input has ", input.scalar_type(), "; they must match");
     TORCH_CHECK(output.numel() == world_ * input.numel(), "shm ", op, ": output has ", output.numel(),

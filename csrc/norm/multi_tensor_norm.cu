@@ -3,6 +3,7 @@
 // Tensors are processed in batches of kMaxTensors per launch (their pointers travel in the kernel
 // arguments, as in apex's multi_tensor_apply); blockIdx.y picks the tensor, a grid-stride loop covers it,
 // each block reduces in shared memory and adds its partial sum into one double accumulator.
+#include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
 #include <cstdint>
@@ -67,10 +68,12 @@ void launch_sum_of_squares(const DeviceBatch& batch, int count, int64_t max_nume
   const int64_t blocks_needed = (max_numel + kThreads - 1) / kThreads;
   const unsigned blocks = static_cast<unsigned>(blocks_needed < 1024 ? (blocks_needed > 0 ? blocks_needed : 1) : 1024);
   sum_of_squares_kernel<<<dim3(blocks, static_cast<unsigned>(count)), kThreads, 0, stream>>>(batch, sum_sq, nonfinite);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void launch_finish(const double* sum_sq, const int* nonfinite, float* norm, float* found_inf, cudaStream_t stream) {
   finish_kernel<<<1, 1, 0, stream>>>(sum_sq, nonfinite, norm, found_inf);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace ds::norm

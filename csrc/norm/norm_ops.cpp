@@ -11,24 +11,11 @@
 #include <tuple>
 #include <vector>
 
+#include "../includes/dispatch.h"
 #include "multi_tensor_norm.h"
 
 namespace ds::norm {
 namespace {
-
-DType element_type(const at::Tensor& t, size_t index) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return DType::kFloat32;
-    case at::kBFloat16:
-      return DType::kBFloat16;
-    case at::kHalf:
-      return DType::kFloat16;
-    default:
-      TORCH_CHECK(false, "multi_tensor_l2norm: tensors[", index, "] has dtype ", t.scalar_type(),
-                  "; expected float32, bfloat16 or float16");
-  }
-}
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cpu(at::TensorList tensors) {
   std::vector<ConstBuffer> buffers;
@@ -38,7 +25,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cpu(at::TensorList tensor
     TORCH_CHECK(t.device().is_cpu(), "multi_tensor_l2norm: tensors[", i, "] is on ", t.device(),
                 "; the CPU kernel needs CPU tensors");
     TORCH_CHECK(t.is_contiguous(), "multi_tensor_l2norm: tensors[", i, "] is not contiguous");
-    buffers.push_back({t.data_ptr(), t.numel(), element_type(t, i)});
+    buffers.push_back({t.data_ptr(), t.numel(), kernel_dtype(t, "multi_tensor_l2norm: tensors[", i, "]")});
   }
   SumOfSquares result{0.0, false};
   {

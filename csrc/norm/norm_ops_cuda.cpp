@@ -10,24 +10,11 @@
 #include <algorithm>
 #include <tuple>
 
+#include "../includes/dispatch.h"
 #include "multi_tensor_norm_cuda.h"
 
 namespace ds::norm {
 namespace {
-
-DType element_type(const at::Tensor& t, size_t index) {
-  switch (t.scalar_type()) {
-    case at::kFloat:
-      return DType::kFloat32;
-    case at::kBFloat16:
-      return DType::kBFloat16;
-    case at::kHalf:
-      return DType::kFloat16;
-    default:
-      TORCH_CHECK(false, "multi_tensor_l2norm: tensors[", index, "] has dtype ", t.scalar_type(),
-                  "; expected float32, bfloat16 or float16");
-  }
-}
 
 std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cuda(at::TensorList tensors) {
   TORCH_CHECK(!tensors.empty(), "multi_tensor_l2norm: empty tensor list");
@@ -46,7 +33,7 @@ std::tuple<at::Tensor, at::Tensor> multi_tensor_l2norm_cuda(at::TensorList tenso
     TORCH_CHECK(t.is_contiguous(), "multi_tensor_l2norm: tensors[", i, "] is not contiguous");
     batch.data[count] = t.data_ptr();
     batch.numel[count] = t.numel();
-    batch.dtype[count] = element_type(t, i);
+    batch.dtype[count] = kernel_dtype(t, "multi_tensor_l2norm: tensors[", i, "]");
     max_numel = std::max(max_numel, t.numel());
     if (++count == kMaxTensors || i + 1 == tensors.size()) {
       launch_sum_of_squares(batch, count, max_numel, sum_sq.data_ptr<double>(), nonfinite.data_ptr<int>(), stream);

@@ -4,6 +4,7 @@
 // Multi-tensor: up to kMaxCudaTensors tensors per launch, their pointers in the kernel arguments (as in
 // apex's multi_tensor_apply); blockIdx.y picks the tensor, a grid-stride loop covers it. The optional
 // unscale/clip, the inf/nan report and the bf16/fp16 copy-out happen in the same pass, as on the CPU.
+#include <c10/cuda/CUDAException.h>
 #include <cuda_runtime.h>
 
 #include <algorithm>
@@ -86,12 +87,14 @@ void launch_nonfinite_check(const AdamDeviceBatch& batch, int count, int64_t max
                             cudaStream_t stream) {
   if (count == 0) return;
   nonfinite_kernel<<<grid_for(count, max_numel), kThreads, 0, stream>>>(batch, found_inf);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 void launch_adam(const AdamDeviceBatch& batch, int count, int64_t max_numel, const AdamScalars& s,
                  const GradScalars& gs, const float* skip_flag, float* found_inf, cudaStream_t stream) {
   if (count == 0) return;
   adam_kernel<<<grid_for(count, max_numel), kThreads, 0, stream>>>(batch, s, gs, skip_flag, found_inf);
+  C10_CUDA_KERNEL_LAUNCH_CHECK();
 }
 
 }  // namespace ds::optim

@@ -8,23 +8,11 @@
 
 #include <vector>
 
+#include "../includes/dispatch.h"
 #include "../includes/dtypes.h"
 #include "cpu_optim.h"
 
 namespace ds::optim {
-
-inline DType grad_type(const at::Tensor& g, const char* op, size_t i) {
-  switch (g.scalar_type()) {
-    case at::kFloat:
-      return DType::kFloat32;
-    case at::kBFloat16:
-      return DType::kBFloat16;
-    case at::kHalf:
-      return DType::kFloat16;
-    default:
-      TORCH_CHECK(false, op, ": grads[", i, "] has dtype ", g.scalar_type(), "; expected float32, bfloat16 or float16");
-  }
-}
 
 inline void check_like(const at::Tensor& t, const at::Tensor& param, const char* op, const char* list, size_t i) {
   TORCH_CHECK(t.device() == param.device(), op, ": ", list, "[", i, "] is on ", t.device(), " but params[", i,
@@ -62,7 +50,7 @@ inline std::vector<ParamBuffers> checked_buffers(const char* op, c10::DeviceType
     b.param = p.data_ptr<float>();
     b.numel = p.numel();
     check_like(grads[i], p, op, "grads", i);
-    b.grad_dtype = grad_type(grads[i], op, i);
+    b.grad_dtype = kernel_dtype(grads[i], op, ": grads[", i, "]");
     b.grad = grads[i].data_ptr();
     int k = 0;
     for (const auto& [name, list] : states) {

@@ -72,9 +72,8 @@ at::Tensor adam_step_cuda(at::TensorList params, at::TensorList grads, at::Tenso
   }
   const float* skip_flag = skip_if_nonfinite ? found : nullptr;
   for_each_batch(buffers, [&](const AdamDeviceBatch& batch, int count, int64_t max_numel) {
-    launch_adam(batch, count, max_numel, s, gs, skip_flag, found, stream);
+    launch_adam(batch, count, max_numel, s, gs, skip_flag, found, stream);  // checks its launch
   });
-  C10_CUDA_KERNEL_LAUNCH_CHECK();
   return found_inf;
 }
 

@@ -484,6 +484,7 @@ def test_a_group_of_one_is_local(monkeypatch: pytest.MonkeyPatch) -> None:
 
     for name in ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT"):
         monkeypatch.delenv(name, raising=False)
+    monkeypatch.setattr(sys, "excepthook", sys.excepthook)  # init_process_group wraps it (tests/leak_police.py)
     init_distributed()
     try:
         comm = Communicator()

@@ -24,7 +24,7 @@ import torch.distributed as dist
 from ds_strategy.comm import TIMEOUT_ENV, init_distributed, resolve_timeout
 from ds_strategy.comm.distributed import ENV_VARS, discover_mpi
 from ds_strategy.scheduler_env import first_host
-from tests.harness import free_port, run_distributed
+from tests.harness import held_port, run_distributed
 
 LAUNCHER_VARS = (
     "OMPI_COMM_WORLD_RANK",
@@ -190,8 +190,8 @@ def _init_method_body(rank: int, world_size: int, port: int) -> tuple[str, int, 
 
 
 def test_explicit_init_method() -> None:
-    port = free_port()
-    results = run_distributed(_init_method_body, world_size=2, args=(port,), init_process_group=False)
+    with held_port() as port:
+        results = run_distributed(_init_method_body, world_size=2, args=(port,), init_process_group=False)
     assert results == [("init_method", 0, 3.0), ("init_method", 1, 3.0)]
 
 
@@ -313,10 +313,14 @@ def _mpi_body(rank: int, world_size: int, folder: str, hosts: list[str] | None) 
 
 
 def test_mpi_discovery_with_mocked_mpi4py(tmp_path: Path) -> None:
-    port = free_port()
-    results = run_distributed(
-        _mpi_body, world_size=2, args=(str(tmp_path), None), init_process_group=False, env={"MASTER_PORT": str(port)}
-    )
+    with held_port() as port:
+        results = run_distributed(
+            _mpi_body,
+            world_size=2,
+            args=(str(tmp_path), None),
+            init_process_group=False,
+            env={"MASTER_PORT": str(port)},
+        )
     for rank, res in enumerate(results):
         assert res["info"] == ("mpi", rank, 2, rank, "127.0.0.1", port)
         assert res["sum"] == 2.0
@@ -331,11 +335,15 @@ def test_mpi_discovery_with_mocked_mpi4py(tmp_path: Path) -> None:
 
 
 def test_mpi_discovery_derives_local_rank_from_host_names(tmp_path: Path) -> None:
-    port = free_port()
     hosts = ["node-a", "node-b", "node-a", "node-b"]
-    results = run_distributed(
-        _mpi_body, world_size=4, args=(str(tmp_path), hosts), init_process_group=False, env={"MASTER_PORT": str(port)}
-    )
+    with held_port() as port:
+        results = run_distributed(
+            _mpi_body,
+            world_size=4,
+            args=(str(tmp_path), hosts),
+            init_process_group=False,
+            env={"MASTER_PORT": str(port)},
+        )
     assert [res["info"][3] for res in results] == [0, 0, 1, 1]
     assert all(res["info"][4] == "127.0.0.1" for res in results)  # rank 0's address, broadcast
     assert all(res["sum"] == 4.0 for res in results)
@@ -419,10 +427,10 @@ def _launcher_body(rank: int, world_size: int, kind: str) -> tuple[str, int, int
 
 @pytest.mark.parametrize("kind", ["openmpi", "azureml", "pmi", "slurm"])
 def test_launcher_variables_without_mpi4py(kind: str) -> None:
-    port = free_port()
-    results = run_distributed(
-        _launcher_body, world_size=2, args=(kind,), init_process_group=False, env={"MASTER_PORT": str(port)}
-    )
+    with held_port() as port:
+        results = run_distributed(
+            _launcher_body, world_size=2, args=(kind,), init_process_group=False, env={"MASTER_PORT": str(port)}
+        )
     addr = "localhost" if kind == "slurm" else "127.0.0.1"
     local = [0, 0] if kind == "azureml" else [0, 1]
     assert results == [("launcher", r, 2, local[r], addr, port) for r in range(2)]
@@ -466,14 +474,15 @@ def test_real_mpirun(tmp_path: Path) -> None:
     flags = ["--oversubscribe", "--allow-run-as-root"] if "Open MPI" in version or "OpenRTE" in version else []
     env = {k: v for k, v in os.environ.items() if k not in ENV_VARS}
     env["PYTHONPATH"] = os.pathsep.join([str(Path(__file__).resolve().parents[2] / "src"), env.get("PYTHONPATH", "")])
-    env["MASTER_PORT"] = str(free_port())
-    proc = subprocess.run(
-        ["mpirun", *flags, "-np", "2", sys.executable, str(script)],
-        env=env,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
+    with held_port() as port:
+        env["MASTER_PORT"] = str(port)
+        proc = subprocess.run(
+            ["mpirun", *flags, "-np", "2", sys.executable, str(script)],
+            env=env,
+            capture_output=True,
+            text=True,
+            timeout=120,
+        )
     assert proc.returncode == 0, proc.stderr
     lines = sorted(line.split() for line in proc.stdout.splitlines() if line.strip())
     assert [line[1:] for line in lines] == [["0", "2", "0", "2"], ["1", "2", "1", "2"]]
@@ -485,11 +494,13 @@ def test_real_mpirun(tmp_path: Path) -> None:
 
 @contextlib.contextmanager
 def destroyed_afterwards() -> Iterator[None]:
+    hook = sys.excepthook  # init_process_group wraps it and destroy does not unwrap (tests/leak_police.py)
     try:
         yield
     finally:
         if dist.is_initialized():
             dist.destroy_process_group()
+        sys.excepthook = hook
 
 
 def test_single_process_fallback(clean_env: pytest.MonkeyPatch) -> None:

@@ -27,7 +27,9 @@ SCRIPT = Path(__file__).parent / "scripts" / "checkpoint_memory.py"
 def test_stage3_checkpoint_save_adds_only_the_partition(tmp_path: Path) -> None:
     env = {**os.environ, "MALLOC_PERTURB_": "165", "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "OMP_NUM_THREADS": "1"}
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", str(SCRIPT), "8", "1024"]
-    proc = subprocess.run([*cmd, str(tmp_path / "ckpt"), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300)
+    proc = subprocess.run(
+        [*cmd, str(tmp_path / "ckpt"), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
+    )
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
     assert len(rows) == 2, proc.stdout

@@ -37,12 +37,21 @@ def test_there_is_cuda_code_to_check() -> None:
     assert CU_SOURCES and CUDA_CPP_SOURCES
 
 
+def _cmake_macros_stub(tmp_path: Path) -> Path:
+    """The CPU wheel ships c10/cuda headers but not the CMake-generated macro header they include."""
+    stub = tmp_path / "stub" / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
+    stub.parent.mkdir(parents=True)
+    stub.write_text("#define C10_CUDA_BUILD_SHARED_LIBS\n")
+    return tmp_path / "stub"
+
+
 @pytest.mark.parametrize("source", CU_SOURCES, ids=lambda p: p.name)
 def test_cu_compiles_for_sm80_and_sm90(source: Path, tmp_path: Path) -> None:
+    # The launchers check their launches with c10's C10_CUDA_KERNEL_LAUNCH_CHECK (c10/cuda headers).
     cmd = [
         str(NVCC), "-c", "-std=c++17", "-O2",
         "-gencode", "arch=compute_80,code=sm_80", "-gencode", "arch=compute_90,code=sm_90",
-        *_includes(), str(source), "-o", str(tmp_path / "out.o"),
+        f"-I{_cmake_macros_stub(tmp_path)}", *_includes(), str(source), "-o", str(tmp_path / "out.o"),
     ]  # fmt: skip
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr[-4000:]}"
@@ -50,11 +59,8 @@ def test_cu_compiles_for_sm80_and_sm90(source: Path, tmp_path: Path) -> None:
 
 @pytest.mark.parametrize("source", CUDA_CPP_SOURCES, ids=lambda p: p.name)
 def test_cuda_op_registration_compiles(source: Path, tmp_path: Path) -> None:
-    # The CPU wheel ships c10/cuda headers but not the CMake-generated macro header they include.
-    stub = tmp_path / "c10" / "cuda" / "impl" / "cuda_cmake_macros.h"
-    stub.parent.mkdir(parents=True)
-    stub.write_text("#define C10_CUDA_BUILD_SHARED_LIBS\n")
     cxx = shutil.which("c++") or "g++"
-    cmd = [cxx, "-std=c++20", "-fsyntax-only", f"-I{tmp_path}", *_includes(), f"-I{_cuda_include_dir()}", str(source)]
+    stub = _cmake_macros_stub(tmp_path)
+    cmd = [cxx, "-std=c++20", "-fsyntax-only", f"-I{stub}", *_includes(), f"-I{_cuda_include_dir()}", str(source)]
     result = subprocess.run(cmd, capture_output=True, text=True, check=False)
     assert result.returncode == 0, f"{' '.join(cmd)}\n{result.stderr[-4000:]}"

@@ -343,7 +343,7 @@ def _finish(info: DistributedInfo, device_type: str, how: str | None = None) -> 
 # ds_strategy runs on it (init_distributed reusing it, or an engine built on it): the abort does not care
 # who created the group, and a script's own destroy_process_group() before exit leaves nothing to do.
 
-_exit_state = {"registered": False, "failed": False}
+_exit_state = {"registered": False}
 
 
 def destroy_at_normal_exit() -> None:
@@ -351,14 +351,13 @@ def destroy_at_normal_exit() -> None:
     if _exit_state["registered"]:
         return
     _exit_state["registered"] = True
-    previous = sys.excepthook
-
-    def note_failure(*exc_info: object) -> None:
-        _exit_state["failed"] = True
-        previous(*exc_info)  # type: ignore[arg-type]
-
-    sys.excepthook = note_failure
     atexit.register(_destroy_if_clean)
+
+
+def _exiting_after_uncaught_exception() -> bool:
+    # The interpreter keeps an uncaught exception in sys.last_value (and sys.last_exc from 3.12) before it
+    # runs the atexit handlers: no sys.excepthook wrapper needed, which would outlive the group it served.
+    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
 
 
 # [Note: leaving together]
@@ -372,7 +371,7 @@ EXIT_WAIT_ENV = env.EXIT_WAIT
 
 
 def _destroy_if_clean() -> None:
-    if _exit_state["failed"] or not dist.is_initialized():
+    if _exiting_after_uncaught_exception() or not dist.is_initialized():
         return
     try:
         _meet_peers_before_teardown()

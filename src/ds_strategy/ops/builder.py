@@ -246,6 +246,9 @@ def load_cpu_kernels() -> bool:
         torch.ops.load_library(str(built.path))
     except (KernelBuildError, OSError) as err:
         return _fall_back(f"the CPU kernels could not be built: {err}")
+    from ds_strategy.ops.fake_kernels import register_fake_kernels
+
+    register_fake_kernels()
     return True
 
 

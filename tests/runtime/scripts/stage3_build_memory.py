@@ -5,8 +5,8 @@
 The model (LAYERS x Linear(WIDTH, WIDTH), fp32) is built under zero.Init; then VmHWM is reset and
 initialize() builds a stage-3 engine with a stateless torch SGD. MALLOC_PERTURB_ makes glibc write every
 allocation, as a device allocator commits it (an untouched CPU allocation costs nothing and would hide a
-full-size buffer). Prints one JSON line per rank: {"rank", "added", "model", "ratio"}, and writes it to ROWS/rank<N>.json when
-ROWS is given (the ranks' stdout lines can interleave).
+full-size buffer). Prints one JSON line per rank: {"rank", "added", "model", "ratio"}, and writes it to
+ROWS/rank<N>.json when ROWS is given (the ranks' stdout lines can interleave).
 """
 
 import json
