@@ -27,6 +27,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "ds_strategy.launcher": (2, "ds-launch: starts processes, reads the scheduler's environment"),
     "ds_strategy.runtime": (3, "the engine, the ZeRO stages, checkpoints"),
     "ds_strategy.zero": (3, "the public ds_strategy.zero namespace of runtime.zero"),
+    "ds_strategy.checkpointing": (3, "the public ds_strategy.checkpointing namespace (activation checkpointing)"),
     "ds_strategy.lightning": (4, "the Lightning adapter over the engine"),
     "ds_strategy.demo": (5, "the main job: runs the adapter"),
     "ds_strategy.report": (5, "environment report: asks every layer"),

@@ -86,13 +86,14 @@ _RENDEZVOUS = ("MASTER_ADDR", "MASTER_PORT", "RANK", "WORLD_SIZE", "LOCAL_RANK")
 
 def init_single_process_group() -> None:
     """World size 1 on this GPU with NCCL (gloo in a rehearsal), as ``torchrun --nproc-per-node 1`` would."""
-    from tests.harness import free_port
+    from tests.harness import held_port
 
     _SAVED_ENV.update({k: os.environ.get(k) for k in _RENDEZVOUS})
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
     if ON_GPU:
         torch.cuda.set_device(0)
-    dist.init_process_group(BACKEND, rank=0, world_size=1)
+    with held_port() as port:  # reserved until the group's store listens on it
+        os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port), RANK="0", WORLD_SIZE="1", LOCAL_RANK="0")
+        dist.init_process_group(BACKEND, rank=0, world_size=1)
 
 
 def destroy_process_group() -> None:

@@ -59,10 +59,6 @@ def _truthy(v: Any) -> bool:
 
 
 _NO_NVME = "NVMe offload is not built in ds_strategy; the key only configures it"
-_NO_CHECKPOINTING_API = (
-    "ds_strategy has no deepspeed.checkpointing API and DeepSpeed's activation_checkpointing block only "
-    "configures that API; use torch.utils.checkpoint in the model"
-)
 _MONITOR = "monitors are not built in ds_strategy (use Lightning's loggers or your own); nothing else changes"
 _PERF_ONLY = "a performance switch of DeepSpeed's implementation; ds_strategy's results and memory do not depend on it"
 
@@ -238,12 +234,19 @@ SUPPORT: dict[str, Support] = {
     ),
     # ---------------------------------------------------------------- activation checkpointing
     "activation_checkpointing": _acted("the block itself; see its keys"),
-    "activation_checkpointing.partition_activations": _warned(_NO_CHECKPOINTING_API),
-    "activation_checkpointing.cpu_checkpointing": _warned(_NO_CHECKPOINTING_API),
-    "activation_checkpointing.contiguous_memory_optimization": _warned(_NO_CHECKPOINTING_API),
-    "activation_checkpointing.number_checkpoints": _warned(_NO_CHECKPOINTING_API),
-    "activation_checkpointing.synchronize_checkpoint_boundary": _warned(_NO_CHECKPOINTING_API),
-    "activation_checkpointing.profile": _warned(_NO_CHECKPOINTING_API),
+    "activation_checkpointing.partition_activations": _acted(
+        "ds_strategy.checkpointing splits checkpoint inputs across the mpu's model-parallel group (a one-time "
+        "rank-0 message says so when there is none)"
+    ),
+    "activation_checkpointing.cpu_checkpointing": _acted(
+        "checkpoint inputs move to host memory until their recomputation (a one-time message on CPU training)"
+    ),
+    "activation_checkpointing.contiguous_memory_optimization": _acted(
+        "partitioned checkpoint inputs go to buffers reused every forward"
+    ),
+    "activation_checkpointing.number_checkpoints": _acted("sizes the contiguous buffers"),
+    "activation_checkpointing.synchronize_checkpoint_boundary": _acted("device sync at each checkpoint boundary"),
+    "activation_checkpointing.profile": _acted("checkpointing.profile_report(): forward and recompute times"),
     # ---------------------------------------------------------------- logging and checkpoints
     "comms_logger": _acted(),
     "comms_logger.enabled": _acted(),

@@ -61,6 +61,7 @@ from typing_extensions import override
 from ds_strategy.accelerator import get_accelerator
 from ds_strategy.comm import init_distributed
 from ds_strategy.config import check_config
+from ds_strategy.runtime.activation_checkpointing import Policy, apply_activation_checkpointing
 
 from . import checkpoint as lckpt
 from . import stage3
@@ -116,6 +117,10 @@ class ZeroStrategy(ParallelStrategy):
         timeout: collective timeout.
         start_method: "auto" forks workers in an interactive session (Jupyter) and re-runs the script
             ("popen") otherwise.
+        activation_checkpointing_policy: what Lightning's FSDPStrategy takes - a set of module classes, or
+            a callable deciding per module - naming the submodules whose activations are recomputed in
+            backward (non-reentrant). Applied after ``configure_model`` (and zero.Init) and before the
+            engine is built; parameter names do not change (docs/activation_checkpointing.md).
 
     A keyword that contradicts a value stated in ``config`` raises a ``ValueError`` naming both.
     """
@@ -142,6 +147,7 @@ class ZeroStrategy(ParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "auto",
+        activation_checkpointing_policy: Policy | None = None,
     ) -> None:
         if stage is not None and stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeroStrategy(stage={stage!r}): the ZeRO stage is 0, 1, 2 or 3")
@@ -173,6 +179,7 @@ class ZeroStrategy(ParallelStrategy):
         self._process_group_backend = process_group_backend
         self._timeout = timeout
         self._start_method: StartMethod = start_method
+        self._activation_checkpointing_policy = activation_checkpointing_policy
         self.engine: ZeroEngine | None = None
         self.engine_config: DeepSpeedConfig | None = None
         self._final_state_dict: dict[str, Any] | None = None
@@ -336,6 +343,9 @@ class ZeroStrategy(ParallelStrategy):
             _check_clipping(trainer)
             optimizer, self.lr_scheduler_configs = self._client_optimizer(module)
         self.engine_config = self._resolve_config(trainer, fitting)
+        if self._activation_checkpointing_policy is not None:
+            picked = apply_activation_checkpointing(module, self._activation_checkpointing_policy)
+            rank_zero_info(f"activation checkpointing: {len(picked)} modules recompute their activations in backward")
         self.engine = self._build_engine(module, self.engine_config, optimizer)
         if fitting:
             if self.engine.optimizer is None:

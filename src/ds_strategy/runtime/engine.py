@@ -25,6 +25,8 @@ from ds_strategy.accelerator import get_accelerator
 from ds_strategy.comm import CommsLogger, destroy_at_normal_exit
 from ds_strategy.config import DeepSpeedConfig, load_config
 from ds_strategy.log import get_logger
+from ds_strategy.runtime import activation_checkpointing
+from ds_strategy.runtime.activation_checkpointing import ModelParallelUnit
 
 from .counters import StepCounters
 from .params import (
@@ -58,6 +60,7 @@ class ZeroEngine(nn.Module):
         lr_scheduler: SchedulerArg = None,
         process_group: dist.ProcessGroup | None = None,
         device: torch.device | str | None = None,
+        mpu: ModelParallelUnit | None = None,
     ) -> None:
         super().__init__()
         self.comms_logger = CommsLogger.from_config(config.comms_logger)
@@ -68,6 +71,8 @@ class ZeroEngine(nn.Module):
             config = load_config(config, world_size=self.coll.world_size)
         self.config = config
         self.batch = config.batch  # raises a ConfigError naming what is missing
+        if config.input_config is not None and "activation_checkpointing" in config.input_config:
+            activation_checkpointing.configure(mpu, deepspeed_config=config)  # ds_strategy.checkpointing acts on it
         self.precision = Precision.from_config(config)
         self.module = module
         stage_cls = STAGES.get(config.zero_stage)
@@ -148,6 +153,7 @@ class ZeroEngine(nn.Module):
 
     # ------------------------------------------------------------------ DeepSpeed's engine API
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
+        activation_checkpointing.reset()  # contiguous checkpoint buffers are reused from the first again
         with self.timers("forward"), self.stage.forward_context():
             args, kwargs = self.precision.cast_forward_inputs(inputs, kwargs)
             return self.module(*args, **kwargs)

@@ -50,6 +50,7 @@ def initialize(
     config_params: ConfigInput | None = None,
     process_group: dist.ProcessGroup | None = None,
     device: torch.device | str | None = None,
+    mpu: Any = None,
 ) -> tuple[ZeroEngine, Optimizer | None, DataLoader[Any] | None, Any]:
     """Build the engine; return ``(engine, optimizer, training_dataloader, lr_scheduler)``.
 
@@ -59,7 +60,9 @@ def initialize(
     taking the optimizer, or None for the config's ``scheduler`` block; the engine steps it after every
     applied optimizer step. ``config`` (or the legacy ``config_params``, or ``args.deepspeed_config``):
     a dict, a JSON path or a ``DeepSpeedConfig``. ``device``: where the model trains (default: where its
-    parameters already are on an accelerator, else the current CUDA device, else the CPU).
+    parameters already are on an accelerator, else the current CUDA device, else the CPU). ``mpu``:
+    Megatron's model-parallel unit: ZeRO runs over its data-parallel group (unless ``process_group`` is
+    given) and activation checkpointing partitions over its model-parallel group.
     ``training_data`` becomes a DataLoader with a
     DistributedSampler and the micro batch size.
     """
@@ -71,6 +74,8 @@ def initialize(
     if config is None:
         raise ValueError("initialize() needs a config: config=dict, a JSON file path or a DeepSpeedConfig")
     _ensure_distributed(dist_init_required)
+    if mpu is not None and process_group is None:
+        process_group = mpu.get_data_parallel_group()
     world = dist.get_world_size(process_group)
     resolved: DeepSpeedConfig = load_config(config, world_size=world)
     engine = ZeroEngine(
@@ -81,6 +86,7 @@ def initialize(
         lr_scheduler=lr_scheduler,
         process_group=process_group,
         device=device,
+        mpu=mpu,
     )
     loader = None
     if training_data is not None:

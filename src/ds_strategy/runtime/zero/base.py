@@ -124,7 +124,6 @@ class ZeroStage:
         self._where: list[tuple[int, int]] = [(g, i) for g, gs in enumerate(self.groups) for i in range(len(gs.params))]
         self._first_pid = [sum(len(gs.params) for gs in self.groups[:g]) for g in range(len(self.groups))]
         self._params: list[nn.Parameter] = [self.groups[g].params[i] for g, i in self._where]
-        self._bucket_size = {(g, b.index): len(b.params) for g, gs in enumerate(self.groups) for b in gs.layout.buckets}
         first = {
             (g, b.index): min(registration[gs.params[i]] for i in b.params)
             for g, gs in enumerate(self.groups)
@@ -139,7 +138,17 @@ class ZeroStage:
         self._window_reduced = False  # the current accumulation window went through a reducing pass
         self._pass = False
         self._pending: dict[BucketKey, int] = {}
-        self._fired: set[int] = set()  # parameters whose hook fired in this reducing pass
+        # [Note: a hook that fires twice] counts, per parameter: hook calls expected in one reducing
+        # backward (learned from the last one) and seen in this one; late gradients per bucket.
+        self._times = [1] * len(self._params)
+        self._count = [0] * len(self._params)
+        self._bucket_pids = {
+            (g, b.index): [self._first_pid[g] + i for i in b.params]
+            for g, gs in enumerate(self.groups)
+            for b in gs.layout.buckets
+        }
+        self._launched: set[BucketKey] = set()
+        self._late: dict[BucketKey, torch.Tensor] = {}
         self._ptr = 0
         self._inflight: list[Handle] = []
         self._host_grad_buffers: dict[int, list[torch.Tensor]] = {}
@@ -209,6 +218,22 @@ class ZeroStage:
         """The reduced (still scaled) gradient lined up with ``groups[group].masters``."""
         raise NotImplementedError
 
+    def _late_buffer(self, key: BucketKey) -> torch.Tensor:
+        """A zeroed bucket-shaped buffer for gradients that arrive after their bucket was launched."""
+        raise NotImplementedError
+
+    def _reduce_late(self, key: BucketKey, late: torch.Tensor) -> None:
+        """Reduce ``late`` as ``_launch`` reduced the bucket and add the result to the bucket's."""
+        raise NotImplementedError
+
+    def _reduce_scatter_add(self, out: torch.Tensor, send: torch.Tensor) -> None:
+        """``out += reduce_scatter(send * pre_scale)`` (stages 1-3: the late part of a partition gradient)."""
+        if self.options.pre_scale != 1.0:
+            send.mul_(self.options.pre_scale)
+        result = torch.empty(out.numel(), dtype=send.dtype, device=send.device)
+        self.coll.reduce_scatter(result, send)
+        out.add_(result.to(out.dtype))
+
     def _reset_window(self) -> None:
         """Forget the accumulated gradients (after a step or zero_grad)."""
 
@@ -250,17 +275,15 @@ class ZeroStage:
         if not self._in_backward:
             self._unmanaged = True
         key = (g, self.groups[g].layout.params[i].bucket)
-        again = self._pass and pid in self._fired
-        if again and self._pending[key] == 0:
-            # [Note: a hook that fires twice] Reentrant activation checkpointing runs one backward per
-            # segment, so a parameter used in two segments gets two hooks in one backward. Its bucket
-            # counted it complete at the first one and has been reduced: adding now would be lost.
-            raise RuntimeError(
-                f"the gradient of {self.groups[g].names[i]!r} arrived twice in one backward (a parameter used "
-                "in more than one reentrant activation-checkpoint segment) after its bucket was already "
-                "reduced; use torch.utils.checkpoint.checkpoint(..., use_reentrant=False), or call that "
-                "parameter's module outside the checkpointed segments"
-            )
+        expected = True
+        if self._pass:
+            self._count[pid] += 1
+            expected = self._count[pid] <= self._times[pid]
+            if not expected and key in self._launched:
+                self._add_late(key, g, i, grad)
+                if all(self._count[p] >= self._count[pid] for p in self._bucket_pids[key]):
+                    self._bucket_complete(key)  # every parameter of the bucket is through this extra backward
+                return
         self._got_grad[pid] = True
         target = self._target(g, i)
         if self._written[pid]:
@@ -268,11 +291,28 @@ class ZeroStage:
         else:
             target.copy_(grad.view_as(target))
             self._written[pid] = True
-        if self._pass and not again:
-            self._fired.add(pid)
+        if self._pass and expected:
             self._pending[key] -= 1
             if self._pending[key] == 0:
+                self._bucket_complete(key)
                 self._launch_ready()
+
+    def _add_late(self, key: BucketKey, g: int, i: int, grad: torch.Tensor) -> None:
+        """[Note: a hook that fires twice] Reentrant activation checkpointing runs one backward per
+        checkpointed call, so a parameter used in two of them (a shared layer, a block called twice) gets
+        its hook once per call. The pass expects as many calls as the last reducing backward had; a call
+        beyond that whose bucket was already launched is kept here and reduced on its own at the end of the
+        pass (the reductions are linear: reduce(a) + reduce(b) = reduce(a + b)). The next pass expects the
+        new count and reduces the bucket once, after its last call."""
+        layout = self.groups[g].layout
+        slot, bucket = layout.params[i], layout.buckets[layout.params[i].bucket]
+        late = self._late.get(key)
+        if late is None:
+            late = self._late[key] = self._late_buffer(key)
+        late[slot.offset - bucket.start : slot.end - bucket.start].add_(grad.reshape(-1).to(late.dtype))
+
+    def _bucket_complete(self, key: BucketKey) -> None:
+        """Every gradient this pass expects for ``key`` has arrived (stage 3 frees its gathered bucket)."""
 
     # ------------------------------------------------------------------ reducing passes
     def begin_backward(self, *, reduce: bool) -> None:
@@ -290,21 +330,31 @@ class ZeroStage:
     def _start_pass(self) -> None:
         self._pass = True
         self._ptr = 0
-        self._pending = dict(self._bucket_size)
-        self._fired.clear()
+        self._pending = {key: sum(self._times[p] for p in pids) for key, pids in self._bucket_pids.items()}
+        self._count = [0] * len(self._params)
+        self._launched.clear()
+        self._late.clear()
 
     def _launch_ready(self) -> None:
-        while self._ptr < len(self.bucket_order) and self._pending[self.bucket_order[self._ptr]] == 0:
-            self._inflight.append(self._launch(self.bucket_order[self._ptr]))
-            self._ptr += 1
+        while self._ptr < len(self.bucket_order) and self._pending[self.bucket_order[self._ptr]] <= 0:
+            self._launch_next()
+
+    def _launch_next(self) -> None:
+        key = self.bucket_order[self._ptr]
+        self._launched.add(key)
+        self._inflight.append(self._launch(key))
+        self._ptr += 1
 
     def _finish_pass(self) -> None:
-        for key in self.bucket_order[self._ptr :]:
-            self._inflight.append(self._launch(key))
-        self._ptr = len(self.bucket_order)
+        while self._ptr < len(self.bucket_order):
+            self._launch_next()
         for handle in self._inflight:
             handle.wait()
         self._inflight.clear()
+        for key, late in self._late.items():  # in bucket order on every rank: the same collectives
+            self._reduce_late(key, late)
+        self._late.clear()
+        self._times = [c if c > 0 else t for c, t in zip(self._count, self._times, strict=True)]
         self._pass = False
         self._unmanaged = False
         self._window_reduced = True

@@ -61,6 +61,19 @@ class Stage0(ZeroStage):
     def _grad_pieces(self, group: int) -> list[torch.Tensor]:
         return self.groups[group].master_shaped(self.accum[group])
 
+    def _late_buffer(self, key: BucketKey) -> torch.Tensor:
+        g, b = key
+        return torch.zeros_like(self.groups[g].layout.bucket_view(self.accum[g], b))
+
+    def _reduce_late(self, key: BucketKey, late: torch.Tensor) -> None:
+        g, b = key
+        bucket = self.groups[g].layout.bucket_view(self.accum[g], b)
+        send = late if self.options.comm_dtype == late.dtype else late.to(self.options.comm_dtype)
+        if self.options.pre_scale != 1.0:
+            send.mul_(self.options.pre_scale)
+        self.coll.all_reduce(send)
+        bucket.add_(send.to(bucket.dtype))
+
     def memory_bytes(self) -> dict[str, int]:
         out = super().memory_bytes()
         out["grads"] += sum(a.numel() * a.element_size() for a in self.accum)

@@ -57,6 +57,11 @@ class Stage1(Stage0):
     def _grad_pieces(self, group: int) -> list[torch.Tensor]:
         return self.groups[group].master_shaped(self.partition_grads[group])
 
+    def _reduce_late(self, key: BucketKey, late: torch.Tensor) -> None:
+        out = self.groups[key[0]].layout.partition_views(self.partition_grads[key[0]])[key[1]]
+        send = late if self.options.comm_dtype == late.dtype else late.to(self.options.comm_dtype)
+        self._reduce_scatter_add(out, send)
+
     def memory_bytes(self) -> dict[str, int]:
         out = super().memory_bytes()
         out["grads"] += sum(t.numel() * t.element_size() for t in self.partition_grads)

@@ -86,6 +86,14 @@ class Stage2(ZeroStage):
     def _grad_pieces(self, group: int) -> list[torch.Tensor]:
         return self.groups[group].master_shaped(self.partition_grads[group])
 
+    def _late_buffer(self, key: BucketKey) -> torch.Tensor:
+        bucket = self.groups[key[0]].layout.buckets[key[1]]
+        return torch.zeros(bucket.padded, dtype=self.options.comm_dtype, device=self.groups[key[0]].device)
+
+    def _reduce_late(self, key: BucketKey, late: torch.Tensor) -> None:
+        out = self.groups[key[0]].layout.partition_views(self.partition_grads[key[0]])[key[1]]
+        self._reduce_scatter_add(out, late)
+
     def _reset_window(self) -> None:
         self._fresh = dict.fromkeys(self.bucket_order, True)
         self._staging.clear()

@@ -186,13 +186,16 @@ class Stage3(Stage2):
     def _on_grad(self, pid: int, param: torch.Tensor) -> None:
         had_grad = param.grad is not None
         super()._on_grad(pid, param)
-        if not had_grad:
+        if not had_grad or self._pass:  # in a reducing pass the base calls _bucket_complete
             return
         g, i = self._where[pid]
         key = (g, self.groups[g].layout.params[i].bucket)
         self._bucket_grads[key] = self._bucket_grads.get(key, 0) + 1
         if self._bucket_grads[key] == len(self.groups[g].layout.buckets[key[1]].params):
             self.gatherer.grads_done(key)  # see [Note: gather units and hooks]
+
+    def _bucket_complete(self, key: BucketKey) -> None:
+        self.gatherer.grads_done(key)  # see [Note: gather units and hooks]
 
     def _partition_grad(self, gs: GroupStorage) -> torch.Tensor:
         """Released (0 elements) until a reduction lands in it: neither the engine build nor the time
