@@ -202,6 +202,12 @@ def make_strategy(name: str) -> Any:
 
     if name == "zero3_sharded":
         return zl.ZeroStrategy(stage=3, config={"zero_optimization": {"stage3_param_persistence_threshold": 0}})
+    if name.endswith("_checkpointed"):  # every Linear recomputes its activations in backward (issue 20)
+        return zl.ZeroStrategy(
+            stage=int(name[4]),  # type: ignore[arg-type]
+            config={"zero_optimization": {"stage3_param_persistence_threshold": 0}},
+            activation_checkpointing_policy={nn.Linear},
+        )
 
     if name.endswith("_offload"):
         stage = int(name[4])

@@ -110,6 +110,22 @@ def test_manual_optimization_matches_ddp() -> None:
             assert g["engine"]["global_steps"] == 8
 
 
+@pytest.mark.parametrize("name", ["zero0_checkpointed", "zero2_checkpointed", "zero3_checkpointed"])
+def test_activation_checkpointing_policy_matches_ddp(name: str, ddp: list[dict[str, Any]], tmp_path: Any) -> None:
+    """activation_checkpointing_policy={nn.Linear}: the same run as DDP without checkpointing (issue 20)."""
+    runs = _run(name, TRAINER, MODEL, then=THEN, features_dir=str(tmp_path))
+    for got, ref in zip(runs, ddp, strict=True):
+        _assert_parity(got, ref)
+
+
+def test_activation_checkpointing_policy_composes_with_configure_model_at_stage_3() -> None:
+    """Layers built in configure_model under zero.Init, then checkpointed, then partitioned by the engine."""
+    runs = _run("zero3_checkpointed", {"max_epochs": 3}, {"scheduler": "epoch", "build_in_configure_model": True})
+    for got in runs:
+        assert got["built_in_configure_model"]
+        assert got["losses"][-1] < got["losses"][0] / 2
+
+
 @pytest.mark.parametrize("name", ["zero1", "zero3"])
 def test_epoch_scheduler_and_configure_model(name: str) -> None:
     """An epoch-interval scheduler, and layers built in configure_model (under stage 3: zero.Init)."""

@@ -1,6 +1,6 @@
 """Activation checkpointing with DeepSpeed's API (``ds_strategy.checkpointing`` is the public name).
 
-settings.py: ``configure`` / ``is_configured`` (the config block and overrides); rng.py: random-state
+options.py: ``configure`` / ``is_configured`` (the config block and overrides); rng.py: random-state
 replay and the model-parallel tracker; stash.py: how a checkpoint keeps its inputs (partitioned, on the
 host, in contiguous buffers); checkpoint.py: the reentrant and non-reentrant checkpoints; policy.py:
 checkpointing chosen submodules in place (Lightning's ``activation_checkpointing_policy``).
@@ -11,7 +11,7 @@ from __future__ import annotations
 from .checkpoint import checkpoint, non_reentrant_checkpoint, profile_report
 from .policy import Policy, apply_activation_checkpointing, is_checkpointed
 from .rng import RNGStatesTracker, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
-from .settings import ModelParallelUnit, configure, is_configured, settings, unconfigure
+from .options import ModelParallelUnit, configure, is_configured, settings, unconfigure
 from .stash import BUFFERS
 
 

@@ -29,7 +29,7 @@ import torch.utils.checkpoint as torch_checkpoint
 from torch.profiler import record_function
 
 from . import rng
-from .settings import model_parallel, settings, tell_once
+from .options import model_parallel, settings, tell_once
 from .stash import Stash
 
 _TIMES: dict[str, list[float]] = {"forward": [], "recompute": []}
@@ -162,6 +162,12 @@ class _Replay:
             with _boundary("forward", _anchor.device):
                 return self.function(*args)
         inputs = self.stash.restore(self.stash.plain)
+        # A rebuilt input must require grad as the original did, or the ops save other tensors than the
+        # first forward did (torch's checkpoint checks they match).
+        inputs = [
+            x.requires_grad_(needs) if isinstance(x, torch.Tensor) and x.is_leaf and not x.requires_grad else x
+            for x, needs in zip(inputs, self.stash.requires_grad, strict=True)
+        ]
         with _boundary("recompute", _anchor.device):
             return self.function(*inputs)
 

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
-from .settings import ModelParallelUnit, Settings, tell_once
+from .options import ModelParallelUnit, Settings, tell_once
 
 
 @dataclass
