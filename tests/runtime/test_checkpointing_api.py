@@ -136,9 +136,8 @@ def test_the_tracker_forks_a_named_stream() -> None:
     assert not torch.equal(forked, default_next)
     with pytest.raises(ValueError, match="already exists"):
         tracker.add("model-parallel-rng", 5)
-    with pytest.raises(KeyError, match="not in the tracker"):
-        with tracker.fork("other"):
-            pass
+    with pytest.raises(KeyError, match="not in the tracker"), tracker.fork("other"):
+        pass
 
 
 def test_dropout_in_a_forked_region_replays_in_the_recomputation() -> None:

@@ -9,9 +9,9 @@ checkpointing chosen submodules in place (Lightning's ``activation_checkpointing
 from __future__ import annotations
 
 from .checkpoint import checkpoint, non_reentrant_checkpoint, profile_report
+from .options import ModelParallelUnit, configure, is_configured, settings, unconfigure
 from .policy import Policy, apply_activation_checkpointing, is_checkpointed
 from .rng import RNGStatesTracker, get_cuda_rng_tracker, model_parallel_cuda_manual_seed
-from .options import ModelParallelUnit, configure, is_configured, settings, unconfigure
 from .stash import BUFFERS
 
 
