@@ -118,7 +118,7 @@ def test_profile_reports_forwards_and_recomputations() -> None:
 
 def test_reentrant_refuses_autograd_grad_non_reentrant_supports_it() -> None:
     net, x = _net(), torch.randn(3, 6, requires_grad=True)
-    with pytest.raises(RuntimeError, match="not torch.autograd.grad"):
+    with pytest.raises(RuntimeError, match=r"not torch\.autograd\.grad"):
         torch.autograd.grad(checkpointing.checkpoint(net, x).sum(), x)
     (g,) = torch.autograd.grad(checkpointing.non_reentrant_checkpoint(net.eval(), x).sum(), x)
     (ref,) = torch.autograd.grad(net(x).sum(), x)
