@@ -4,6 +4,8 @@ inputs (each equal to the plain checkpoint), the one-time messages, the policy t
 
 from __future__ import annotations
 
+import copy
+import io
 import logging
 from collections.abc import Iterator
 from typing import Any
@@ -228,6 +230,12 @@ def test_the_policy_checkpoints_in_place_keeping_names() -> None:
     assert checkpointing.apply_activation_checkpointing(model, {Blk}) == []  # idempotent
     model(torch.randn(2, 4)).sum().backward()
     assert model[0].calls == 2  # forward, then the recomputation in backward
+    buf = io.BytesIO()
+    torch.save(model, buf)  # the run-time subclass pickles by its original class
+    buf.seek(0)
+    loaded = torch.load(buf, weights_only=False)
+    assert checkpointing.is_checkpointed(loaded[0]) and type(loaded[0]) is type(model[0])
+    assert checkpointing.is_checkpointed(copy.deepcopy(model)[1][0])
     calls = []
     checkpointing.apply_activation_checkpointing(
         nn.Sequential(nn.Linear(2, 2)), lambda module, recurse, nonwrapped_numel: calls.append(recurse) or False

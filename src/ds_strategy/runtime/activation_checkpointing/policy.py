@@ -55,10 +55,21 @@ def _checkpointed_class(cls: type[nn.Module], reentrant: bool) -> type[nn.Module
                 return call(*args, **kwargs)
             return run(functools.partial(call, **kwargs) if kwargs else call, *args)
 
-        sub = type(cls.__name__, (cls,), {"__call__": __call__, "__module__": cls.__module__, _MARK: True})
+        def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
+            # Pickle by the original class (the subclass is made at run time, so no name finds it) and
+            # rebuild the checkpointed subclass on load: torch.save(model) and deepcopy keep working.
+            _new, _args, *rest = object.__reduce_ex__(self, max(2, protocol))  # type: ignore[str-unpack]
+            return (_new_checkpointed, (cls, reentrant), *rest)
+
+        namespace = {"__call__": __call__, "__reduce_ex__": __reduce_ex__, "__module__": cls.__module__, _MARK: True}
+        sub = type(cls.__name__, (cls,), namespace)
         sub.__qualname__ = cls.__qualname__
         _SUBCLASSES[key] = sub
     return _SUBCLASSES[key]
+
+
+def _new_checkpointed(cls: type[nn.Module], reentrant: bool) -> nn.Module:
+    return object.__new__(_checkpointed_class(cls, reentrant))
 
 
 def _grad_wanted() -> bool:
