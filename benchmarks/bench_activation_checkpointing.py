@@ -6,13 +6,13 @@ stages and config with ``deepspeed.checkpointing.checkpoint`` on every block (wh
 
 The GPT of ds_strategy.demo at a size where activations dominate: 4 layers, d=256, seq 1024, micro batch 2,
 3.5M parameters, fp32, AdamW. Model states are 16 bytes/param (parameter, gradient, Adam m, v) = 53 MiB
-per rank before ZeRO shards any of it; one forward's saved activations are ~285 MiB per rank (measured in
-one process at micro batch 4: forward + backward raised peak RSS by 573 MiB over the built model), five
-times the model states. Most of it is attention: torch's CPU attention with a boolean mask saves the
-probabilities, B x heads x T x T floats = 64 MiB per block. Checkpointing every block keeps only each
-block's input (B x T x d floats = 2 MiB), but the recomputation and backward of one block still hold that
-block's scores, probabilities and their gradients at once (~3 x 64 MiB): that transient, common to every
-peer, bounds the saving here.
+per rank before ZeRO shards any of it; a training step's tensors peak at ~165 MiB above what is live
+before it (measured, the "step tensor peak" column), three times the model states. torch runs the
+attention through its flash kernel for CPU (no B x heads x T x T probabilities are saved); the largest
+saved tensors are the MLP's hidden activations (B x T x 4d floats = 8 MiB each). Checkpointing every block
+keeps only each block's input (B x T x d floats = 2 MiB), but the recomputation and backward of one block
+still hold that block's activations and their gradients at once: that transient, common to every peer,
+bounds the saving at ~100 MiB here.
 
 Each case runs in fresh processes (so peak RSS is its own): 2 warm-up + 3 timed steps, slowest rank's
 s/step, largest rank's peak RSS. Then, per peer and stage, one engine per checkpointing flavour in the same
@@ -29,6 +29,10 @@ per case).
 
 glibc's malloc keeps freed multi-MiB blocks resident once its dynamic mmap threshold has grown, which
 inflates the peak RSS of every peer alike; the MALLOC_* environment of the run is recorded in the JSON.
+So each case also profiles one more step (after the timed ones and the RSS reading) for the peak bytes of
+CPU tensors it allocates (``peak_step_tensor_bytes``): what the step's tensors need, without the
+allocator's retention. ds_strategy's stage-3 gathered buckets come from its host pool, outside torch's
+allocator, so that column leaves them out of ours (12 MiB here, alike with and without checkpointing).
 """
 
 from __future__ import annotations
@@ -43,7 +47,15 @@ from typing import Any
 
 from torch import nn
 
-from benchmarks.common import machine, markdown_table, peak_rss_bytes, results_dir, run_each, write_results
+from benchmarks.common import (
+    machine,
+    markdown_table,
+    peak_rss_bytes,
+    peak_step_tensor_bytes,
+    results_dir,
+    run_each,
+    write_results,
+)
 from benchmarks.training import STAGE3, model_and_batches, peer_step, time_steps
 
 WORLD = 2
@@ -97,11 +109,14 @@ def _checkpoint_blocks(peer: str, model: nn.Module, ckpt: str) -> None:
 
 def _run_one(rank: int, world: int, case: Case, shape: dict[str, int], steps: int) -> dict:
     _, peer, stage, ckpt = case
-    model, batches = model_and_batches(shape, steps + WARMUP, rank)
+    model, batches = model_and_batches(shape, steps + WARMUP + 1, rank)
     params = sum(p.numel() for p in model.parameters())
     _checkpoint_blocks(peer, model, ckpt)
-    seconds = time_steps(peer_step(peer, model, stage, False, shape["micro"]), batches, WARMUP)
-    return {"seconds_per_step": seconds, "peak_rss": peak_rss_bytes(), "params": params}
+    step = peer_step(peer, model, stage, False, shape["micro"])
+    seconds = time_steps(step, batches[:-1], WARMUP)
+    rss = peak_rss_bytes()  # before the profiled step: the profiler's own memory is not the peer's
+    tensors = peak_step_tensor_bytes(lambda: step(batches[-1]))
+    return {"seconds_per_step": seconds, "peak_rss": rss, "peak_step_tensors": tensors, "params": params}
 
 
 def run_cases(cases: list[Case], shape: dict[str, int], steps: int, fresh: bool = True) -> list[dict[str, Any]]:
@@ -120,6 +135,7 @@ def run_cases(cases: list[Case], shape: dict[str, int], steps: int, fresh: bool 
             ranks=per_rank,
             seconds_per_step=max(r["seconds_per_step"] for r in per_rank),
             peak_rss=max(r["peak_rss"] for r in per_rank),
+            peak_step_tensors=max(r["peak_step_tensors"] for r in per_rank),
             wall_s=wall,
         )
         records.append(record)
@@ -197,6 +213,7 @@ def derived(records: list[dict[str, Any]], paired: dict[str, Any]) -> dict[str, 
         out[r["case"]] = {
             "rss_saved_bytes": without["peak_rss"] - r["peak_rss"],
             "rss_saved_fraction": 1 - r["peak_rss"] / without["peak_rss"],
+            "tensors_saved_bytes": without["peak_step_tensors"] - r["peak_step_tensors"],
             "step_overhead_separate": r["seconds_per_step"] / without["seconds_per_step"],
         }
         interleaved = paired.get(_key(r), {}).get("median_overhead", {}).get(r["checkpointing"])
@@ -216,24 +233,27 @@ def derived(records: list[dict[str, Any]], paired: dict[str, Any]) -> dict[str, 
     return out
 
 
-def _fmt_ckpt(d: dict[str, Any] | None) -> tuple[str, str, str]:
-    """RSS saved, overhead (separate runs), overhead (interleaved)."""
+def _fmt_ckpt(d: dict[str, Any] | None) -> tuple[str, str, str, str]:
+    """RSS saved, step tensors saved, overhead (separate runs), overhead (interleaved)."""
     if not d:
-        return "-", "-", "-"
+        return "-", "-", "-", "-"
     saved = f"{d['rss_saved_bytes'] / 2**20:.0f} MiB ({100 * d['rss_saved_fraction']:.0f}%)"
+    tensors = f"{d['tensors_saved_bytes'] / 2**20:.0f} MiB"
     inter = f"{d['step_overhead_interleaved']:.2f}x" if "step_overhead_interleaved" in d else "-"
-    return saved, f"{d['step_overhead_separate']:.2f}x", inter
+    return saved, tensors, f"{d['step_overhead_separate']:.2f}x", inter
 
 
 def table(records: list[dict[str, Any]], figures: dict[str, Any]) -> str:
     rows = []
     for r in records:
         if "error" in r:
-            rows.append((r["case"], "failed", "-", "-", "-", "-"))
+            rows.append((r["case"], "failed", "-", "-", "-", "-", "-", "-"))
             continue
-        saved, separate, inter = _fmt_ckpt(figures.get(r["case"]))
-        rows.append((r["case"], f"{r['seconds_per_step']:.3f}", f"{r['peak_rss'] / 2**30:.2f}", saved, separate, inter))
+        saved, tensors, separate, inter = _fmt_ckpt(figures.get(r["case"]))
+        rss, peak = f"{r['peak_rss'] / 2**30:.2f}", f"{r['peak_step_tensors'] / 2**20:.0f}"
+        rows.append((r["case"], f"{r['seconds_per_step']:.3f}", rss, saved, peak, tensors, separate, inter))
     columns = ("case", "s/step (slowest rank)", "peak RSS GiB (max rank)", "RSS saved by ckpt",
+               "step tensor peak MiB (max rank)", "tensors saved by ckpt",
                "step vs no ckpt (separate runs)", "step vs no ckpt (interleaved, median)")  # fmt: skip
     return markdown_table(columns, rows)
 
@@ -247,20 +267,22 @@ def targets_table(figures: dict[str, Any]) -> str:
     rows = []
     for stage in STAGES:
         ds = figures.get(label("deepspeed", stage, REENTRANT))
-        ds_saved = _fmt_ckpt(ds)[0]
+        ds_saved, ds_tensors = _fmt_ckpt(ds)[:2]
         ds_over = f"{ds['step_overhead']:.2f}x" if ds else "-"
         for ckpt in (NON_REENTRANT, REENTRANT):
             ours = figures.get(label("ds_strategy", stage, ckpt))
             if not ours:
                 continue
-            saved, over = _fmt_ckpt(ours)[0], f"{ours['step_overhead']:.2f}x"
+            (saved, tensors), over = _fmt_ckpt(ours)[:2], f"{ours['step_overhead']:.2f}x"
             rows.append(
                 (
                     f"stage {stage}, ours {ckpt}", saved, ds_saved, _yes(ours.get("rss_saved_at_least_deepspeed")),
+                    f"{tensors} / {ds_tensors}",
                     over, ds_over, _yes(ours.get("overhead_at_most_deepspeed")), _yes(ours["within_overhead_max"]),
                 )
             )  # fmt: skip
-    columns = ("stage", "our RSS saved", "DeepSpeed's RSS saved", "ours >= DeepSpeed's", "our overhead",
+    columns = ("stage", "our RSS saved", "DeepSpeed's RSS saved", "ours >= DeepSpeed's",
+               "step tensors saved (ours / DeepSpeed's)", "our overhead",
                "DeepSpeed's overhead", "ours <= DeepSpeed's", f"ours <= {OVERHEAD_MAX}x")  # fmt: skip
     return markdown_table(columns, rows)
 
@@ -292,8 +314,8 @@ def headlines(payload: dict[str, Any]) -> list[tuple[str, str]]:
 
 
 def plot(records: list[dict[str, Any]], name: str) -> None:
-    """Two bar charts side by side (s/step, peak RSS per rank) into benchmarks/results/NAME.png; hatched
-    bars are the checkpointed runs."""
+    """Three bar charts side by side (s/step, peak RSS, peak step tensors per rank) into
+    benchmarks/results/NAME.png; hatched bars are the checkpointed runs."""
     import matplotlib
 
     matplotlib.use("Agg")
@@ -301,19 +323,22 @@ def plot(records: list[dict[str, Any]], name: str) -> None:
 
     ok = [r for r in records if "error" not in r][::-1]
     colors = {"ds_strategy": "tab:blue", "deepspeed": "tab:orange"}
-    fig, (a, b) = plt.subplots(1, 2, figsize=(13, 0.38 * len(ok) + 1.6))
+    fig, (a, b, c) = plt.subplots(1, 3, figsize=(17, 0.38 * len(ok) + 1.6))
     labels = [r["case"] for r in ok]
     cols = [colors.get(r["peer"], "tab:gray") for r in ok]
     hatch = ["//" if r["checkpointing"] != NONE else "" for r in ok]
     for ax, values, xlabel in (
         (a, [r["seconds_per_step"] for r in ok], f"seconds per step ({WORLD} ranks, CPU), lower is better"),
         (b, [r["peak_rss"] / 2**30 for r in ok], "peak RSS per rank (GiB), lower is better"),
+        (c, [r["peak_step_tensors"] / 2**20 for r in ok], "peak tensor memory of a step per rank (MiB, log)"),
     ):
         bars = ax.barh(labels, values, color=cols)
         for bar, h in zip(bars, hatch, strict=True):
             bar.set_hatch(h)
         ax.set_xlabel(xlabel)
+    c.set_xscale("log")  # DeepSpeed's stage-2 reduce buckets (~2 GiB) beside ~100 MiB of activations
     b.set_yticklabels([])
+    c.set_yticklabels([])
     fig.suptitle("Activation checkpointing of every block (hatched) vs none")
     fig.tight_layout()
     fig.savefig(results_dir() / f"{name}.png", dpi=120)

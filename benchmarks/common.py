@@ -40,6 +40,26 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def peak_step_tensor_bytes(step: Callable[[], None]) -> int:
+    """Peak bytes of CPU tensor memory that ``step()`` allocates and has not yet freed, from the profiler's
+    per-allocation records in time order: what the step's tensors need, without the allocator's retention
+    that peak RSS also counts (glibc keeps freed multi-MiB blocks resident once its mmap threshold has
+    grown). Frees of blocks allocated before the step are not recorded, so the figure errs high, alike for
+    every peer."""
+    from torch.profiler import ProfilerActivity, profile
+
+    with profile(activities=[ProfilerActivity.CPU], profile_memory=True) as prof:
+        step()
+    records = sorted(
+        (e.start_ns(), e.nbytes()) for e in prof.profiler.kineto_results.events() if e.name() == "[memory]"
+    )  # type: ignore[union-attr]
+    live = peak = 0
+    for _, nbytes in records:
+        live += nbytes
+        peak = max(peak, live)
+    return peak
+
+
 def _rank_main(
     rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple[Any, ...], backend: str = "gloo"
 ) -> None:
