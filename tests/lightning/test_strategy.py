@@ -17,7 +17,7 @@ from lightning.pytorch.strategies import StrategyRegistry
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
 import ds_strategy.lightning as zl
-from ds_strategy.config import ConfigError
+from ds_strategy.config import ConfigConflictWarning, ConfigError
 from ds_strategy.lightning import strategy as strategy_module
 from ds_strategy.lightning.config import apply_keywords, read_config, resolve
 from ds_strategy.lightning.launcher import ZeroMultiProcessingLauncher
@@ -134,6 +134,26 @@ def test_a_contradicting_trainer_value_names_both() -> None:
     message = str(info.value)
     assert "gradient_accumulation_steps: the config says 4 but the Trainer says 2" in message
     assert "gradient_clipping: the config says 1.0 but the Trainer says 0.5" in message
+
+
+
+@pytest.mark.parametrize(("policy", "winner"), [("prefer_config", (4, 1.0)), ("prefer_context", (2, 0.5))])
+def test_on_conflict_picks_a_winner_with_a_warning(policy: str, winner: tuple[int, float]) -> None:
+    raw = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0}
+    strategy = zl.ZeroStrategy(config=raw, on_conflict=policy)  # type: ignore[arg-type]
+    trainer = _trainer(strategy=strategy, accumulate_grad_batches=2, gradient_clip_val=0.5)
+    with pytest.warns(ConfigConflictWarning, match=f"on_conflict='{policy}'"):
+        cfg = strategy._resolve_config(trainer, fitting=True)
+    assert (cfg.gradient_accumulation_steps, cfg.gradient_clipping) == winner
+
+
+def test_on_conflict_defaults_to_an_error_and_refuses_other_values() -> None:
+    raw = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0}
+    strategy = zl.ZeroStrategy(config=raw)
+    with pytest.raises(ConfigError, match="gradient_clipping: the config says 1.0 but the Trainer says 0.5"):
+        strategy._resolve_config(_trainer(strategy=strategy, gradient_clip_val=0.5), fitting=True)
+    with pytest.raises(ValueError, match=r"ZeroStrategy\(on_conflict='prefer_trainer'\): use 'error', 'prefer_config'"):
+        zl.ZeroStrategy(on_conflict="prefer_trainer")  # type: ignore[arg-type]
 
 
 # ---------------------------------------------------------------------- precision

@@ -10,7 +10,7 @@ from __future__ import annotations
 
 from .auto import AUTO
 from .batch import BatchSizes, resolve_batch_sizes
-from .context import ConfigContext, precision_kind
+from .context import ConfigContext, OnConflict, precision_kind
 from .errors import (
     ConfigConflictWarning,
     ConfigDeprecationWarning,
@@ -55,6 +55,7 @@ __all__ = [
     "FrozenDict",
     "IgnoredConfigWarning",
     "OffloadConfig",
+    "OnConflict",
     "OptimizerConfig",
     "SchedulerConfig",
     "ZeroConfig",

@@ -20,7 +20,7 @@ from dataclasses import dataclass, fields
 from pathlib import Path
 from typing import Any
 
-from ds_strategy.config import ConfigContext, DeepSpeedConfig, load_config
+from ds_strategy.config import ConfigContext, DeepSpeedConfig, OnConflict, load_config
 
 ConfigArg = str | Path | dict[str, Any] | None
 DEFAULT_STAGE = 2
@@ -154,8 +154,10 @@ def resolve(
     micro_batch_size: int | None,
     accumulate_grad_batches: int,
     gradient_clip_val: float | None,
+    on_conflict: OnConflict = "error",
 ) -> DeepSpeedConfig:
-    """Validate ``raw`` with the Trainer's values as the context (see the module docstring)."""
+    """Validate ``raw`` with the Trainer's values as the context (see the module docstring); ``on_conflict``
+    decides a value the config states and the Trainer contradicts (``ConfigContext.on_conflict``)."""
     context = ConfigContext(
         world_size=world_size,
         micro_batch_size=micro_batch_size,
@@ -163,5 +165,6 @@ def resolve(
         gradient_clipping=None if gradient_clip_val is None else float(gradient_clip_val),
         precision=precision,
         source="the Trainer",
+        on_conflict=on_conflict,
     )
     return load_config(dict(raw), world_size=world_size, context=context)

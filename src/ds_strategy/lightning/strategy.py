@@ -60,7 +60,7 @@ from typing_extensions import override
 
 from ds_strategy.accelerator import get_accelerator
 from ds_strategy.comm import init_distributed
-from ds_strategy.config import check_config
+from ds_strategy.config import OnConflict, check_config
 from ds_strategy.runtime.activation_checkpointing import Policy, apply_activation_checkpointing
 
 from . import checkpoint as lckpt
@@ -121,6 +121,11 @@ class ZeroStrategy(ParallelStrategy):
             a callable deciding per module - naming the submodules whose activations are recomputed in
             backward (non-reentrant). Applied after ``configure_model`` (and zero.Init) and before the
             engine is built; parameter names do not change (docs/activation_checkpointing.md).
+        on_conflict: when the config states a value the Trainer contradicts (``gradient_clipping`` vs
+            ``gradient_clip_val``, ``gradient_accumulation_steps`` vs ``accumulate_grad_batches``, the
+            fp16/bf16 blocks vs ``precision``): "error" (default) raises a ``ConfigError`` naming both,
+            "prefer_config" / "prefer_context" keep the config's / the Trainer's value with a
+            ``ConfigConflictWarning``.
 
     A keyword that contradicts a value stated in ``config`` raises a ``ValueError`` naming both.
     """
@@ -148,9 +153,14 @@ class ZeroStrategy(ParallelStrategy):
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "auto",
         activation_checkpointing_policy: Policy | None = None,
+        on_conflict: OnConflict = "error",
     ) -> None:
         if stage is not None and stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeroStrategy(stage={stage!r}): the ZeRO stage is 0, 1, 2 or 3")
+        if on_conflict not in ("error", "prefer_config", "prefer_context"):
+            raise ValueError(
+                f"ZeroStrategy(on_conflict={on_conflict!r}): use 'error', 'prefer_config' or 'prefer_context'"
+            )
         if start_method not in ("auto", "popen", "fork", "spawn"):
             raise ValueError(f"ZeroStrategy(start_method={start_method!r}): use 'auto', 'popen', 'fork' or 'spawn'")
         super().__init__(
@@ -180,6 +190,7 @@ class ZeroStrategy(ParallelStrategy):
         self._timeout = timeout
         self._start_method: StartMethod = start_method
         self._activation_checkpointing_policy = activation_checkpointing_policy
+        self._on_conflict: OnConflict = on_conflict
         self.engine: ZeroEngine | None = None
         self.engine_config: DeepSpeedConfig | None = None
         self._final_state_dict: dict[str, Any] | None = None
@@ -412,6 +423,7 @@ class ZeroStrategy(ParallelStrategy):
             micro_batch_size=micro,
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             gradient_clip_val=trainer.gradient_clip_val if fitting else None,
+            on_conflict=self._on_conflict,
         )
 
     # ------------------------------------------------------------------ backward and step (from ZeroPrecision)
