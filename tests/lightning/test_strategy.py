@@ -136,7 +136,6 @@ def test_a_contradicting_trainer_value_names_both() -> None:
     assert "gradient_clipping: the config says 1.0 but the Trainer says 0.5" in message
 
 
-
 @pytest.mark.parametrize(("policy", "winner"), [("prefer_config", (4, 1.0)), ("prefer_context", (2, 0.5))])
 def test_on_conflict_picks_a_winner_with_a_warning(policy: str, winner: tuple[int, float]) -> None:
     raw = {"train_micro_batch_size_per_gpu": 4, "gradient_accumulation_steps": 4, "gradient_clipping": 1.0}
@@ -150,7 +149,7 @@ def test_on_conflict_picks_a_winner_with_a_warning(policy: str, winner: tuple[in
 def test_on_conflict_defaults_to_an_error_and_refuses_other_values() -> None:
     raw = {"train_micro_batch_size_per_gpu": 4, "gradient_clipping": 1.0}
     strategy = zl.ZeroStrategy(config=raw)
-    with pytest.raises(ConfigError, match="gradient_clipping: the config says 1.0 but the Trainer says 0.5"):
+    with pytest.raises(ConfigError, match=r"gradient_clipping: the config says 1\.0 but the Trainer says 0\.5"):
         strategy._resolve_config(_trainer(strategy=strategy, gradient_clip_val=0.5), fitting=True)
     with pytest.raises(ValueError, match=r"ZeroStrategy\(on_conflict='prefer_trainer'\): use 'error', 'prefer_config'"):
         zl.ZeroStrategy(on_conflict="prefer_trainer")  # type: ignore[arg-type]
