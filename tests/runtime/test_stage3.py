@@ -130,7 +130,16 @@ def test_stage3_matches_single_process_reference() -> None:
             low = r["precision"] != "fp32"
             if not low:
                 assert max(abs(a - b) / b for a, b in zip(eng.norms, two.norms, strict=True)) < 2e-7, label
-            torch.testing.assert_close(torch.tensor(eng.losses), torch.tensor(two.losses), rtol=4e-7, atol=1e-8)
+            # A 16-bit weight that rounds the other way (above) moves later losses too: measured on an AVX-512
+            # machine (16-lane splits), fp16 with offload, 6e-6 relative at step 7; fp32 stays within 4e-7.
+            loss_rtol = 2e-5 if low else 4e-7
+            torch.testing.assert_close(
+                torch.tensor(eng.losses),
+                torch.tensor(two.losses),
+                rtol=loss_rtol,
+                atol=1e-8,
+                msg=lambda m, lb=label: f"{lb}: {m}",
+            )
             for name in two.params:
                 torch.testing.assert_close(
                     eng.params[name],

@@ -31,6 +31,9 @@ from lightning.pytorch.core.optimizer import _init_optimizers_and_lr_schedulers,
 from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 from lightning.pytorch.strategies.launchers.multiprocessing import _MultiProcessingLauncher, _WorkerOutput
 
+# Trainer.init_module at stage 3 starts the script's other ranks early (see ZeroStrategy.tensor_init_context).
+from lightning.pytorch.strategies.launchers.subprocess_script import _launch_process_observer
+
 __all__ = [
     "_IS_INTERACTIVE",
     "_PATH",
@@ -44,6 +47,7 @@ __all__ = [
     "_get_default_process_group_backend_for_device",
     "_group",
     "_init_optimizers_and_lr_schedulers",
+    "_launch_process_observer",
     "_suggested_max_num_threads",
     "_sync_ddp_if_available",
     "train_dataloader_of",

@@ -72,6 +72,7 @@ from ._compat import (
     _get_default_process_group_backend_for_device,
     _group,
     _init_optimizers_and_lr_schedulers,
+    _launch_process_observer,
     _MockOptimizer,
     _SubprocessScriptLauncher,
     _sync_ddp_if_available,
@@ -316,11 +317,42 @@ class ZeroStrategy(ParallelStrategy):
     @contextmanager
     @override
     def tensor_init_context(self, empty_init: bool | None = None) -> Generator[None, None, None]:
-        if self.stage == 3:
-            yield  # zero.Init (model_sharded_context) places and types the shards
+        """``Trainer.init_module()``. At stage 3 the model is built partitioned, as in ``configure_model``
+        (see [Note: init_module at stage 3]); below, on the root device in the precision's dtype."""
+        if self.stage != 3:
+            with super().tensor_init_context(empty_init=empty_init):
+                yield
             return
-        with super().tensor_init_context(empty_init=empty_init):
-            yield
+        if self._ranks_ready_for_init():
+            with stage3.sharded_init(self.raw_config):
+                yield
+            return
+        rank_zero_warn(
+            "Trainer.init_module() under ZeRO stage 3 in a notebook builds the whole model in the kernel (the "
+            "worker processes do not exist yet); it is partitioned when fit starts. To build it partitioned, "
+            "create the layers in LightningModule.configure_model() instead."
+        )
+        yield
+
+    # [Note: init_module at stage 3]
+    # zero.Init needs every rank in the process group. Under torchrun, SLURM, MPI or ds-launch all ranks
+    # run the script already: the group is set up now instead of at fit (fit reuses it). Lightning's own
+    # script launcher would start the other ranks only at fit; they are started now instead (each re-runs
+    # the script and reaches this same context), and fit then finds them started (LOCAL_RANK is set). A
+    # notebook's workers are forked from the kernel at fit, so nothing can be partitioned before.
+    def _ranks_ready_for_init(self) -> bool:
+        if torch.distributed.is_initialized():
+            return True
+        env = self.cluster_environment
+        if env is None or isinstance(self._launcher, ZeroMultiProcessingLauncher):
+            return False
+        if isinstance(self._launcher, _SubprocessScriptLauncher) and not env.creates_processes_externally:
+            self._launcher._call_children_scripts()
+            _launch_process_observer(self._launcher.procs)
+        assert self.accelerator is not None
+        self.accelerator.setup_device(self.root_device)
+        self.setup_distributed()
+        return True
 
     @contextmanager
     @override

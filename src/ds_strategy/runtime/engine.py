@@ -83,7 +83,12 @@ class ZeroEngine(nn.Module):
             check_client_optimizer(optimizer, stage=config.zero_stage, offload=self.offload.optimizer, config=config)
         groups = param_groups(module, optimizer, model_parameters)
         named, registration = named_trainable_groups(module, groups)
-        partitioned = [p for group in named for _, p in group] if stage_cls.places_its_parameters else []
+        trainable = {id(p) for group in named for _, p in group}
+        partitioned = (  # stage 3 partitions the trainable and the frozen floating parameters
+            [p for p in module.parameters() if id(p) in trainable or (not p.requires_grad and p.is_floating_point())]
+            if stage_cls.places_its_parameters
+            else []
+        )
         self.device = _place(module, device, keep=partitioned)
         options = stage_cls.options_from(
             config, precision=self.precision, device=self.device, world_size=self.coll.world_size, offload=self.offload
@@ -123,7 +128,7 @@ class ZeroEngine(nn.Module):
     @torch.no_grad()
     def _cast_and_sync_the_rest(self, registration: dict[nn.Parameter, int]) -> None:
         """Frozen parameters and floating buffers: cast to the compute dtype, then rank 0's values win."""
-        flat_owned = {id(p) for gs in self.stage.groups for p in gs.params}
+        flat_owned = {id(p) for p in self.stage.stored_params()}
         dtype = self.precision.compute_dtype
         for p in registration:
             if id(p) not in flat_owned:
@@ -407,7 +412,7 @@ class ZeroEngine(nn.Module):
     def memory_breakdown(self) -> dict[str, int]:
         """Bytes this rank holds: params (flat + frozen), grads, master (separate fp32 copies), optimizer_state."""
         out = self.stage.memory_bytes()
-        flat_owned = {id(p) for gs in self.stage.groups for p in gs.params}
+        flat_owned = {id(p) for p in self.stage.stored_params()}
         out["params"] += sum(p.numel() * p.element_size() for p in self.module.parameters() if id(p) not in flat_owned)
         state = 0
         if self.optimizer is not None:
@@ -423,11 +428,13 @@ class ZeroEngine(nn.Module):
         tag: Any = None,
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
+        exclude_frozen_parameters: bool = False,
     ) -> str:
-        """Write ``save_dir/<tag>`` (default ``global_step<N>``) from every rank; see docs/checkpointing.md."""
+        """Write ``save_dir/<tag>`` (default ``global_step<N>``) from every rank; see docs/checkpointing.md.
+        ``exclude_frozen_parameters``: leave the ``requires_grad=False`` parameters out (adapters only)."""
         from .checkpoint import save_checkpoint
 
-        return str(save_checkpoint(self, save_dir, tag, client_state, save_latest))
+        return str(save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters))
 
     def load_checkpoint(
         self,

@@ -8,9 +8,10 @@ the fp32 model being written plus one parameter; the optimizer state in the same
 Shards written by several nodes need only be copied into one tag directory (files are named by global
 rank; ``meta.pt`` lists them all and a missing one is named in the error).
 
-Entries outside the flat partition (buffers, frozen parameters) come from ``model_states.pt``; floating
-ones are cast to fp32 (the engine keeps them in the compute dtype). Tied parameters appear under every
-name the module's ``state_dict`` gives them, as one shared tensor.
+Entries outside the flat partition (buffers, frozen parameters below stage 3) come from ``model_states.pt``,
+stage 3's frozen parameters from their partitions (an adapters-only checkpoint has none: they are left out);
+floating ones are cast to fp32 (the engine keeps them in the compute dtype). Tied parameters appear under
+every name the module's ``state_dict`` gives them, as one shared tensor.
 """
 
 from __future__ import annotations
@@ -26,6 +27,7 @@ import torch
 
 from ..layout import FlatLayout
 from .format import MODEL, CheckpointError, atomic_save, expect_format, read
+from .frozen import FrozenSource
 from .reshard import full_param, index_by_name
 from .store import rank_reader, read_meta, resolve
 
@@ -45,6 +47,7 @@ def iter_fp32_state(
     model = expect_format(read(model_path, expected_size=meta["files"].get(MODEL), mmap=True), model_path)
     rank_data = rank_reader(tag_dir, meta, layouts)
     where = index_by_name(layouts)
+    frozen = FrozenSource(meta, rank_data, {})  # stage 3's frozen partitions
     aliases: dict[str, str] = meta.get("aliases", {})
     shared = set(aliases.values())
     kept: dict[str, torch.Tensor] = {}
@@ -56,6 +59,10 @@ def iter_fp32_state(
         if name in where:
             src = where[name]
             value = full_param(layouts[src.group], src.index, _kind(rank_data, src.group, "fp32"))
+        elif frozen.shape(name) is not None:
+            value = frozen.full(name).float()
+        elif name in frozen.excluded:
+            continue  # an adapters-only checkpoint (exclude_frozen_parameters): the base is not in it
         elif key in model["module"]:
             saved = model["module"][key]
             value = saved.float() if saved.is_floating_point() else saved.clone()

@@ -13,6 +13,7 @@ from typing import Any
 import torch
 
 from .format import CheckpointError
+from .frozen import FrozenSource, frozen_storages, read_partitions, write_partitions
 from .save import module_entries
 from .target import CheckpointTarget
 
@@ -36,6 +37,7 @@ def load_full_state_dict(
         if name in state_dict:
             _check_shape(state_dict[name], target.shape, name, where)
             target.copy_(state_dict[name])
+    _load_frozen(engine, state_dict, aliases, where)
     for gs in stage.groups:
         full32 = torch.zeros(gs.layout.total, dtype=torch.float32, device=gs.masters[0].device if gs.masters else None)
         known = torch.zeros(len(gs.names), dtype=torch.bool)
@@ -63,7 +65,28 @@ def load_full_state_dict(
     stage.zero_grad()
 
 
-def _check_shape(value: Any, shape: torch.Size, name: str, where: str) -> None:
+def _load_frozen(
+    engine: CheckpointTarget, state_dict: Mapping[str, Any], aliases: Mapping[str, str], where: str
+) -> None:
+    """Stage 3's frozen partitions: each rank copies its own slices out of the full values."""
+    values: dict[str, torch.Tensor] = {}
+    for gs in frozen_storages(engine):
+        for slot in gs.layout.params:
+            value = state_dict.get(slot.name)
+            if value is None:
+                value = next((state_dict[a] for a, n in aliases.items() if n == slot.name and a in state_dict), None)
+            if value is not None:
+                _check_shape(value, slot.shape, slot.name, where)
+                values[slot.name] = value
+    if values:
+        write_partitions(engine, read_partitions(engine, FrozenSource({}, _no_partitions, values)))
+
+
+def _no_partitions(rank: int) -> dict[str, Any]:
+    raise AssertionError("a full state dict has no partitions")
+
+
+def _check_shape(value: Any, shape: torch.Size | tuple[int, ...], name: str, where: str) -> None:
     if not isinstance(value, torch.Tensor) or tuple(value.shape) != tuple(shape):
         got = list(value.shape) if isinstance(value, torch.Tensor) else type(value).__name__
         raise CheckpointError(f"{where}: {name!r} is {got} in the checkpoint, {list(shape)} in the model")

@@ -20,6 +20,7 @@ from ds_strategy.log import get_logger
 from ..layout import FlatLayout
 from . import rng
 from .format import MODEL, CheckpointError, expect_format, ranks, read
+from .frozen import FrozenSource, check_frozen, read_partitions, write_partitions
 from .partition import Source, scalar_value
 from .save import module_entries
 from .store import rank_reader, read_meta, resolve
@@ -38,14 +39,18 @@ class _Plan:
     tag_dir: Path
     meta: dict[str, Any]
     masters: list[list[torch.Tensor]]  # per group, per bucket
-    entries: dict[str, torch.Tensor]
+    entries: dict[str, torch.Tensor]  # this engine's module entries, as they will be copied in
+    frozen: list[list[tuple[int, int, torch.Tensor]]]  # stage 3's frozen partitions (frozen.read_partitions)
     optimizer_state: dict[str, Any] | None = None
     rng: dict[str, Any] | None = None
     notes: list[str] = field(default_factory=list)
 
 
-def check_model(engine: CheckpointTarget, meta: dict[str, Any], layouts: list[FlatLayout], where: str) -> None:
-    """The checkpoint holds exactly this model's parameters and buffers, with the same shapes."""
+def check_model(
+    engine: CheckpointTarget, meta: dict[str, Any], layouts: list[FlatLayout], where: str, frozen: FrozenSource
+) -> None:
+    """The checkpoint holds exactly this model's parameters and buffers, with the same shapes (frozen
+    parameters in either form: [Note: frozen parameters in checkpoints])."""
     problems: list[str] = []
     saved = {slot.name: slot.shape for layout in layouts for slot in layout.params}
     ours = {slot.name: slot.shape for gs in engine.stage.groups for slot in gs.layout.params}
@@ -61,15 +66,27 @@ def check_model(engine: CheckpointTarget, meta: dict[str, Any], layouts: list[Fl
     saved_rest = meta["module_entries"]
     for name, value in rest.items():
         entry = saved_rest.get(name)
+        if entry is None and (name in frozen.excluded or frozen.shape(name) is not None):
+            saved_shape = frozen.shape(name)
+            if saved_shape is not None and saved_shape != tuple(value.shape):
+                problems.append(f"{name!r} has shape {list(saved_shape)} in the checkpoint, {list(value.shape)} here")
+            continue
         if entry is None:
             kind = "trainable in the checkpoint, frozen here" if name in saved else "not in the checkpoint"
             problems.append(f"module entry {name!r} {list(value.shape)} is {kind}")
         elif list(entry["shape"]) != list(value.shape):
             problems.append(f"{name!r} has shape {entry['shape']} in the checkpoint, {list(value.shape)} in the model")
+    stored_frozen = {slot.name for gs in getattr(engine.stage, "frozen", ()) for slot in gs.layout.params}
     problems += [
         f"checkpoint has module entry {n!r}, the model has none by that name"
         for n in saved_rest
-        if n not in rest and n not in ours
+        if n not in rest and n not in ours and n not in stored_frozen
+    ]
+    problems += check_frozen(engine, frozen, where)
+    problems += [
+        f"checkpoint has frozen parameter {n!r}, the model has none by that name"
+        for n in frozen.names()
+        if n not in rest and n not in stored_frozen
     ]
     if problems:
         more = f" (and {len(problems) - 10} more)" if len(problems) > 10 else ""
@@ -82,12 +99,25 @@ def _plan(
     tag_dir = resolve(load_dir, None if tag is None else str(tag))
     meta = read_meta(tag_dir)
     layouts = [FlatLayout.from_dict(g["layout"]) for g in meta["groups"]]
-    check_model(engine, meta, layouts, str(tag_dir))
     model_path = tag_dir / MODEL
     model = expect_format(read(model_path, expected_size=meta["files"].get(MODEL), mmap=True), model_path)
-    entries = {k: model["module"][k] for k in meta["module_entries"]}
-    source = Source(layouts, rank_reader(tag_dir, meta, layouts))
-    plan = _Plan(tag_dir, meta, [source.fill(gs, "fp32", torch.float32) for gs in engine.stage.groups], entries)
+    saved_entries = {k: model["module"][k] for k in meta["module_entries"]}
+    reader = rank_reader(tag_dir, meta, layouts)
+    frozen = FrozenSource(meta, reader, saved_entries)
+    check_model(engine, meta, layouts, str(tag_dir), frozen)
+    entries = {
+        name: saved_entries[name] if name in saved_entries else frozen.full(name)
+        for name in module_entries(engine)[0]
+        if frozen.has(name)  # else: a frozen parameter the checkpoint excluded keeps its value
+    }
+    source = Source(layouts, reader)
+    plan = _Plan(
+        tag_dir,
+        meta,
+        [source.fill(gs, "fp32", torch.float32) for gs in engine.stage.groups],
+        entries,
+        read_partitions(engine, frozen),
+    )
     opt = engine.optimizer
     if optimizer and not module_only and opt is not None:
         if len(meta["groups"]) != len(opt.param_groups):
@@ -136,7 +166,9 @@ def _apply(engine: CheckpointTarget, plan: _Plan, *, optimizer: bool, scheduler:
     stage.zero_grad()
     rest, _, _ = module_entries(engine)
     for name, target in rest.items():
-        target.copy_(plan.entries[name])
+        if name in plan.entries:
+            target.copy_(plan.entries[name])
+    write_partitions(engine, plan.frozen)
     if module_only:
         return
     meta = plan.meta

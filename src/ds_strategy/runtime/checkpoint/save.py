@@ -34,6 +34,7 @@ from .format import (
     rank_file,
     ranks,
 )
+from .frozen import frozen_names, saved_layouts, saved_partitions
 from .partition import saved_group
 from .store import check_tag, publish, staging_dir
 from .sync import agree, gather
@@ -43,10 +44,11 @@ log = get_logger("ds_strategy.runtime.checkpoint")
 
 
 def module_entries(engine: CheckpointTarget) -> tuple[dict[str, torch.Tensor], dict[str, str], list[str]]:
-    """(state-dict entries outside the flat partition, {alias: layout name} of tied flat parameters, all
-    state-dict keys in order). Flat parameters are saved as fp32 partitions; their compute-dtype copies
-    are their cast, so they are not saved twice."""
-    flat_names = {id(p): name for gs in engine.stage.groups for name, p in zip(gs.names, gs.params, strict=True)}
+    """(state-dict entries outside the stage's storage, {alias: layout name} of tied stored parameters, all
+    state-dict keys in order). Flat parameters are saved as fp32 partitions (their compute-dtype copies
+    are their cast, so they are not saved twice), stage 3's frozen ones as frozen partitions."""
+    stored = [*engine.stage.groups, *getattr(engine.stage, "frozen", ())]
+    flat_names = {id(p): name for gs in stored for name, p in zip(gs.names, gs.params, strict=True)}
     rest: dict[str, torch.Tensor] = {}
     aliases: dict[str, str] = {}
     keys: list[str] = []
@@ -60,8 +62,17 @@ def module_entries(engine: CheckpointTarget) -> tuple[dict[str, torch.Tensor], d
     return rest, aliases, keys
 
 
-def _meta(engine: CheckpointTarget, tag: str, client_state: dict[str, Any]) -> dict[str, Any]:
-    rest, aliases, keys = module_entries(engine)
+def _saved_entries(engine: CheckpointTarget, exclude_frozen: bool) -> dict[str, torch.Tensor]:
+    rest = module_entries(engine)[0]
+    if not exclude_frozen:
+        return rest
+    frozen = frozen_names(engine)
+    return {k: v for k, v in rest.items() if k not in frozen}
+
+
+def _meta(engine: CheckpointTarget, tag: str, client_state: dict[str, Any], exclude_frozen: bool) -> dict[str, Any]:
+    _, aliases, keys = module_entries(engine)
+    rest = _saved_entries(engine, exclude_frozen)
     optimizer = engine.optimizer
     hyper = (
         [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
@@ -85,6 +96,8 @@ def _meta(engine: CheckpointTarget, tag: str, client_state: dict[str, Any]) -> d
             k: {"shape": list(v.shape), "dtype": str(v.dtype).removeprefix("torch.")} for k, v in rest.items()
         },
         "aliases": aliases,
+        "frozen_groups": [] if exclude_frozen else saved_layouts(engine),
+        "frozen_excluded": sorted(frozen_names(engine)) if exclude_frozen else [],
         "state_keys": keys,
         "counters": engine.counters.state_dict(),
         "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,
@@ -102,8 +115,11 @@ def save_checkpoint(
     tag: Any = None,
     client_state: dict[str, Any] | None = None,
     save_latest: bool = True,
+    exclude_frozen_parameters: bool = False,
 ) -> Path:
-    """Write ``save_dir/<tag>`` (default tag ``global_step<N>``) from every rank; return the tag directory."""
+    """Write ``save_dir/<tag>`` (default tag ``global_step<N>``) from every rank; return the tag directory.
+    ``exclude_frozen_parameters``: leave out every ``requires_grad=False`` parameter (an adapters-only
+    checkpoint; see [Note: frozen parameters in checkpoints])."""
     coll = engine.coll
     root = Path(save_dir)
     rank = coll.rank
@@ -118,17 +134,18 @@ def save_checkpoint(
             "rank": rank,
             "world_size": coll.world_size,
             "groups": [saved_group(gs, engine.optimizer) for gs in engine.stage.groups],
+            "frozen": [] if exclude_frozen_parameters else saved_partitions(engine),
             "rng": rng.capture(),
         }
         check_safe(ours, f"{rank_file(rank)}")
         if rank != 0:
             return name, ours, None, None
-        meta = _meta(engine, name, state)
+        meta = _meta(engine, name, state, exclude_frozen_parameters)
         check_safe(meta, f"{META} (scheduler or optimizer hyperparameters)")
         model = {
             "format": FORMAT,
             "version": VERSION,
-            "module": {k: _own_copy(v) for k, v in module_entries(engine)[0].items()},
+            "module": {k: _own_copy(v) for k, v in _saved_entries(engine, exclude_frozen_parameters).items()},
         }
         check_safe(model, MODEL)
         return name, ours, meta, model

@@ -30,6 +30,7 @@ from .format import (
     ranks,
     read,
 )
+from .frozen import check_rank_file as check_frozen_partitions
 
 _REQUIRED_META = ("stage", "world_size", "groups", "module_entries", "state_keys", "files", "counters")
 
@@ -144,6 +145,8 @@ def read_meta(tag_dir: Path) -> dict[str, Any]:
 def rank_reader(tag_dir: Path, meta: dict[str, Any], layouts: list[FlatLayout]) -> Callable[[int], dict[str, Any]]:
     """Lazy, validated access to saved rank files (memory-mapped: only the pages copied are read)."""
 
+    frozen_layouts = [FlatLayout.from_dict(d) for d in meta.get("frozen_groups", [])]
+
     @cache
     def rank_data(r: int) -> dict[str, Any]:
         name = rank_file(r)
@@ -161,6 +164,8 @@ def rank_reader(tag_dir: Path, meta: dict[str, Any], layouts: list[FlatLayout]) 
                         f"{path}: group {g} {key} has {t.numel()} elements, the saved layout gives rank {r} "
                         f"{layout.partition_numel}"
                     )
+        if frozen_layouts:
+            check_frozen_partitions(data, frozen_layouts, str(path))
         return data
 
     return rank_data

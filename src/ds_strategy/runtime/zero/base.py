@@ -189,6 +189,16 @@ class ZeroStage:
             pin_memory=self.options.pin_memory,
         )
 
+    frozen: Sequence[GroupStorage] = ()  # stage 3 partitions frozen parameters too (stage3.py)
+
+    def refresh_frozen(self) -> None:
+        """After frozen partitions were overwritten: bring their gathered copies up to date (stage 3)."""
+
+    def stored_params(self) -> list[nn.Parameter]:
+        """The parameters whose storage this stage owns (the others - frozen ones below stage 3 - stay the
+        module's, replicated)."""
+        return [p for gs in self.groups for p in gs.params]
+
     def forward_context(self) -> AbstractContextManager[None]:
         """Wraps the engine's forward (stage 3 adds a hint to errors from partitioned parameters)."""
         return nullcontext()

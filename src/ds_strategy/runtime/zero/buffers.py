@@ -41,6 +41,7 @@ class GroupStorage:
     aliased: bool  # the masters are the fp32 parameter storage itself (no separate master buffer)
     master_flat: torch.Tensor | None
     masters: list[nn.Parameter]  # one fp32 leaf per bucket, what the optimizer steps
+    frozen: bool = False  # stage 3's storage of parameters nobody trains (no masters: see stage3.py)
 
     def _master_pieces(self, buffer: torch.Tensor) -> list[torch.Tensor]:
         """Per-bucket views of a master-shaped buffer (a partition, or a full flat copy for stage 0)."""

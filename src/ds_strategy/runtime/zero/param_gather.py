@@ -22,6 +22,14 @@ room). When a unit's users drop to 0 it stays gathered if the record says it is 
 dropped: no prefetch or reuse until the next iteration. All of this depends only on what every rank
 executes, so all ranks issue the same collectives in the same order.
 
+[Note: frozen buckets in backward]
+Buckets of frozen parameters (see [Note: frozen parameters] in stage3.py) get no gradient, so no
+post-accumulate-grad hook frees them. Backward still needs them (the gradient w.r.t. a frozen Linear's
+input reads its weight), so they are gathered before the module's backward like the others, and freed
+by a multi-grad hook on the module's *inputs*: once the gradients w.r.t. every input that requires one
+are computed, the module's backward is over. A module whose inputs need no gradient (the first layer)
+keeps its frozen buckets until ``end_backward``, which frees everything.
+
 Divergence detection (ranks running different modules) lives in divergence.py.
 """
 
@@ -91,6 +99,9 @@ class ParamGatherer:
             if isinstance(m, READS_CHILD_PARAMETERS):
                 params += list(m.parameters())
             self.units[id(m)] = self.keys_of(params)
+        self.frozen_units = {
+            mid: frozen for mid, keys in self.units.items() if (frozen := [k for k in keys if groups[k[0]].frozen])
+        }
         probe = next((gs.full[0] for gs in groups if gs.full), None)  # what a bucket gather looks like
         self.divergence = DivergenceCheck(coll, self.device, probe, self.names, self.index, self.timeout_s)
         self.users: dict[BucketKey, int] = defaultdict(int)
@@ -110,12 +121,15 @@ class ParamGatherer:
     def add_external(self, module: nn.Module, param: torch.Tensor) -> None:
         """Gather ``param`` whenever ``module`` runs (``register_external_parameter``)."""
         self.units[id(module)] = sorted(set(self.units.get(id(module), [])) | set(self.keys_of([param])))
+        frozen = [k for k in self.units[id(module)] if self.groups[k[0]].frozen]
+        if frozen:
+            self.frozen_units[id(module)] = frozen
 
     def attach(self) -> None:
         self._hooks.append(self.root.register_forward_pre_hook(self._on_root_start))
         for m in self.root.modules():
             self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
-            self._hooks.append(m.register_forward_hook(self._post_forward))
+            self._hooks.append(m.register_forward_hook(self._post_forward, with_kwargs=True))
         self._hooks.append(self.root.register_forward_hook(self._on_root_end))
 
     def detach(self) -> None:
@@ -147,13 +161,17 @@ class ParamGatherer:
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
         self.fetch(module)
 
-    def _post_forward(self, module: nn.Module, args: Any, output: Any) -> None:
+    def _post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if not self.units.get(id(module)):
             return
         if torch.is_grad_enabled():
             outs = [t for t in _tensors(output) if t.requires_grad]
             if outs:
                 register_multi_grad_hook(outs, lambda grads, m=module: self.fetch(m), mode="any")
+                frozen = self.frozen_units.get(id(module))
+                ins = [t for t in _tensors((args, kwargs)) if t.requires_grad] if frozen else []
+                if ins:  # see [Note: frozen buckets in backward]
+                    register_multi_grad_hook(ins, lambda grads, k=frozen: self.release_keys(k), mode="all")
         self.release(module)
 
     # ------------------------------------------------------------------ gather / release

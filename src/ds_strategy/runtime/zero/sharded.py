@@ -54,8 +54,10 @@ class ShardedGroup(GroupStorage):
         device: torch.device | None = None,
         pin_memory: bool = False,
         pin_part: bool = False,
+        frozen: bool = False,
     ) -> None:
         self.index = index
+        self.frozen = frozen  # parameters nobody trains: no masters, gradients or optimizer state
         self.params = [p for _, p in named_params]
         self.names = [n for n, _ in named_params]
         self.partitioned = True
@@ -77,7 +79,7 @@ class ShardedGroup(GroupStorage):
         pin = pin_part and param_device.type == "cpu" and torch.cuda.is_available()
         self.part = torch.empty(self.layout.partition_numel, dtype=compute_dtype, device=param_device, pin_memory=pin)
         self.aliased = compute_dtype == torch.float32 and master_device == param_device
-        if self.aliased:
+        if self.aliased or frozen:
             self.master_flat: torch.Tensor | None = None
         else:
             self.master_flat = torch.empty(
@@ -85,6 +87,8 @@ class ShardedGroup(GroupStorage):
             )
         self._part_views = self.layout.partition_views(self.part)
         master_views = self._part_views if self.master_flat is None else self.layout.partition_views(self.master_flat)
+        if frozen:
+            self.aliased = False
         # Built one bucket at a time: beyond this rank's partition, only one full-size bucket (in fp32,
         # plus its compute-dtype twin when persistent) exists at once, and each parameter's original
         # storage is dropped as soon as its bucket is partitioned.
@@ -107,8 +111,8 @@ class ShardedGroup(GroupStorage):
             if b not in self.persistent:  # a bucket-sized tensor without storage, filled by gather()
                 self.full[b] = torch.empty(bucket.padded, dtype=compute_dtype, device=self.device)
                 host_memory.release(self.full[b])
-        # One leaf per bucket for the optimizer (see [Note: master weights] in buffers.py).
-        self.masters = [nn.Parameter(piece) for piece in master_views]
+        # One leaf per bucket for the optimizer (see [Note: master weights] in buffers.py); none when frozen.
+        self.masters = [] if frozen else [nn.Parameter(piece) for piece in master_views]
 
     @torch.no_grad()
     def _take_bucket(
@@ -197,14 +201,14 @@ class ShardedGroup(GroupStorage):
     # ------------------------------------------------------------------ GroupStorage interface
     @torch.no_grad()
     def copy_masters_to_params(self) -> None:
-        if self.master_flat is None:
+        if self.master_flat is None or self.frozen:
             return  # the masters are the partition buffer itself
         for view, master in zip(self._part_views, self.masters, strict=True):
             view.copy_(master.detach(), non_blocking=True)
 
     def sixteen_bit_outputs(self) -> dict[torch.Tensor, torch.Tensor]:
         """master -> this rank's 16-bit partition piece (see ``GroupStorage.sixteen_bit_outputs``)."""
-        if self.master_flat is None or self.part.dtype not in (torch.bfloat16, torch.float16):
+        if self.master_flat is None or self.frozen or self.part.dtype not in (torch.bfloat16, torch.float16):
             return {}
         if self.part.device != self.master_flat.device:
             return {}

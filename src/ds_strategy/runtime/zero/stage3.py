@@ -13,6 +13,16 @@ close where the owning module changes (the first module, in ``named_modules`` or
 parameter directly), so gathering a module never drags in a neighbour's weights; and parameters below
 ``stage3_param_persistence_threshold`` elements move to the end of their group, into buckets of their
 own that stay gathered (persistent).
+
+[Note: frozen parameters]
+Parameters with ``requires_grad=False`` (a LoRA run's whole base model) are partitioned exactly like
+trainable ones, into one more ``ShardedGroup`` (``self.frozen``, after the trainable groups in
+``self.storages``) built with ``frozen=True``: the same module-aligned buckets, persistence threshold,
+gathers, prefetch and ``zero.Init`` hand-over, but no fp32 masters, no gradient hooks, no reduction and
+no optimizer state; they are never published (nothing changes them but ``GatheredParameters`` with a
+modifier rank, which writes the partition back). How their buckets are freed in backward, where no
+gradient tells us a module is done: [Note: frozen buckets in backward] in param_gather.py. A parameter
+that requires grad but is left out of the optimizer stays whole (autograd gives it a full gradient).
 """
 
 from __future__ import annotations
@@ -121,29 +131,25 @@ class Stage3(Stage2):
                 if p is not None:
                     owner.setdefault(id(p), n)
         trainable = {id(p) for named in groups for _, p in named}
-        for p in module.parameters():  # frozen parameters stay whole (see docs/engine.md)
-            if id(p) not in trainable and init_shard(p) is not None:
-                unpartition_param(p)
+        frozen = _frozen(module, trainable)
+        persistent = _persistent(module, trainable | {id(p) for _, p in frozen}, s3)
         self._plans: list[tuple[set[int], set[int]]] = []
-        ordered = []
-        persistent = _persistent(module, trainable, s3)
-        for named in groups:
-            big = [(n, p) for n, p in named if id(p) not in persistent]
-            small = [(n, p) for n, p in named if id(p) in persistent]
-            items = big + small
-            breaks = {
-                i for i in range(1, len(items)) if owner[id(items[i][1])] != owner[id(items[i - 1][1])] or i == len(big)
-            }
-            self._plans.append((breaks, set(range(len(big), len(items)))))
-            ordered.append(items)
+        ordered = [self._plan(named, owner, persistent) for named in groups]
+        frozen_plan = self._plan(frozen, owner, persistent)
         super().__init__(ordered, registration, coll=coll, options=options)
         self.sharded: list[ShardedGroup] = [gs for gs in self.groups if isinstance(gs, ShardedGroup)]
-        for g, gs in enumerate(self.sharded):
+        # [Note: frozen parameters] are partitioned like trainable ones, in a storage of their own after the
+        # trainable groups: gathered around forward and backward, never reduced, no masters.
+        self.frozen: list[ShardedGroup] = (
+            [self._make_group(len(self._plans) - 1, frozen_plan, frozen=True)] if frozen_plan else []
+        )
+        self.storages: list[ShardedGroup] = self.sharded + self.frozen  # what gather keys index
+        for g, gs in enumerate(self.storages):
             for i, p in enumerate(gs.params):
                 setattr(p, ZERO3_ATTR, (self, g, i))
         self._bucket_grads: dict[BucketKey, int] = {}
         self.gatherer = ParamGatherer(
-            self.sharded,
+            self.storages,
             module,
             coll,
             prefetch_numel=s3.prefetch_numel,
@@ -154,7 +160,31 @@ class Stage3(Stage2):
             for p in getattr(m, EXTERNAL_ATTR, []):
                 self.gatherer.add_external(m, p)
 
-    def _make_group(self, index: int, named: Sequence[tuple[str, nn.Parameter]]) -> GroupStorage:
+    def _plan(
+        self, named: Sequence[tuple[str, nn.Parameter]], owner: dict[int, int], persistent: set[int]
+    ) -> list[tuple[str, nn.Parameter]]:
+        """``named`` in layout order (persistent parameters last) with its bucket plan appended to ``_plans``
+        (see [Note: module-aligned buckets])."""
+        big = [(n, p) for n, p in named if id(p) not in persistent]
+        small = [(n, p) for n, p in named if id(p) in persistent]
+        items = big + small
+        breaks = {
+            i for i in range(1, len(items)) if owner[id(items[i][1])] != owner[id(items[i - 1][1])] or i == len(big)
+        }
+        self._plans.append((breaks, set(range(len(big), len(items)))))
+        return items
+
+    def stored_params(self) -> list[nn.Parameter]:
+        return [p for gs in self.storages for p in gs.params]
+
+    def memory_bytes(self) -> dict[str, int]:
+        out = super().memory_bytes()
+        out["params"] += sum(gs.numel_bytes()["params"] for gs in self.frozen)
+        return out
+
+    def _make_group(
+        self, index: int, named: Sequence[tuple[str, nn.Parameter]], *, frozen: bool = False
+    ) -> ShardedGroup:
         breaks, persistent = self._plans[index]
         device = self.options.device or next((p.device for _, p in named), torch.device("cpu"))
         return ShardedGroup(
@@ -170,6 +200,7 @@ class Stage3(Stage2):
             device=device,
             pin_memory=self.options.pin_memory,
             pin_part=self.s3.param_pin and device.type == "cuda",
+            frozen=frozen,
         )
 
     # ------------------------------------------------------------------ hooks
@@ -253,6 +284,17 @@ class Stage3(Stage2):
         for h in handles:
             h.wait()
 
+    @torch.no_grad()
+    def refresh_frozen(self) -> None:
+        """After a frozen partition was overwritten (a checkpoint load): re-gather its buckets that stay
+        gathered; the others are gathered from the new partition when next used."""
+        for gs in self.frozen:
+            for b, live in enumerate(gs.live):
+                if live:
+                    mine = gs.full[b].view(self.coll.world_size, -1)[self.coll.rank]
+                    mine.copy_(gs.layout.partition_views(gs.part)[b])
+                    self.coll.all_gather(gs.full[b], mine)
+
     # ------------------------------------------------------------------ full access
     def keys_for(self, params: Sequence[torch.Tensor]) -> list[BucketKey]:
         """Every bucket (persistent ones included) holding one of ``params``."""
@@ -261,8 +303,15 @@ class Stage3(Stage2):
             ref = getattr(p, ZERO3_ATTR, None)
             if ref is not None and ref[0] is self:
                 _, g, i = ref
-                keys.add((g, self.sharded[g].slot(i).bucket))
+                keys.add((g, self.storages[g].slot(i).bucket))
         return sorted(keys)
+
+    def all_buckets(self) -> list[BucketKey]:
+        """Every bucket of every storage (trainable in forward order, then frozen), in one agreed order."""
+        trainable = self.bucket_order[::-1]
+        first = len(self.sharded)
+        frozen = [(first + g, b) for g, gs in enumerate(self.frozen) for b in range(len(gs.full))]
+        return trainable + frozen
 
     def gather_for_user(self, keys: Sequence[BucketKey]) -> None:
         self.gatherer.acquire(keys, "GatheredParameters")
@@ -272,7 +321,7 @@ class Stage3(Stage2):
         """End of GatheredParameters: take ``modifier_rank``'s edits (broadcast, re-partitioned), free."""
         if modifier_rank is not None:
             for g, b in keys:
-                gs = self.sharded[g]
+                gs = self.storages[g]
                 self.coll.broadcast(gs.full[b], src=modifier_rank)
                 gs.write_back(b)
         self.gatherer.release_keys(keys)
@@ -282,9 +331,9 @@ class Stage3(Stage2):
     def full_state_dict(self, module: nn.Module, rank: int | None = None) -> dict[str, torch.Tensor]:
         full: dict[int, torch.Tensor] = {}
         keep = rank is None or self.coll.rank == rank
-        for key in self.bucket_order[::-1]:  # one bucket at a time: never the whole model gathered
+        for key in self.all_buckets():  # one bucket at a time: never the whole model gathered
             self.gather_for_user([key])
-            gs = self.sharded[key[0]]
+            gs = self.storages[key[0]]
             if keep:
                 for i in gs.layout.buckets[key[1]].params:
                     full[id(gs.params[i])] = gs.params[i].detach().to("cpu", copy=True)
@@ -303,7 +352,7 @@ class Stage3(Stage2):
         would have built: a new engine (Lightning's validate after fit) or GatheredParameters takes it,
         and no parameter refers to this stage any more, so its partitions and optimizer state can go."""
         coll = Collectives(self.coll.group, fast_path=False)  # outlives this engine's collectives
-        for g, gs in enumerate(self.sharded):
+        for g, gs in enumerate(self.storages):
             for b, bucket in enumerate(gs.layout.buckets):
                 whole = b in gs.persistent
                 if not whole:
@@ -321,20 +370,34 @@ class Stage3(Stage2):
                         gs.params[i].data = torch.empty(0, dtype=gs.params[i].dtype, device=gs.device)
 
 
+def _frozen(module: nn.Module, trainable: set[int]) -> list[tuple[str, nn.Parameter]]:
+    """The parameters stage 3 partitions without training them (see [Note: frozen parameters]): floating
+    ones with ``requires_grad=False``, each once (tied parameters under their first name). A parameter that
+    requires grad but is left out of the optimizer stays whole: autograd still gives it a full gradient."""
+    out: list[tuple[str, nn.Parameter]] = []
+    for name, p in module.named_parameters():
+        if id(p) in trainable:
+            continue
+        if p.requires_grad or not p.is_floating_point():
+            unpartition_param(p)
+        else:
+            out.append((name, p))
+    return out
+
+
 def _numel(p: torch.Tensor) -> int:
     info = init_shard(p)
     return info.numel if info is not None else p.numel()
 
 
-def _persistent(module: nn.Module, trainable: set[int], s3: Stage3Options) -> set[int]:
-    """ids of the trainable parameters that stay gathered: below ``stage3_param_persistence_threshold``
-    elements, taken in ``named_parameters`` order while their total stays within
-    ``stage3_model_persistence_threshold`` (DeepSpeed's ``mark_persistent_parameters``; frozen parameters
-    are always whole here, so they neither count nor take part)."""
+def _persistent(module: nn.Module, partitioned: set[int], s3: Stage3Options) -> set[int]:
+    """ids of the partitioned parameters (trainable or frozen) that stay gathered: below
+    ``stage3_param_persistence_threshold`` elements, taken in ``named_parameters`` order while their total
+    stays within ``stage3_model_persistence_threshold`` (DeepSpeed's ``mark_persistent_parameters``)."""
     chosen: set[int] = set()
     total = 0
     for _, p in module.named_parameters():
-        if id(p) not in trainable or id(p) in chosen:
+        if id(p) not in partitioned or id(p) in chosen:
             continue
         n = _numel(p)
         if n < s3.persistence_threshold and total + n <= s3.model_persistence_numel:
