@@ -127,6 +127,9 @@ class ZeroStrategy(ParallelStrategy):
             fp16/bf16 blocks vs ``precision``): "error" (default) raises a ``ConfigError`` naming both,
             "prefer_config" / "prefer_context" keep the config's / the Trainer's value with a
             ``ConfigConflictWarning``.
+        exclude_frozen_parameters: checkpoints leave out parameters with ``requires_grad=False`` (a LoRA
+            run's frozen base: adapters-only checkpoints, as DeepSpeed's ``save_checkpoint`` argument).
+            Loading such a checkpoint keeps the model's own frozen values (docs/finetuning.md).
 
     A keyword that contradicts a value stated in ``config`` raises a ``ValueError`` naming both.
     """
@@ -155,6 +158,7 @@ class ZeroStrategy(ParallelStrategy):
         start_method: StartMethod = "auto",
         activation_checkpointing_policy: Policy | None = None,
         on_conflict: OnConflict = "error",
+        exclude_frozen_parameters: bool = False,
     ) -> None:
         if stage is not None and stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeroStrategy(stage={stage!r}): the ZeRO stage is 0, 1, 2 or 3")
@@ -192,6 +196,7 @@ class ZeroStrategy(ParallelStrategy):
         self._start_method: StartMethod = start_method
         self._activation_checkpointing_policy = activation_checkpointing_policy
         self._on_conflict: OnConflict = on_conflict
+        self.exclude_frozen_parameters = exclude_frozen_parameters
         self.engine: ZeroEngine | None = None
         self.engine_config: DeepSpeedConfig | None = None
         self._final_state_dict: dict[str, Any] | None = None
@@ -557,7 +562,12 @@ class ZeroStrategy(ParallelStrategy):
             if self.is_global_zero:
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath)
             return
-        engine.save_checkpoint(filepath, tag=lckpt.TAG, client_state=lckpt.client_state(checkpoint))
+        engine.save_checkpoint(
+            filepath,
+            tag=lckpt.TAG,
+            client_state=lckpt.client_state(checkpoint),
+            exclude_frozen_parameters=self.exclude_frozen_parameters,
+        )
 
     @override
     def remove_checkpoint(self, filepath: _PATH) -> None:
