@@ -218,7 +218,9 @@ SUPPORT: dict[str, Support] = {
     "zero_optimization.leaf_module.name_suffixes": _acted(),
     "zero_optimization.zenflow": _refused("ZenFlow asynchronous offload is not built"),
     "zero_optimization.stage3_module_granularity_threshold": _refused(
-        "fetching fine-grained modules as one unit is not built", when=lambda v: isinstance(v, int) and v > 0
+        "marking fine-grained modules as leaves by a size threshold is not built; list them in "
+        "zero_optimization.leaf_module instead",
+        when=lambda v: isinstance(v, int) and v > 0,
     ),
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": _warned(_PERF_ONLY, when=_truthy),
     "zero_optimization.stage3_allgather_sequential": _warned(_PERF_ONLY, when=_truthy),
