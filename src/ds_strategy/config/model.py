@@ -61,6 +61,30 @@ class OffloadConfig:
         return self.device != "none"
 
 
+# DeepSpeed's default ``leaf_module.classes`` (runtime/zero/leaf_module_config.py): transformers' sparse MoE blocks.
+DEFAULT_LEAF_MODULE_CLASSES: tuple[str, ...] = (
+    "transformers.models.mixtral.modeling_mixtral.MixtralSparseMoeBlock",
+    "transformers.models.qwen2_moe.modeling_qwen2_moe.Qwen2MoeSparseMoeBlock",
+    "transformers.models.qwen3_moe.modeling_qwen3_moe.Qwen3MoeSparseMoeBlock",
+)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LeafModuleConfig:
+    """``zero_optimization.leaf_module``: modules stage 3 gathers with their whole subtree as one unit (see
+    [Note: leaf modules] in runtime/zero/leaf.py), chosen by class, by name and by name suffix."""
+
+    classes: tuple[str, ...] = DEFAULT_LEAF_MODULE_CLASSES
+    names: tuple[str, ...] = ()
+    name_suffixes: tuple[str, ...] = ()
+
+    def __post_init__(self) -> None:
+        for key in ("classes", "names", "name_suffixes"):
+            value = getattr(self, key)
+            items = (value,) if isinstance(value, str) else tuple(value)  # DeepSpeed takes one string as a list
+            object.__setattr__(self, key, tuple(dict.fromkeys(items)))  # and drops repeats
+
+
 @dataclass(frozen=True, kw_only=True)
 class ZeroConfig:
     """``zero_optimization``: which ZeRO stage and how it buckets, overlaps and offloads."""
@@ -85,6 +109,7 @@ class ZeroConfig:
     stage3_gather_16bit_weights_on_model_save: bool = False
     load_from_fp32_weights: bool = True
     ignore_unused_parameters: bool = True
+    leaf_module: LeafModuleConfig = field(default_factory=LeafModuleConfig)
 
     def __post_init__(self) -> None:
         if self.stage not in (0, 1, 2, 3) or isinstance(self.stage, bool):

@@ -212,12 +212,15 @@ SUPPORT: dict[str, Support] = {
     "zero_optimization.log_trace_cache_warnings": _warned("a DeepSpeed log switch", when=_truthy),
     "zero_optimization.enable_sanity_checks": _warned("DeepSpeed's internal checks", when=_truthy),
     "zero_optimization.save_muon_momentum_buffer_in_memory": _warned(_NO_NVME, when=_truthy),
-    "zero_optimization.leaf_module": _refused(
-        "ZeRO-3 leaf modules (gathering a whole module subtree at once) are not built"
-    ),
+    "zero_optimization.leaf_module": _acted("stage 3 gathers each marked module's subtree as one unit"),
+    "zero_optimization.leaf_module.classes": _acted(),
+    "zero_optimization.leaf_module.names": _acted(),
+    "zero_optimization.leaf_module.name_suffixes": _acted(),
     "zero_optimization.zenflow": _refused("ZenFlow asynchronous offload is not built"),
     "zero_optimization.stage3_module_granularity_threshold": _refused(
-        "fetching fine-grained modules as one unit is not built", when=lambda v: isinstance(v, int) and v > 0
+        "marking fine-grained modules as leaves by a size threshold is not built; list them in "
+        "zero_optimization.leaf_module instead",
+        when=lambda v: isinstance(v, int) and v > 0,
     ),
     "zero_optimization.stage3_use_all_reduce_for_fetch_params": _warned(_PERF_ONLY, when=_truthy),
     "zero_optimization.stage3_allgather_sequential": _warned(_PERF_ONLY, when=_truthy),

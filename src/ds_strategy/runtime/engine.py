@@ -40,6 +40,7 @@ from .params import (
 from .precision import Precision, make_loss_scaler
 from .timers import Throughput, Timers
 from .zero import STAGES, Collectives
+from .zero.leaf import apply_leaf_module_config
 from .zero.offload import Offload
 
 log = get_logger("ds_strategy.runtime")
@@ -79,6 +80,7 @@ class ZeroEngine(nn.Module):
         if stage_cls is None:
             raise ValueError(f"ZeRO stage {config.zero_stage} is not implemented by this engine (stages 0-3)")
         self.offload = Offload.from_config(config.zero_optimization)
+        apply_leaf_module_config(module, config.zero_optimization.leaf_module)  # before stage 3 lays out buckets
         if isinstance(optimizer, Optimizer):  # fail before the parameters are moved into flat buffers
             check_client_optimizer(optimizer, stage=config.zero_stage, offload=self.offload.optimizer, config=config)
         groups = param_groups(module, optimizer, model_parameters)

@@ -4,10 +4,12 @@ prefetch along the recorded execution order, and detect ranks that gather differ
 [Note: gather units and hooks]
 A module's *unit* is the set of (group, bucket) keys holding its direct, partitioned parameters (buckets
 are module-aligned, see stage3.py), plus any registered external parameters (and, for torch modules that
-read their children's weights directly, like ``nn.MultiheadAttention``, the whole subtree). A forward pre-hook gathers
-the unit and counts a user; the forward hook drops the user and frees the buckets (unless a later use
-is near, see below), and registers - on the forward's output tensors - a multi-grad hook that gathers
-the unit again when the gradient w.r.t. those outputs is ready, i.e. just before the module's backward.
+read their children's weights directly, like ``nn.MultiheadAttention``, the whole subtree). A leaf
+module's unit is its whole subtree and its descendants have none (see [Note: leaf modules] in leaf.py).
+A forward pre-hook gathers the unit and counts a user; the forward hook drops the user and frees the
+buckets (unless a later use is near, see below), and registers - on the forward's output tensors - a
+multi-grad hook that gathers the unit again when the gradient w.r.t. those outputs is ready, i.e. just
+before the module's backward.
 In backward a bucket is freed as soon as all of its parameters' gradients have been accumulated (the
 post-accumulate-grad hook that also feeds the reduce-scatter), which is also after the last use of a
 tied or reused parameter; ``end_backward`` frees whatever is left. Persistent buckets are never freed.
@@ -50,6 +52,7 @@ from ds_strategy import env
 from .base import BucketKey
 from .collectives import Collectives, Handle
 from .divergence import DivergenceCheck
+from .leaf import leaf_generation, outermost_leaves
 from .sharded import ShardedGroup
 
 EXTERNAL_ATTR = "_ds_external_params"
@@ -91,17 +94,13 @@ class ParamGatherer:
                     self.bucket_of[id(p)] = (g, b)
         self.names: dict[int, str] = {}
         self.index: dict[int, int] = {}
-        self.units: dict[int, list[BucketKey]] = {}
         for n, (name, m) in enumerate(root.named_modules()):
             self.names[id(m)] = name or "<root>"
             self.index[id(m)] = n
-            params = list(m._parameters.values()) + list(getattr(m, EXTERNAL_ATTR, []))
-            if isinstance(m, READS_CHILD_PARAMETERS):
-                params += list(m.parameters())
-            self.units[id(m)] = self.keys_of(params)
-        self.frozen_units = {
-            mid: frozen for mid, keys in self.units.items() if (frozen := [k for k in keys if groups[k[0]].frozen])
-        }
+        self.units: dict[int, list[BucketKey]] = {}
+        self.frozen_units: dict[int, list[BucketKey]] = {}
+        self._leaf_generation = -1
+        self._compute_units()
         probe = next((gs.full[0] for gs in groups if gs.full), None)  # what a bucket gather looks like
         self.divergence = DivergenceCheck(coll, self.device, probe, self.names, self.index, self.timeout_s)
         self.users: dict[BucketKey, int] = defaultdict(int)
@@ -118,12 +117,37 @@ class ParamGatherer:
     def keys_of(self, params: Iterable[torch.Tensor | None]) -> list[BucketKey]:
         return sorted({self.bucket_of[id(p)] for p in params if p is not None and id(p) in self.bucket_of})
 
+    def _compute_units(self) -> None:
+        """Every module's unit (see [Note: gather units and hooks]); a leaf module's is its whole subtree and
+        its descendants have none (see [Note: leaf modules] in leaf.py). Externals registered on a
+        descendant of a leaf join the leaf's unit."""
+        self._leaf_generation = leaf_generation()
+        leaves = outermost_leaves(self.root)
+        params: dict[int, list[torch.Tensor | None]] = defaultdict(list)
+        for m in self.root.modules():
+            owner = leaves.get(id(m), m)
+            params[id(owner)] += list(m._parameters.values()) + list(getattr(m, EXTERNAL_ATTR, []))
+            if owner is m and isinstance(m, READS_CHILD_PARAMETERS):
+                params[id(m)] += list(m.parameters())
+        self.units = {id(m): self.keys_of(params.get(id(m), [])) for m in self.root.modules()}
+        self.frozen_units = {
+            mid: frozen for mid, keys in self.units.items() if (frozen := [k for k in keys if self.groups[k[0]].frozen])
+        }
+
     def add_external(self, module: nn.Module, param: torch.Tensor) -> None:
-        """Gather ``param`` whenever ``module`` runs (``register_external_parameter``)."""
-        self.units[id(module)] = sorted(set(self.units.get(id(module), [])) | set(self.keys_of([param])))
-        frozen = [k for k in self.units[id(module)] if self.groups[k[0]].frozen]
-        if frozen:
-            self.frozen_units[id(module)] = frozen
+        """Gather ``param`` whenever ``module`` runs (``register_external_parameter``, which has recorded it on
+        ``module`` already)."""
+        self._compute_units()
+
+    def _follow_leaf_changes(self) -> None:
+        """Leaf flags changed since the units were computed (see [Note: leaf modules]): recompute them between
+        iterations, and record a new prefetch trace if any unit changed."""
+        before = self.units
+        self._compute_units()
+        if self.units != before:
+            self.trace = None
+            self._recording = None
+            self._cursor = None
 
     def attach(self) -> None:
         self._hooks.append(self.root.register_forward_pre_hook(self._on_root_start))
@@ -148,6 +172,8 @@ class ParamGatherer:
 
     # ------------------------------------------------------------------ hooks
     def _on_root_start(self, module: nn.Module, args: Any) -> None:
+        if self._leaf_generation != leaf_generation():
+            self._follow_leaf_changes()
         if self.trace is None:
             self._recording = []
         self._cursor = 0

@@ -10,9 +10,10 @@ module next needs its parameters.
 [Note: module-aligned buckets]
 The layout is stage 2's, with two changes to the parameter order and the bucket boundaries: buckets
 close where the owning module changes (the first module, in ``named_modules`` order, holding the
-parameter directly), so gathering a module never drags in a neighbour's weights; and parameters below
-``stage3_param_persistence_threshold`` elements move to the end of their group, into buckets of their
-own that stay gathered (persistent).
+parameter directly; for a parameter inside a leaf module's subtree, the leaf, whose unit it is: see
+[Note: leaf modules] in leaf.py), so gathering a module never drags in a neighbour's weights; and
+parameters below ``stage3_param_persistence_threshold`` elements move to the end of their group, into
+buckets of their own that stay gathered (persistent).
 
 [Note: frozen parameters]
 Parameters with ``requires_grad=False`` (a LoRA run's whole base model) are partitioned exactly like
@@ -42,8 +43,9 @@ from .base import BucketKey, StageOptions, ZeroStage
 from .buffers import GroupStorage
 from .collectives import Collectives, Handle
 from .init import init_shard, keep_shard, unpartition_param
+from .leaf import outermost_leaves
 from .offload import HOST, Offload
-from .param_gather import EXTERNAL_ATTR, ParamGatherer
+from .param_gather import ParamGatherer
 from .sharded import ShardedGroup
 from .stage2 import Stage2
 
@@ -126,10 +128,12 @@ class Stage3(Stage2):
         if any(d.type == "cpu" and not host_memory.pooled(d) for d in devices):
             host_memory.return_freed_memory_to_os()  # see [Note: gathered buckets and host memory]
         owner: dict[int, int] = {}
-        for n, m in enumerate(module.modules()):
+        position = {id(m): n for n, m in enumerate(module.modules())}
+        leaves = outermost_leaves(module)  # a leaf's subtree counts as the leaf's: see [Note: leaf modules]
+        for m in module.modules():
             for p in m._parameters.values():
                 if p is not None:
-                    owner.setdefault(id(p), n)
+                    owner.setdefault(id(p), position[id(leaves.get(id(m), m))])
         trainable = {id(p) for named in groups for _, p in named}
         frozen = _frozen(module, trainable)
         persistent = _persistent(module, trainable | {id(p) for _, p in frozen}, s3)
@@ -156,9 +160,6 @@ class Stage3(Stage2):
             max_live_numel=s3.max_live_numel,
             reuse_distance=s3.reuse_distance,
         )
-        for m in module.modules():
-            for p in getattr(m, EXTERNAL_ATTR, []):
-                self.gatherer.add_external(m, p)
 
     def _plan(
         self, named: Sequence[tuple[str, nn.Parameter]], owner: dict[int, int], persistent: set[int]

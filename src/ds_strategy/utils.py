@@ -1,0 +1,26 @@
+"""``ds_strategy.utils``: the public helpers DeepSpeed has in ``deepspeed.utils`` (each implemented in its own
+runtime module; this file only re-exports them)."""
+
+from __future__ import annotations
+
+from ds_strategy.runtime.zero.leaf import (
+    get_z3_leaf_modules,
+    set_z3_leaf_module,
+    set_z3_leaf_modules,
+    set_z3_leaf_modules_by_name,
+    set_z3_leaf_modules_by_suffix,
+    unset_z3_leaf_modules,
+    z3_leaf_module,
+    z3_leaf_parameter,
+)
+
+__all__ = [
+    "get_z3_leaf_modules",
+    "set_z3_leaf_module",
+    "set_z3_leaf_modules",
+    "set_z3_leaf_modules_by_name",
+    "set_z3_leaf_modules_by_suffix",
+    "unset_z3_leaf_modules",
+    "z3_leaf_module",
+    "z3_leaf_parameter",
+]
