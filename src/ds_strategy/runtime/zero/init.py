@@ -11,11 +11,22 @@ rank 0's values are broadcast, each rank keeps its contiguous 1/W piece of the f
 ``param.data`` becomes a 0-element placeholder. So at any moment only the modules still under
 construction are whole: peak memory is about the largest leaf module, not the model.
 
-The values equal those of a plain build on rank 0 with the same seed, *provided a module's parameters
-are final when its ``__init__`` returns* (true for torch's layers and ``reset_parameters``). Code that
-re-initialises a submodule's parameters afterwards (``self.apply(self._init_weights)`` at the end of the
-root's ``__init__``) sees placeholders and must wrap the edit in
+The values equal those of a plain build on rank 0 with the same seed. Code that re-initialises a
+submodule's parameters afterwards (``self.apply(self._init_weights)`` at the end of the root's
+``__init__``, peft's adapters) does so through ``torch.nn.init``, which is made to work on partitioned
+parameters ([Note: init functions on partitioned parameters]); other writes to a parameter built earlier
+(``p.data.copy_(...)``) see a placeholder and must be wrapped in
 ``GatheredParameters(params, modifier_rank=0)`` - the same rule as DeepSpeed's ``zero.Init``.
+
+[Note: meta parameters under zero.Init]
+``transformers``' ``from_pretrained`` builds the model on the meta device (no storage) and then assigns each
+loaded tensor as a new ``nn.Parameter`` (``setattr``, which fires the registration hook). A meta parameter
+has nothing to partition, so it is left as it is; the real one that replaces it is partitioned as soon as
+it is registered. So ``from_pretrained`` inside ``zero.Init`` (``LightningModule.configure_model`` under
+stage 3) ends with every loaded weight partitioned, and no rank holds more than a few whole tensors at once
+(each rank still reads every tensor from the file: ``ds_strategy.utils.load_hf_weights`` into a model built
+with ``from_config`` reads only this rank's slices). A parameter still on the meta device when the engine is
+built is refused there, naming it.
 
 The per-parameter pieces are converted into the engine's bucketed layout when the stage-3 engine is
 built (bucket by bucket, gathering only one parameter at a time). Buffers are never partitioned.
@@ -73,7 +84,7 @@ def partition_param(param: nn.Parameter, coll: Collectives, *, src: int = 0) -> 
 
 
 @torch.no_grad()
-def keep_shard(param: nn.Parameter, full: torch.Tensor, coll: Collectives) -> None:
+def keep_shard(param: nn.Parameter, full: torch.Tensor, coll: Collectives, shape: torch.Size | None = None) -> None:
     """Keep this rank's piece of ``full`` (``param``'s flattened value, the same on every rank) as its
     zero.Init shard, on ``full``'s device, and leave a placeholder in ``param.data``."""
     numel, world = full.numel(), coll.world_size
@@ -81,7 +92,7 @@ def keep_shard(param: nn.Parameter, full: torch.Tensor, coll: Collectives) -> No
     shard = torch.zeros(per, dtype=full.dtype, device=full.device)
     lo, hi = min(coll.rank * per, numel), min((coll.rank + 1) * per, numel)
     shard[: hi - lo].copy_(full[lo:hi])
-    setattr(param, _ATTR, InitShard(param.shape, numel, shard, coll))
+    setattr(param, _ATTR, InitShard(param.shape if shape is None else shape, numel, shard, coll))
     param.data = torch.empty(0, dtype=full.dtype, device=full.device)
 
 
@@ -115,6 +126,76 @@ def unpartition_param(param: nn.Parameter) -> None:
         return
     param.data = gather_init_param(param).clone().view(info.shape)
     delattr(param, _ATTR)
+
+
+# [Note: init functions on partitioned parameters]
+# A module's parameters are partitioned once its ``__init__`` returns, but some code initialises them later,
+# from a parent's ``__init__``: Hugging Face's ``post_init()`` (``_init_weights`` over every module), peft's
+# adapters (``nn.init.zeros_(lora_B.weight)`` after the layer is built). On a placeholder those calls would
+# be no-ops (or fail: xavier needs two dimensions), leaving other values than a plain build. So while an
+# ``Init`` context is open the ``torch.nn.init`` functions (and transformers' own copies of them, which it
+# keeps so that its guards survive patching) are wrapped: on a zero.Init parameter the function runs on a
+# whole temporary of the parameter's shape, rank 0's result is broadcast and each rank keeps its piece. The
+# random stream advances as in a plain build, so the values again equal a plain build's on rank 0. Every
+# rank runs the same construction code, so every rank makes the same calls (each one is a collective).
+# Writes through ``param.data`` (``p.data.normal_()``) are not seen: use ``GatheredParameters`` for those.
+_INIT_FUNCTIONS = (
+    "uniform_", "normal_", "trunc_normal_", "constant_", "ones_", "zeros_", "eye_", "dirac_",
+    "xavier_uniform_", "xavier_normal_", "kaiming_uniform_", "kaiming_normal_", "orthogonal_", "sparse_",
+)  # fmt: skip
+_patch_depth = 0
+_originals: list[tuple[Any, str, Any]] = []  # (module or dict, name, original)
+
+
+def _on_whole_value(fn: Any) -> Any:
+    def init_function(tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        info = init_shard(tensor)
+        if info is None:
+            return fn(tensor, *args, **kwargs)
+        with torch.no_grad():
+            full = torch.empty(info.shape, dtype=info.shard.dtype, device=info.shard.device)
+            fn(full, *args, **kwargs)
+            flat = full.view(-1)
+            info.coll.broadcast(flat, src=0)
+            keep_shard(tensor, flat, info.coll, info.shape)  # type: ignore[arg-type]
+        return tensor
+
+    init_function.__wrapped__ = fn  # type: ignore[attr-defined]
+    return init_function
+
+
+def _patch_init_functions() -> None:
+    global _patch_depth
+    _patch_depth += 1
+    if _patch_depth > 1:
+        return
+    targets: list[Any] = [torch.nn.init]
+    hf = sys.modules.get("transformers.initialization")
+    if hf is not None and isinstance(getattr(hf, "TORCH_INIT_FUNCTIONS", None), dict):
+        targets.append(hf.TORCH_INIT_FUNCTIONS)
+    for target in targets:
+        for name in _INIT_FUNCTIONS:
+            original = target.get(name) if isinstance(target, dict) else getattr(target, name, None)
+            if original is None:
+                continue
+            _originals.append((target, name, original))
+            if isinstance(target, dict):
+                target[name] = _on_whole_value(original)
+            else:
+                setattr(target, name, _on_whole_value(original))
+
+
+def _restore_init_functions() -> None:
+    global _patch_depth
+    _patch_depth -= 1
+    if _patch_depth > 0:
+        return
+    for target, name, original in reversed(_originals):
+        if isinstance(target, dict):
+            target[name] = original
+        else:
+            setattr(target, name, original)
+    _originals.clear()
 
 
 class Init:
@@ -165,11 +246,14 @@ class Init:
                 module_mod.register_module_parameter_registration_hook(self._on_param),
                 module_mod.register_module_module_registration_hook(self._on_module),
             ]
+            _patch_init_functions()  # [Note: init functions on partitioned parameters]
         return self
 
     def __exit__(
         self, exc_type: type[BaseException] | None, exc: BaseException | None, tb: TracebackType | None
     ) -> None:
+        if self._handles:
+            _restore_init_functions()
         for h in self._handles:
             h.remove()
         self._handles = []
@@ -203,6 +287,8 @@ class Init:
         self._pending = keep
 
     def _partition(self, p: nn.Parameter) -> None:
+        if p.is_meta:
+            return  # [Note: meta parameters under zero.Init]
         if self.dtype is not None and p.is_floating_point() and p.dtype != self.dtype:
             p.data = p.data.to(self.dtype)
         partition_param(p, self.coll)
@@ -212,7 +298,7 @@ class Init:
             p.numel() * p.element_size()
             for m in self._pending
             for p in m._parameters.values()
-            if p is not None and init_shard(p) is None
+            if p is not None and init_shard(p) is None and not p.is_meta
         )
 
 
