@@ -3,6 +3,21 @@ runtime module; this file only re-exports them)."""
 
 from __future__ import annotations
 
+from ds_strategy.runtime.full_state import (
+    safe_get_full_fp32_param,
+    safe_get_full_grad,
+    safe_get_full_optimizer_state,
+    safe_get_local_fp32_param,
+    safe_get_local_grad,
+    safe_get_local_optimizer_state,
+    safe_set_full_fp32_param,
+    safe_set_full_grad,
+    safe_set_full_optimizer_state,
+    safe_set_local_fp32_param,
+    safe_set_local_grad,
+    safe_set_local_optimizer_state,
+    safe_update_full_grad_vectorized,
+)
 from ds_strategy.runtime.zero.leaf import (
     get_z3_leaf_modules,
     set_z3_leaf_module,
@@ -16,6 +31,19 @@ from ds_strategy.runtime.zero.leaf import (
 
 __all__ = [
     "get_z3_leaf_modules",
+    "safe_get_full_fp32_param",
+    "safe_get_full_grad",
+    "safe_get_full_optimizer_state",
+    "safe_get_local_fp32_param",
+    "safe_get_local_grad",
+    "safe_get_local_optimizer_state",
+    "safe_set_full_fp32_param",
+    "safe_set_full_grad",
+    "safe_set_full_optimizer_state",
+    "safe_set_local_fp32_param",
+    "safe_set_local_grad",
+    "safe_set_local_optimizer_state",
+    "safe_update_full_grad_vectorized",
     "set_z3_leaf_module",
     "set_z3_leaf_modules",
     "set_z3_leaf_modules_by_name",

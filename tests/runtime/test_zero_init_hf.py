@@ -76,7 +76,10 @@ def _builds(rank: int, world: int, base_dir: str) -> dict[str, Any]:
         loaded = transformers.AutoModelForCausalLM.from_pretrained(base_dir)
     params = list(loaded.parameters())
     out["pretrained"] = (
-        {k: v.detach().clone() for k, v in transformers.AutoModelForCausalLM.from_pretrained(base_dir).named_parameters()},
+        {
+            k: v.detach().clone()
+            for k, v in transformers.AutoModelForCausalLM.from_pretrained(base_dir).named_parameters()
+        },
         _full(loaded),
         sum(init_shard(p) is None for p in params),
     )

@@ -109,7 +109,8 @@ class ZeroPrecision(Precision):
         engine = _engine(model)
         engine.set_gradient_accumulation_boundary(True)  # the closure's backward ends the accumulation window
         closure_result = closure()
-        self._after_closure(model, optimizer)
+        with _grads_for_hooks(model, engine):
+            self._after_closure(model, optimizer)  # on_before_optimizer_step (callbacks, then the module)
         if model.automatic_optimization and closure_result is None:
             raise MisconfigurationException(
                 "training_step returned None (skip this step) under ZeroStrategy: every rank must run backward "
@@ -125,6 +126,22 @@ class ZeroPrecision(Precision):
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
         """Nothing to do: the engine clips by the global norm (``gradient_clip_val`` went into its config)."""
+
+
+def _grads_for_hooks(model: pl.LightningModule, engine: ZeroEngine) -> AbstractContextManager[None]:
+    """The reduced gradients as ``p.grad`` while ``on_before_optimizer_step`` runs, as DDP has them there
+    (``grad_norm(self, norm_type=2)``, custom clipping): only when the module or a callback overrides that
+    hook, since it costs a full gradient copy and, at stages 1-3, an all-gather per bucket (see
+    [Note: gradients as p.grad] in runtime/zero/access.py)."""
+    import lightning.pytorch as pl
+    from lightning.pytorch.utilities.model_helpers import is_overridden
+
+    hook = "on_before_optimizer_step"
+    used = is_overridden(hook, model, pl.LightningModule) or any(
+        is_overridden(hook, cb, pl.Callback)
+        for cb in model.trainer.callbacks  # type: ignore[attr-defined]
+    )
+    return engine.state_access.visible_grads() if used else nullcontext()
 
 
 def _engine(model: pl.LightningModule) -> ZeroEngine:

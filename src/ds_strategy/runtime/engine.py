@@ -40,6 +40,7 @@ from .params import (
 from .precision import Precision, make_loss_scaler
 from .timers import Throughput, Timers
 from .zero import STAGES, Collectives
+from .zero.access import FullStateAccess
 from .zero.leaf import apply_leaf_module_config
 from .zero.offload import Offload
 
@@ -110,6 +111,9 @@ class ZeroEngine(nn.Module):
         self.lr_scheduler = self._scheduler(lr_scheduler)
         self.loss_scaler = make_loss_scaler(config)
         self.stage.attach()
+        # safe_get_* / safe_set_* (ds_strategy.utils) find the engine through each trainable parameter.
+        self.state_access = FullStateAccess(self)
+        self.state_access.attach()
         # What the partitions were built from: a later change cannot be followed (see _refuse_changed_params).
         self._requires_grad_at_build = [(n, p, p.requires_grad) for n, p in module.named_parameters()]
         self._optimizer_groups_at_build = len(self.optimizer.param_groups) if self.optimizer is not None else 0
@@ -503,6 +507,7 @@ class ZeroEngine(nn.Module):
         or ``GatheredParameters`` takes the module as it is. At stage 3 that hand-back is a collective (one
         bucket at a time): call destroy on every rank, or pass ``release_params=False`` after a failure,
         when the peers may be gone (the stage-3 parameters are then left unusable)."""
+        self.state_access.detach()
         if release_params:
             self.stage.release_params()
         self.stage.detach()

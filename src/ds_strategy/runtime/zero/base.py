@@ -22,6 +22,7 @@ runs one reducing pass over everything before the optimizer looks at gradients.
 
 from __future__ import annotations
 
+import enum
 import math
 from collections.abc import Callable, Collection, Sequence
 from contextlib import AbstractContextManager, nullcontext
@@ -43,6 +44,15 @@ from .offload import Offload
 from .offload_copy import HostCopier
 
 BucketKey = tuple[int, int]  # (group index, bucket index)
+
+
+class GradStatus(enum.Enum):
+    """Where the current accumulation window's gradients stand (``ZeroStage.gradient_status``)."""
+
+    IN_BACKWARD = "a backward is running"
+    NONE = "no gradient since the last step"
+    PENDING = "accumulated, not reduced yet"  # stages 0-1 inside a window; a backward outside engine.backward
+    REDUCED = "reduced"  # the boundary backward reduced them (stages 2-3: every backward does)
 
 
 @dataclass(frozen=True)
@@ -396,6 +406,21 @@ class ZeroStage:
         if not self._window_reduced or self._unmanaged:
             self._start_pass()
             self._finish_pass()
+
+    def gradient_status(self) -> GradStatus:
+        """Where this window's gradients stand (read by the full-state access of ``access.py``)."""
+        if self._in_backward:
+            return GradStatus.IN_BACKWARD
+        if not any(self._got_grad):
+            return GradStatus.NONE
+        if self._unmanaged or (not self.reduces_every_backward and not self._window_reduced):
+            return GradStatus.PENDING
+        return GradStatus.REDUCED
+
+    def reduced_grads_of(self, group: int) -> list[torch.Tensor]:
+        """The reduced (still scaled: x ``pre_scale * loss scale``) gradient of ``groups[group]``, one piece
+        per master, valid while ``gradient_status()`` is ``REDUCED``."""
+        return self._grad_pieces(group)
 
     def _reduced_grads(self) -> list[torch.Tensor]:
         """This rank's reduced (still scaled) gradients, on the parameters' device, all groups."""
