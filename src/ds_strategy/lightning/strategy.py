@@ -567,6 +567,8 @@ class ZeroStrategy(ParallelStrategy):
             tag=lckpt.TAG,
             client_state=lckpt.client_state(checkpoint),
             exclude_frozen_parameters=self.exclude_frozen_parameters,
+            # ModelCheckpoint(save_weights_only=True): Lightning leaves the optimizer states out of the dict.
+            exclude_optimizer_states="optimizer_states" not in checkpoint,
         )
 
     @override

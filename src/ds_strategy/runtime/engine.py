@@ -435,12 +435,19 @@ class ZeroEngine(nn.Module):
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
         exclude_frozen_parameters: bool = False,
+        exclude_optimizer_states: bool = False,
     ) -> str:
         """Write ``save_dir/<tag>`` (default ``global_step<N>``) from every rank; see docs/checkpointing.md.
-        ``exclude_frozen_parameters``: leave the ``requires_grad=False`` parameters out (adapters only)."""
+        ``exclude_frozen_parameters``: leave the ``requires_grad=False`` parameters out (adapters only).
+        ``exclude_optimizer_states``: weights only (no optimizer state; loading then needs
+        ``load_optimizer_states=False``)."""
         from .checkpoint import save_checkpoint
 
-        return str(save_checkpoint(self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters))
+        return str(
+            save_checkpoint(
+                self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, exclude_optimizer_states
+            )
+        )
 
     def load_checkpoint(
         self,

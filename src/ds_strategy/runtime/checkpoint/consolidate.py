@@ -185,8 +185,26 @@ def main(argv: list[str] | None = None) -> int:
         "--lightning", action="store_true", help="write a checkpoint for LightningModule.load_from_checkpoint"
     )
     parser.add_argument("--prefix", default="", help="prepended to every key (e.g. 'model.' for a LightningModule)")
+    parser.add_argument(
+        "--safetensors",
+        action="store_true",
+        help="write Hugging Face's sharded layout into the output directory (model*.safetensors + "
+        "model.safetensors.index.json), which from_pretrained loads; streamed one shard at a time",
+    )
+    parser.add_argument("--max-shard-size", default="5GB", help="with --safetensors: the largest shard (default 5GB)")
     args = parser.parse_args(argv)
     try:
+        if args.safetensors:
+            if args.lightning:
+                parser.error("--safetensors and --lightning exclude each other")
+            from .hf import write_hf_fp32
+
+            _, meta, _ = _open(args.checkpoint_dir, args.tag)
+            pairs = iter_fp32_state(args.checkpoint_dir, args.tag)
+            written = write_hf_fp32(pairs, args.output, args.max_shard_size, args.prefix, meta.get("aliases", {}))
+            out = Path(args.output)
+            print(f"wrote {len(written)} safetensors file(s) to {out}")
+            return 0
         out = write_fp32(args.checkpoint_dir, args.output, tag=args.tag, lightning=args.lightning, prefix=args.prefix)
     except CheckpointError as exc:
         print(f"ds-zero-to-fp32: error: {exc}", file=sys.stderr)

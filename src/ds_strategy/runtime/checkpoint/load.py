@@ -120,6 +120,13 @@ def _plan(
     )
     opt = engine.optimizer
     if optimizer and not module_only and opt is not None:
+        if meta.get("optimizer_states_excluded", False):
+            raise CheckpointError(
+                f"{tag_dir} holds the weights only (saved with save_weights_only=True / "
+                "exclude_optimizer_states=True): no optimizer state to resume from; pass "
+                "load_optimizer_states=False to load the weights (in Lightning: trainer.validate/test/predict("
+                "ckpt_path=...) load them)"
+            )
         if len(meta["groups"]) != len(opt.param_groups):
             raise CheckpointError(
                 f"{tag_dir} has {len(meta['groups'])} optimizer param groups, this optimizer has "

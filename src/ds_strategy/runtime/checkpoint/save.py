@@ -116,10 +116,12 @@ def save_checkpoint(
     client_state: dict[str, Any] | None = None,
     save_latest: bool = True,
     exclude_frozen_parameters: bool = False,
+    exclude_optimizer_states: bool = False,
 ) -> Path:
     """Write ``save_dir/<tag>`` (default tag ``global_step<N>``) from every rank; return the tag directory.
     ``exclude_frozen_parameters``: leave out every ``requires_grad=False`` parameter (an adapters-only
-    checkpoint; see [Note: frozen parameters in checkpoints])."""
+    checkpoint; see [Note: frozen parameters in checkpoints]). ``exclude_optimizer_states``: the weights
+    (fp32 partitions) without the optimizer's state (Lightning's ``save_weights_only``)."""
     coll = engine.coll
     root = Path(save_dir)
     rank = coll.rank
@@ -133,7 +135,9 @@ def save_checkpoint(
             "version": VERSION,
             "rank": rank,
             "world_size": coll.world_size,
-            "groups": [saved_group(gs, engine.optimizer) for gs in engine.stage.groups],
+            "groups": [
+                saved_group(gs, None if exclude_optimizer_states else engine.optimizer) for gs in engine.stage.groups
+            ],
             "frozen": [] if exclude_frozen_parameters else saved_partitions(engine),
             "rng": rng.capture(),
         }
@@ -141,6 +145,7 @@ def save_checkpoint(
         if rank != 0:
             return name, ours, None, None
         meta = _meta(engine, name, state, exclude_frozen_parameters)
+        meta["optimizer_states_excluded"] = exclude_optimizer_states
         check_safe(meta, f"{META} (scheduler or optimizer hyperparameters)")
         model = {
             "format": FORMAT,
