@@ -157,7 +157,10 @@ def _on_whole_value(fn: Any) -> Any:
             fn(full, *args, **kwargs)
             flat = full.view(-1)
             info.coll.broadcast(flat, src=0)
-            keep_shard(tensor, flat, info.coll, info.shape)  # type: ignore[arg-type]
+            # This rank's piece, into the shard it already has (no second shard at the peak).
+            per, rank = info.shard.numel(), info.coll.rank
+            lo, hi = min(rank * per, info.numel), min((rank + 1) * per, info.numel)
+            info.shard[: hi - lo].copy_(flat[lo:hi])
         return tensor
 
     init_function.__wrapped__ = fn  # type: ignore[attr-defined]
