@@ -39,28 +39,21 @@ def load_full_state_dict(
             target.copy_(state_dict[name])
     _load_frozen(engine, state_dict, aliases, where)
     for gs in stage.groups:
-        full32 = torch.zeros(gs.layout.total, dtype=torch.float32, device=gs.masters[0].device if gs.masters else None)
-        known = torch.zeros(len(gs.names), dtype=torch.bool)
+        # Each rank copies just the ranges its masters keep: no whole-group fp32 buffer on any rank.
         for i, name in enumerate(gs.names):
             value = state_dict.get(name)
             if value is None:
                 value = next((state_dict[a] for a, n in aliases.items() if n == name and a in state_dict), None)
             if value is None:  # only when not strict: keep the current value
                 continue
-            view = gs.layout.param_view(full32, i)
-            _check_shape(value, view.shape, name, where)
-            view.copy_(value)
-            known[i] = True
-        for b, master in enumerate(gs.masters):
-            lo, hi = gs.master_range(b)
-            if bool(known.all()):
-                master.data.copy_(full32[lo:hi])
-            else:  # a partial load: overwrite only the parameters the state dict holds
-                for i in known.nonzero().flatten().tolist():
-                    slot = gs.layout.params[i]
-                    a, z = max(lo, slot.offset), min(hi, slot.end)
-                    if a < z:
-                        master.data[a - lo : z - lo].copy_(full32[a:z])
+            slot = gs.layout.params[i]
+            _check_shape(value, slot.shape, name, where)
+            flat = value.reshape(-1)
+            for b, master in enumerate(gs.masters):
+                lo, hi = gs.master_range(b)
+                a, z = max(lo, slot.offset), min(hi, slot.end)
+                if a < z:
+                    master.data[a - lo : z - lo].copy_(flat[a - slot.offset : z - slot.offset])
     stage.publish()
     stage.zero_grad()
 
