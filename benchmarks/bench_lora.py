@@ -6,8 +6,10 @@ The base is a Llama-architecture model built from a config (never downloaded): 8
 MLP 1792, vocabulary 32000, untied head: 63M parameters, 253 MB in fp32. Its weights are made once in the
 parent (a plain build, Hugging Face's initialisation) and saved; every case loads them, as a fine-tune
 loads a pretrained base: stage 2 builds the model whole and loads the file; stage 3 builds it under the
-peer's ``zero.Init`` and writes each parameter through ``GatheredParameters(modifier_rank=0)`` (rank 0
-reads it from the memory-mapped file), so no rank ever holds the whole base. ``peft.get_peft_model`` then
+peer's ``zero.Init``; ds_strategy then loads the Hugging Face safetensors copy with ``load_hf_weights``
+(each rank reads only its slices), DeepSpeed writes each parameter through
+``GatheredParameters(modifier_rank=0)`` (rank 0 reads it from the memory-mapped file): no rank ever holds
+the whole base. ``peft.get_peft_model`` then
 adds rank-8 adapters to q/k/v/o (seeded alike everywhere) and the engine trains them with AdamW, fp32,
 micro batch 2 x 64 tokens per rank, 3 steps. A single-process torch run of the same weights on the global
 batch gives the reference losses.
@@ -119,6 +121,10 @@ def _load_partitioned(lib: Any, base: torch.nn.Module, base_path: str, rank: int
     del state
 
 
+def _hf_dir(base_path: str) -> str:
+    return str(Path(base_path).with_suffix("")) + "-hf"
+
+
 def _rss_bytes() -> int:
     with open("/proc/self/status", encoding="ascii") as f:
         return next(int(line.split()[1]) * 1024 for line in f if line.startswith("VmRSS:"))
@@ -138,7 +144,12 @@ def _run_one(rank: int, world: int, case: Case, shape: dict[str, int], base_path
     if stage == 3:
         with lib.zero.Init():
             base = build_base(shape)
-        _load_partitioned(lib, base, base_path, rank)
+        if peer == "ds_strategy":  # each rank reads only its slices of the safetensors file
+            from ds_strategy.utils import load_hf_weights
+
+            load_hf_weights(base, _hf_dir(base_path))
+        else:
+            _load_partitioned(lib, base, base_path, rank)
     else:
         base = build_base(shape)
         base.load_state_dict(torch.load(base_path, mmap=True, weights_only=True))
@@ -197,7 +208,10 @@ def _run(quick: bool, shape: dict[str, int], cases: list[Case]) -> dict[str, Any
     with tempfile.TemporaryDirectory() as tmp:
         base_path = str(Path(tmp) / "base.pt")
         torch.manual_seed(0)
-        torch.save(build_base(shape).state_dict(), base_path)
+        base = build_base(shape)
+        torch.save(base.state_dict(), base_path)
+        base.save_pretrained(_hf_dir(base_path))  # what ds_strategy's stage 3 loads (load_hf_weights)
+        del base
         ref = reference_losses(base_path, shape)
         for (peer, stage, bounded), per_rank in run_each(_run_one, WORLD, cases, shape, base_path, fresh=not quick):
             name = f"{peer} stage {stage}" + (" (live <= 1e7)" if bounded else "")
