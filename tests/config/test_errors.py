@@ -111,11 +111,18 @@ def test_cross_field_rules() -> None:
     ]
     problems = _problems({"zero_optimization": {"stage": 2, "offload_optimizer": {"device": "nvme", "ratio": 0.5}}})
     assert problems == [
-        'zero_optimization.offload_optimizer.device: "nvme" is not supported by ds_strategy: NVMe offload is not '
-        'built in ds_strategy ("none" and "cpu" are acted on); remove the key or change it',
+        'zero_optimization.offload_optimizer.nvme_path: offload_optimizer.device is "nvme" but nvme_path is null; '
+        "set it to a directory on a fast local disk (its swap files go there)",
         "zero_optimization.offload_optimizer.ratio: 0.5 is not supported by ds_strategy: a partial optimizer "
         "offload (ratio below 1) is not built; the whole optimizer step would run on the CPU; remove the key or "
         "change it",
+    ]
+    problems = _problems(
+        {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x", "buffer_count": 0}}}
+    )
+    assert problems == [
+        "zero_optimization.offload_param.buffer_count: got 0; NVMe offload needs at least 1 buffer (DeepSpeed's "
+        "default: 5)"
     ]
 
 

@@ -71,14 +71,7 @@ def test_the_warning_class_is_public() -> None:
 @pytest.mark.parametrize(
     "config,path",
     [
-        (
-            {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x"}}},
-            "offload_param.device",
-        ),
-        (
-            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "nvme", "nvme_path": "/x"}}},
-            "offload_optimizer.device",
-        ),
+        ({"aio": {"use_gds": True}}, "aio.use_gds"),
         (
             {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
             "offload_optimizer.ratio",

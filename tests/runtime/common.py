@@ -178,7 +178,8 @@ def engine_run(engine: Any, data: list[tuple[torch.Tensor, torch.Tensor]], *, mi
 
     with GatheredParameters(list(engine.module.parameters())):  # stage 3: whole for the copy; else a no-op
         trace.params = {n: p.detach().float().clone() for n, p in engine.module.named_parameters()}
-    trace.masters = full_masters(engine)
+    with engine.stage.resident():  # NVMe offload: the masters in memory for the copy; else a no-op
+        trace.masters = full_masters(engine)
     return trace
 
 

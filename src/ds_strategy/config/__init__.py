@@ -23,6 +23,7 @@ from .frozen import FrozenDict
 from .loader import check_config, find_problems, load_config
 from .model import (
     ActivationCheckpointingConfig,
+    AioConfig,
     BF16Config,
     CheckpointConfig,
     CommsLoggerConfig,
@@ -40,6 +41,7 @@ from .schema import load_schema
 __all__ = [
     "AUTO",
     "ActivationCheckpointingConfig",
+    "AioConfig",
     "BF16Config",
     "BatchSizes",
     "CheckpointConfig",

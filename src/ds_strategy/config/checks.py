@@ -58,7 +58,27 @@ def cross_checks(config: dict[str, Any]) -> list[ConfigProblem]:
                 "zero_optimization.stage is 0",
             )
         )
-    # "nvme" offload and a partial offload (ratio < 1) are refused whatever the stage: see support.py.
+    for kind, block in (("offload_optimizer", optim), ("offload_param", param)):
+        if block.get("device") != "nvme":
+            continue
+        path = block.get("nvme_path")
+        if not isinstance(path, str) or not path:
+            problems.append(
+                ConfigProblem(
+                    f"zero_optimization.{kind}.nvme_path",
+                    f'{kind}.device is "nvme" but nvme_path is {format_value(path)}; set it to a directory on a '
+                    "fast local disk (its swap files go there)",
+                )
+            )
+        count = block.get("buffer_count")
+        if isinstance(count, int) and count < 1:
+            problems.append(
+                ConfigProblem(
+                    f"zero_optimization.{kind}.buffer_count",
+                    f'got {count}; NVMe offload needs at least 1 buffer (DeepSpeed\'s default: {4 if kind == "offload_optimizer" else 5})',
+                )
+            )
+    # A partial offload (ratio < 1) is refused whatever the stage: see support.py.
     return problems
 
 

@@ -31,6 +31,7 @@ from .errors import (
 from .frozen import FrozenDict, freeze, thaw
 from .model import (
     ActivationCheckpointingConfig,
+    AioConfig,
     BF16Config,
     CheckpointConfig,
     CommsLoggerConfig,
@@ -284,6 +285,7 @@ def _build(
         ),
         activation_checkpointing=_make(ActivationCheckpointingConfig, cfg["activation_checkpointing"]),
         comms_logger=_make(CommsLoggerConfig, cfg["comms_logger"], prof_ops=tuple(cfg["comms_logger"]["prof_ops"])),
+        aio=_make(AioConfig, cfg["aio"]),
         checkpoint=_make(CheckpointConfig, cfg["checkpoint"]),
         ignored=ignored,
         input_config=input_config,

@@ -218,6 +218,23 @@ class ActivationCheckpointingConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class AioConfig:
+    """``aio``: the asynchronous I/O engine of NVMe offload (``ds_strategy.ops.aio``)."""
+
+    block_size: int = 1_048_576
+    queue_depth: int = 8
+    thread_count: int = 1
+    intra_op_parallelism: int | None = None  # DeepSpeed's newer name for thread_count: wins when set
+    single_submit: bool = False
+    overlap_events: bool = True
+    use_gds: bool = False
+
+    @property
+    def threads(self) -> int:
+        return self.intra_op_parallelism or self.thread_count
+
+
+@dataclass(frozen=True, kw_only=True)
 class CommsLoggerConfig:
     """``comms_logger``."""
 
@@ -282,6 +299,7 @@ class DeepSpeedConfig:
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
+    aio: AioConfig = field(default_factory=AioConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # Accepted-but-ignored DeepSpeed settings by dotted path, kept so ``to_dict`` round-trips.
     ignored: FrozenDict = field(default_factory=FrozenDict, metadata=_NOT_JSON)

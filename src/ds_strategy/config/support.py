@@ -58,7 +58,6 @@ def _truthy(v: Any) -> bool:
     return v is True
 
 
-_NO_NVME = "NVMe offload is not built in ds_strategy; the key only configures it"
 _MONITOR = "monitors are not built in ds_strategy (use Lightning's loggers or your own); nothing else changes"
 _PERF_ONLY = "a performance switch of DeepSpeed's implementation; ds_strategy's results and memory do not depend on it"
 
@@ -136,15 +135,18 @@ SUPPORT: dict[str, Support] = {
     "zero_optimization.allgather_bucket_size": _acted("stages 1-2: elements per all-gather of updated weights"),
     "zero_optimization.round_robin_gradients": _warned(_PERF_ONLY + " (gradient copies to the CPU)", when=_truthy),
     "zero_optimization.offload_optimizer": _acted(),
-    "zero_optimization.offload_optimizer.device": _refused(
-        'NVMe offload is not built in ds_strategy ("none" and "cpu" are acted on)', when=_is("nvme")
+    "zero_optimization.offload_optimizer.device": _acted(
+        '"cpu": masters and optimizer state in host memory; "nvme": in swap files under nvme_path (docs/nvme.md)'
     ),
-    "zero_optimization.offload_optimizer.nvme_path": _warned(_NO_NVME),
+    "zero_optimization.offload_optimizer.nvme_path": _acted("the directory of this rank's optimizer swap files"),
     "zero_optimization.offload_optimizer.pin_memory": _acted(),
-    "zero_optimization.offload_optimizer.buffer_count": _warned(_NO_NVME),
-    "zero_optimization.offload_optimizer.fast_init": _warned(_NO_NVME),
-    "zero_optimization.offload_optimizer.pipeline_read": _warned(_NO_NVME),
-    "zero_optimization.offload_optimizer.pipeline_write": _warned(_NO_NVME),
+    "zero_optimization.offload_optimizer.buffer_count": _acted("host buffers of whole sub-groups (nvme)"),
+    "zero_optimization.offload_optimizer.fast_init": _warned(
+        "the swap files are always written straight from the partitions at start-up (nothing slow to skip)",
+        when=_truthy,
+    ),
+    "zero_optimization.offload_optimizer.pipeline_read": _acted("read the next sub-group while stepping (nvme)"),
+    "zero_optimization.offload_optimizer.pipeline_write": _acted("write sub-groups back behind the step (nvme)"),
     "zero_optimization.offload_optimizer.ratio": _refused(
         "a partial optimizer offload (ratio below 1) is not built; the whole optimizer step would run on the CPU",
         when=lambda v: isinstance(v, (int, float)) and v < 1,
@@ -155,14 +157,14 @@ SUPPORT: dict[str, Support] = {
         "only used by super_offload, which is refused; ds_strategy's CPU optimizer uses OpenMP's threads"
     ),
     "zero_optimization.offload_param": _acted(),
-    "zero_optimization.offload_param.device": _refused(
-        'NVMe offload is not built in ds_strategy ("none" and "cpu" are acted on)', when=_is("nvme")
+    "zero_optimization.offload_param.device": _acted(
+        '"cpu": partitions in host memory; "nvme": in swap files under nvme_path, read ahead of use (docs/nvme.md)'
     ),
-    "zero_optimization.offload_param.nvme_path": _warned(_NO_NVME),
+    "zero_optimization.offload_param.nvme_path": _acted("the directory of this rank's parameter swap files"),
     "zero_optimization.offload_param.pin_memory": _acted(),
-    "zero_optimization.offload_param.buffer_count": _warned(_NO_NVME),
-    "zero_optimization.offload_param.buffer_size": _warned(_NO_NVME),
-    "zero_optimization.offload_param.max_in_cpu": _warned(_NO_NVME),
+    "zero_optimization.offload_param.buffer_count": _acted("read-ahead buffers of parameter partitions (nvme)"),
+    "zero_optimization.offload_param.buffer_size": _acted("elements per read-ahead buffer (nvme)"),
+    "zero_optimization.offload_param.max_in_cpu": _acted("partition elements kept in host memory, not swapped (nvme)"),
     "zero_optimization.sub_group_size": _acted(
         "the optimizer steps the masters in tiles of at most this many elements"
     ),
@@ -211,7 +213,9 @@ SUPPORT: dict[str, Support] = {
     ),
     "zero_optimization.log_trace_cache_warnings": _warned("a DeepSpeed log switch", when=_truthy),
     "zero_optimization.enable_sanity_checks": _warned("DeepSpeed's internal checks", when=_truthy),
-    "zero_optimization.save_muon_momentum_buffer_in_memory": _warned(_NO_NVME, when=_truthy),
+    "zero_optimization.save_muon_momentum_buffer_in_memory": _warned(
+        "Muon momentum is swapped like any other optimizer state (ds_strategy has no Muon optimizer)", when=_truthy
+    ),
     "zero_optimization.leaf_module": _acted("stage 3 gathers each marked module's subtree as one unit"),
     "zero_optimization.leaf_module.classes": _acted(),
     "zero_optimization.leaf_module.names": _acted(),
@@ -301,7 +305,14 @@ SUPPORT: dict[str, Support] = {
     "csv_monitor": _warned(_MONITOR),
     "flops_profiler": _warned("the FLOPs profiler is not built; nothing else changes"),
     "autotuning": _warned("the autotuner is not built; nothing else changes"),
-    "aio": _warned(_NO_NVME),
+    "aio": _acted("the asynchronous I/O engine of NVMe offload (docs/nvme.md)"),
+    "aio.block_size": _acted("bytes per I/O request"),
+    "aio.queue_depth": _acted("I/O requests in flight at once"),
+    "aio.thread_count": _acted("I/O threads"),
+    "aio.intra_op_parallelism": _acted("I/O threads (DeepSpeed's newer name for thread_count)"),
+    "aio.single_submit": _acted("submit requests one at a time instead of in batches"),
+    "aio.overlap_events": _acted("overlap I/O with compute (false: every request completes before it returns)"),
+    "aio.use_gds": _refused("GPUDirect Storage is not built; NVMe offload reads and writes through host memory"),
     "elasticity": _refused("elastic training (DeepSpeed choosing the batch size) is not built"),
     "compression_training": _refused("the compression library is not built"),
     "sparse_attention": _refused("sparse attention kernels are not built"),

@@ -31,6 +31,11 @@ def _l2norm_fake(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.T
     return _flag_like(tensors), _flag_like(tensors)
 
 
+def _sum_of_squares_fake(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor, torch.Tensor]:
+    flag = _flag_like(tensors)
+    return flag.to(torch.float64), flag
+
+
 _registered: list[bool] = []  # torch refuses a second fake kernel for an op: register once per process
 
 
@@ -42,3 +47,4 @@ def register_fake_kernels() -> None:
         torch.library.register_fake(f"ds_strategy::{name}", _step_fake)
     torch.library.register_fake("ds_strategy::optim_traffic_ceiling_", _traffic_ceiling_fake)
     torch.library.register_fake("ds_strategy::multi_tensor_l2norm", _l2norm_fake)
+    torch.library.register_fake("ds_strategy::multi_tensor_sum_of_squares", _sum_of_squares_fake)

@@ -80,7 +80,7 @@ class ZeroEngine(nn.Module):
         stage_cls = STAGES.get(config.zero_stage)
         if stage_cls is None:
             raise ValueError(f"ZeRO stage {config.zero_stage} is not implemented by this engine (stages 0-3)")
-        self.offload = Offload.from_config(config.zero_optimization)
+        self.offload = Offload.from_config(config.zero_optimization, config.aio)
         apply_leaf_module_config(module, config.zero_optimization.leaf_module)  # before stage 3 lays out buckets
         if isinstance(optimizer, Optimizer):  # fail before the parameters are moved into flat buffers
             check_client_optimizer(optimizer, stage=config.zero_stage, offload=self.offload.optimizer, config=config)
@@ -108,6 +108,8 @@ class ZeroEngine(nn.Module):
             master_device=self.offload.master_device(self.device),
             offload=self.offload.optimizer,
         )
+        if self.stage.swapper is not None:
+            self.stage.swapper.optimizer = self.optimizer  # its state is swapped with the masters
         self.lr_scheduler = self._scheduler(lr_scheduler)
         self.loss_scaler = make_loss_scaler(config)
         self.stage.attach()
@@ -443,11 +445,12 @@ class ZeroEngine(nn.Module):
         ``load_optimizer_states=False``)."""
         from .checkpoint import save_checkpoint
 
-        return str(
-            save_checkpoint(
-                self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, exclude_optimizer_states
+        with self.stage.resident():  # NVMe offload: this rank's partitions in memory while they are written
+            return str(
+                save_checkpoint(
+                    self, save_dir, tag, client_state, save_latest, exclude_frozen_parameters, exclude_optimizer_states
+                )
             )
-        )
 
     def load_checkpoint(
         self,
@@ -460,14 +463,15 @@ class ZeroEngine(nn.Module):
         """Load a checkpoint saved at any world size and stage; return (tag directory, client state)."""
         from .checkpoint import load_checkpoint
 
-        return load_checkpoint(
-            self,
-            load_dir,
-            tag,
-            load_optimizer_states=load_optimizer_states,
-            load_lr_scheduler_states=load_lr_scheduler_states,
-            load_module_only=load_module_only,
-        )
+        with self.stage.resident():
+            return load_checkpoint(
+                self,
+                load_dir,
+                tag,
+                load_optimizer_states=load_optimizer_states,
+                load_lr_scheduler_states=load_lr_scheduler_states,
+                load_module_only=load_module_only,
+            )
 
     def load_full_state_dict(self, state_dict: Mapping[str, Any], strict: bool = True) -> None:
         """Load a full (consolidated) state dict, e.g. a plain ``model.state_dict()`` or the output of
@@ -476,7 +480,8 @@ class ZeroEngine(nn.Module):
         ``strict`` the keys must match the module's exactly (tied parameters may appear under either name)."""
         from .checkpoint.full import load_full_state_dict
 
-        load_full_state_dict(self, state_dict, strict)
+        with self.stage.resident():
+            load_full_state_dict(self, state_dict, strict)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """Write the consolidated weights (compute dtype: 16-bit, or fp32 when training in fp32) as a
@@ -518,6 +523,7 @@ class ZeroEngine(nn.Module):
         if release_params:
             self.stage.release_params()
         self.stage.detach()
+        self.stage.close_swap()  # NVMe offload: its swap files go with the engine
         self.coll.close()
 
     def __getattr__(self, name: str) -> Any:

@@ -269,11 +269,11 @@ def load_hf_weights(model: Any, path: str | os.PathLike[str], *, strict: bool = 
             def read(a: int, z: int, dtype: torch.dtype, source: str = source) -> torch.Tensor:
                 return files.read_flat(source, a, z).to(dtype)
 
-            _write(target, read, publish, refresh)
-    for stage in publish.values():
-        stage.publish()
-    for stage in refresh.values():
-        stage.refresh_frozen()
+            _write(target, read, publish, refresh, stack)
+        for stage in publish.values():
+            stage.publish()
+        for stage in refresh.values():
+            stage.refresh_frozen()
 
 
 def _write(
@@ -281,10 +281,12 @@ def _write(
     read: Callable[[int, int, torch.dtype], torch.Tensor],
     publish: dict[int, Any],
     refresh: dict[int, Any],
+    stack: ExitStack,
 ) -> None:
     found = find(t)
     if found is not None:  # trainable in an engine: this rank's fragment of the fp32 masters
         access, g, i = found
+        _seen(access.stage, publish, refresh, stack)
         publish[id(access.stage)] = access.stage
         gs = access.stage.groups[g]
         frag = _fragment(gs, i)
@@ -296,6 +298,7 @@ def _write(
     z3 = getattr(t, ZERO3_ATTR, None)
     if z3 is not None:  # frozen at stage 3: this rank's shard of the frozen partition
         stage, g, i = z3
+        _seen(stage, publish, refresh, stack)
         refresh[id(stage)] = stage
         gs = stage.storages[g]
         slot = gs.layout.params[i]
@@ -312,6 +315,12 @@ def _write(
         info.shard[: hi - lo].copy_(read(lo, hi, info.shard.dtype))
         return
     t.data.copy_(read(0, t.numel(), t.dtype).view(t.shape))
+
+
+def _seen(stage: Any, publish: dict[int, Any], refresh: dict[int, Any], stack: ExitStack) -> None:
+    """The first write into ``stage``: bring its NVMe-offloaded partitions in until the load ends."""
+    if id(stage) not in publish and id(stage) not in refresh:
+        stack.enter_context(stage.resident())
 
 
 # ---------------------------------------------------------------------------------------------- writing

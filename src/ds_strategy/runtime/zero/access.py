@@ -29,10 +29,11 @@ the access holds its engine weakly, so the links never keep a dropped engine's s
 
 from __future__ import annotations
 
+import functools
 import weakref
-from collections.abc import Iterator
+from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from typing import Any, Literal, Protocol
+from typing import Any, Literal, Protocol, TypeVar
 
 import torch
 from torch import nn
@@ -41,6 +42,8 @@ from torch.optim import Optimizer
 from .base import GradStatus, ZeroStage
 from .buffers import GroupStorage
 from .sharded import ShardedGroup
+
+_T = TypeVar("_T")
 
 ACCESS_ATTR = "_ds_access"  # on each trainable parameter: its ParamLink
 
@@ -93,6 +96,17 @@ def _fragment(gs: GroupStorage, index: int) -> tuple[int, int, int, int] | None:
     if a >= z:
         return None
     return slot.bucket, a - lo, a - slot.offset, z - a
+
+
+def _resident(method: Callable[..., _T]) -> Callable[..., _T]:
+    """Run a full-state method with NVMe-offloaded state in memory (``ZeroStage.resident``)."""
+
+    @functools.wraps(method)
+    def run(self: FullStateAccess, *args: Any, **kwargs: Any) -> _T:
+        with self.stage.resident():
+            return method(self, *args, **kwargs)
+
+    return run
 
 
 class FullStateAccess:
@@ -201,6 +215,7 @@ class FullStateAccess:
         self.stage.prepare_step()  # loss.backward() outside engine.backward: reduce now, as step() would
 
     # ------------------------------------------------------------------ full values (collectives at stages 1-3)
+    @_resident
     def get_full(self, group: int, index: int, kind: Kind, key: str | None = None) -> torch.Tensor:
         """The parameter's whole ``kind`` in fp32, shaped like the parameter; every rank must call it
         (stages 1-3 all-reduce)."""
@@ -219,6 +234,7 @@ class FullStateAccess:
         return out.view(slot.shape)
 
     @torch.no_grad()
+    @_resident
     def set_full(self, group: int, index: int, value: torch.Tensor, kind: Kind, key: str | None = None) -> None:
         """Write the parameter's whole ``kind`` (every rank passes the same value; no communication)."""
         factor = self._factor(kind, f"setting the full gradient of {self.name(group, index)!r}")
@@ -237,6 +253,7 @@ class FullStateAccess:
         frag = _fragment(self.stage.groups[group], index)
         return 0 if frag is None else frag[3]
 
+    @_resident
     def get_local(self, group: int, index: int, kind: Kind, key: str | None = None) -> torch.Tensor:
         """This rank's fragment of ``kind`` in fp32 (1-D, possibly empty), a copy."""
         factor = self._factor(kind, f"the local gradient of {self.name(group, index)!r}")
@@ -249,6 +266,7 @@ class FullStateAccess:
         return out.mul_(factor) if factor != 1.0 else out
 
     @torch.no_grad()
+    @_resident
     def set_local(self, group: int, index: int, value: torch.Tensor, kind: Kind, key: str | None = None) -> None:
         """Write this rank's fragment of ``kind`` (``value`` has ``local_numel`` elements)."""
         factor = self._factor(kind, f"setting the local gradient of {self.name(group, index)!r}")
@@ -316,6 +334,12 @@ class FullStateAccess:
         if status is GradStatus.NONE:  # nothing to show (a skipped step raises its own error afterwards)
             yield
             return
+        with self.stage.resident():  # NVMe offload: the reduced gradients in memory for the block
+            with self._visible_grads():
+                yield
+
+    @contextmanager
+    def _visible_grads(self) -> Iterator[None]:
         self.require_grads("gradients as p.grad")
         factor = self.grad_factor()
         shown: list[tuple[nn.Parameter, torch.Tensor, int, int, int]] = []  # (param, grad, version, group, index)

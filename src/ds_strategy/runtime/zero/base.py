@@ -24,8 +24,8 @@ from __future__ import annotations
 
 import enum
 import math
-from collections.abc import Callable, Collection, Sequence
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Collection, Iterator, Sequence
+from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -35,11 +35,14 @@ from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
 from ds_strategy.ops import multi_tensor_l2norm
+from ds_strategy.ops.norm import multi_tensor_sum_of_squares
 
 from ..optimizers import is_cpu_kernel_optimizer
 from ..precision import Precision
+from ..swap import OptimizerSwapper, Swap, make_swap
 from .buffers import GroupState, GroupStorage
 from .collectives import Collectives, Handle
+from .init import init_shard
 from .offload import Offload
 from .offload_copy import HostCopier
 
@@ -125,6 +128,16 @@ class ZeroStage:
     ) -> None:
         self.coll = coll
         self.options = options
+        # NVMe offload: the swap files are made (and the disk checked) before any partition is built.
+        self.swap: Swap | None = make_swap(
+            options.offload,
+            rank=coll.rank,
+            stage=self.stage,
+            partition_numel=-(-sum(_true_numel(p) for named in groups for _, p in named) // coll.world_size),
+            compute_dtype=options.compute_dtype,
+        )
+        self.swapper: OptimizerSwapper | None = self.swap.optimizer if self.swap is not None else None
+        self._resident_depth = 0
         self.groups: list[GroupStorage] = [self._make_group(g, named) for g, named in enumerate(groups)]
         # Where collectives of control data (the gradient norm) run: not a group's device, which an empty
         # first group leaves at the host default.
@@ -197,6 +210,7 @@ class ZeroStage:
             master_device=self.options.master_device or device,
             partitioned=self.partitioned,
             pin_memory=self.options.pin_memory,
+            master_swap=self.swapper,
         )
 
     frozen: Sequence[GroupStorage] = ()  # stage 3 partitions frozen parameters too (stage3.py)
@@ -436,8 +450,15 @@ class ZeroStage:
             return self._grad_norm()
 
     def _grad_norm(self) -> tuple[float, bool]:
-        pieces = self._reduced_grads()
-        norm, found_inf = multi_tensor_l2norm(pieces)
+        if self.swapper is not None and self.swapper.grad_of:  # NVMe: the gradients stream in tile by tile
+            total, found = torch.zeros((), dtype=torch.float64), False
+            for grads in self.swapper.stream_grads(self._tile_lists()):
+                sq, inf = multi_tensor_sum_of_squares(grads)
+                total += sq
+                found = found or bool(inf)
+            norm, found_inf = total.sqrt().float(), torch.tensor(float(found))
+        else:
+            norm, found_inf = multi_tensor_l2norm(self._reduced_grads())
         if self.partitioned and self.coll.world_size > 1:
             both = torch.stack([norm.float() ** 2, found_inf.float()]).to(self.compute_device)
             self.coll.all_reduce(both)
@@ -456,6 +477,9 @@ class ZeroStage:
         memory: with them the gradients are neither pre-multiplied nor copied to fp32, and the masters are
         not copied into the parameters afterwards. Other optimizers get fp32 gradients already multiplied.
         """
+        if self.swap is not None:
+            self._apply_step_tiled(optimizer, factor)
+            return
         fused = is_cpu_kernel_optimizer(optimizer)
         if not fused:
             pieces = self._reduced_grads()
@@ -505,19 +529,102 @@ class ZeroStage:
     def step_tiles(self) -> list[set[nn.Parameter]]:
         """The masters in optimizer-step tiles of at most ``sub_group_size`` elements (DeepSpeed's sub-groups),
         in layout order; a master larger than that is a tile of its own. One tile when everything fits."""
-        tiles: list[set[nn.Parameter]] = []
-        current: set[nn.Parameter] = set()
+        return [set(tile) for tile in self._tile_lists()]
+
+    def _tile_lists(self) -> list[list[nn.Parameter]]:
+        tiles: list[list[nn.Parameter]] = []
+        current: list[nn.Parameter] = []
         filled = 0
         for gs in self.groups:
             for m in gs.masters:
-                if current and filled + m.numel() > self.options.sub_group_numel:
+                numel = self.swapper.numel[m] if self.swapper is not None else m.numel()  # swapped: a placeholder
+                if current and filled + numel > self.options.sub_group_numel:
                     tiles.append(current)
-                    current, filled = set(), 0
-                current.add(m)
-                filled += m.numel()
+                    current, filled = [], 0
+                current.append(m)
+                filled += numel
         if current:
             tiles.append(current)
         return tiles
+
+    @torch.no_grad()
+    def _apply_step_tiled(self, optimizer: torch.optim.Optimizer, factor: float) -> None:
+        """``apply_step`` with NVMe offload: tile by tile, each tile's masters, state and gradients brought in
+        by the swapper (``runtime/swap/optimizer.py``, [Note: the step pipeline]) and its updated parameters
+        written out before the next (swapped partitions cannot wait for a whole-model ``publish``). The
+        arithmetic per element is ``apply_step``'s."""
+        fused = is_cpu_kernel_optimizer(optimizer)
+        tiles = self._tile_lists()
+        where = {m: (g, b) for g, gs in enumerate(self.groups) for b, m in enumerate(gs.masters)}
+        sw = self.swapper
+
+        def run(t: int) -> None:
+            outputs: dict[torch.Tensor, torch.Tensor] = {}
+            for m in tiles[t]:
+                g, b = where[m]
+                grad = sw.grad_of[m] if sw is not None and m in sw.grad_of else self._grad_pieces(g)[b]
+                if grad.device != m.device or (grad.dtype != torch.float32 and not fused):
+                    grad = grad.to(m.device, torch.float32)
+                if not fused and factor != 1.0:
+                    grad.mul_(factor)
+                m.grad = grad
+                out = self.groups[g].sixteen_bit_output(b) if fused else None
+                if out is not None:
+                    outputs[m] = out
+            with record_function("ds::optimizer_step"):
+                if fused:
+                    optimizer.step(clip_coef=factor, out_16bit=outputs or None)  # type: ignore[call-overload]
+                else:
+                    optimizer.step()
+            for m in tiles[t]:
+                m.grad = None
+                g, b = where[m]
+                if m in outputs:
+                    self.groups[g].store_sixteen_bit_output(b, outputs[m])
+                else:
+                    self.groups[g].copy_master_to_param(b)
+
+        if sw is not None:
+            sw.optimizer = optimizer
+            sw.step(tiles, run)
+        else:
+            for t in range(len(tiles)):
+                run(t)
+        self.publish(params_written=range(len(self.groups)))
+
+    # ------------------------------------------------------------------ NVMe offload
+    def swapped_storages(self) -> list[GroupStorage]:
+        """The storages whose partitions a ``resident`` block brings in (stage 3 adds its frozen ones)."""
+        return list(self.groups)
+
+    @contextmanager
+    def resident(self) -> Iterator[None]:
+        """Within the block every swapped master, optimizer state, gradient and partition is in host memory,
+        as with CPU offload (checkpoints and the full-state access read and write them there); written back
+        to the swap files when it ends. Without NVMe offload it does nothing."""
+        if self.swap is None:
+            yield
+            return
+        self._resident_depth += 1
+        try:
+            if self._resident_depth == 1:
+                if self.swapper is not None:
+                    self.swapper.swap_in_all()
+                for gs in self.swapped_storages():
+                    gs.materialize()
+            yield
+        finally:
+            self._resident_depth -= 1
+            if self._resident_depth == 0:
+                for gs in self.swapped_storages():
+                    gs.dematerialize()
+                if self.swapper is not None:
+                    self.swapper.swap_out_all()
+
+    def close_swap(self) -> None:
+        """Remove this stage's swap files (the engine's destroy; at exit otherwise)."""
+        if self.swap is not None:
+            self.swap.close()
 
     def parameters_without_gradient(self) -> list[str]:
         """Names of trainable parameters that got no gradient in the current accumulation window."""
@@ -562,6 +669,12 @@ class ZeroStage:
         self._window_reduced = False
         self._unmanaged = False
         self._reset_window()
+
+
+def _true_numel(p: torch.Tensor) -> int:
+    """Elements of a parameter, also when zero.Init left only this rank's shard of it."""
+    info = init_shard(p)
+    return info.numel if info is not None else p.numel()
 
 
 def averaging(config: Any, world_size: int) -> tuple[float, float]:

@@ -23,6 +23,7 @@ import torch
 from torch import nn
 
 from ..layout import FlatLayout
+from ..swap import OptimizerSwapper
 from .collectives import Collectives
 
 
@@ -73,6 +74,25 @@ class GroupStorage:
         """Bytes held: {"params": ..., "master": ...}."""
         raise NotImplementedError
 
+    # Per bucket, for the tile-by-tile step of NVMe offload (``ZeroStage._apply_step_tiled``).
+    def copy_master_to_param(self, bucket: int) -> None:
+        """Write ``masters[bucket]`` into this rank's compute-dtype parameter storage."""
+        raise NotImplementedError
+
+    def sixteen_bit_output(self, bucket: int) -> torch.Tensor | None:
+        """Where an optimizer kernel may write ``masters[bucket]``'s updated 16-bit parameters (None: it
+        cannot; ``copy_master_to_param`` follows the step instead)."""
+        return None
+
+    def store_sixteen_bit_output(self, bucket: int, out: torch.Tensor) -> None:
+        """After the step: keep what the kernel wrote into ``sixteen_bit_output(bucket)``."""
+
+    def materialize(self) -> None:
+        """Bring swapped partitions into host memory (``ZeroStage.resident``); stage 3 overrides it."""
+
+    def dematerialize(self) -> None:
+        """Write them back to their swap file and drop them."""
+
 
 class GroupState(GroupStorage):
     """Flat parameter buffer, masters and layout of one optimizer param group (stages 0-2)."""
@@ -88,6 +108,7 @@ class GroupState(GroupStorage):
         master_device: torch.device,
         partitioned: bool,
         pin_memory: bool = False,
+        master_swap: OptimizerSwapper | None = None,
     ) -> None:
         self.index = index
         self.params = [p for _, p in named_params]
@@ -107,7 +128,8 @@ class GroupState(GroupStorage):
                 self.layout.param_view(full32, i).copy_(p.detach())
             if full32.numel():  # an empty group has nothing to agree on (and no device of its own)
                 coll.broadcast(full32)
-            self.aliased = compute_dtype == torch.float32 and master_device == device
+            # NVMe offload swaps the masters out: they cannot be the parameters themselves.
+            self.aliased = compute_dtype == torch.float32 and master_device == device and master_swap is None
             self.flat = full32 if compute_dtype == torch.float32 else full32.to(compute_dtype)
             if self.aliased:
                 self.master_flat: torch.Tensor | None = None
@@ -123,6 +145,11 @@ class GroupState(GroupStorage):
                 p.data = self.layout.param_view(self.flat, i)
         # One leaf per bucket for the optimizer; it aliases the storage above (see the notes).
         self.masters = [nn.Parameter(piece) for piece in pieces]
+        if master_swap is not None:  # NVMe: the masters rest in the swap file (runtime/swap/optimizer.py)
+            for b, master in enumerate(self.masters):
+                master_swap.store((index, b), master.detach())
+                master_swap.bind(master, (index, b), master.numel())
+            self.master_flat = torch.empty(0, dtype=torch.float32, device=master_device)
 
     def _own(self, flat: torch.Tensor, bucket: int) -> torch.Tensor:
         """What this rank's master covers of ``bucket`` in a flat-layout tensor: its shard or all of it."""
@@ -143,6 +170,18 @@ class GroupState(GroupStorage):
         if self.master_flat is None or self.flat.device != self.master_flat.device:
             return {}
         return {master: self._own(self.flat, b) for b, master in enumerate(self.masters)}
+
+    @torch.no_grad()
+    def copy_master_to_param(self, bucket: int) -> None:
+        if not self.aliased:
+            self._own(self.flat, bucket).copy_(self.masters[bucket].detach())
+
+    def sixteen_bit_output(self, bucket: int) -> torch.Tensor | None:
+        if self.aliased or self.flat.dtype not in (torch.bfloat16, torch.float16):
+            return None
+        if self.master_flat is None or self.flat.device != self.master_flat.device:
+            return None
+        return self._own(self.flat, bucket)
 
     def numel_bytes(self) -> dict[str, int]:
         master = 0 if self.master_flat is None else self.master_flat.numel() * self.master_flat.element_size()

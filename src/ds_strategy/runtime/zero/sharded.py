@@ -26,6 +26,7 @@ import torch
 from torch import nn
 
 from ..layout import FlatLayout, ParamSlot
+from ..swap import OptimizerSwapper, PartitionSwapper
 from . import host_memory
 from .buffers import GroupStorage
 from .collectives import DONE, Collectives, Handle
@@ -55,6 +56,9 @@ class ShardedGroup(GroupStorage):
         pin_memory: bool = False,
         pin_part: bool = False,
         frozen: bool = False,
+        param_swap: PartitionSwapper | None = None,
+        master_swap: OptimizerSwapper | None = None,
+        keep_in_cpu: int = 0,
     ) -> None:
         self.index = index
         self.frozen = frozen  # parameters nobody trains: no masters, gradients or optimizer state
@@ -77,16 +81,39 @@ class ShardedGroup(GroupStorage):
         # offload_param.pin_memory pins the host partition (parameter-only offload too); pin_memory is the
         # optimizer offload's, for the fp32 masters.
         pin = pin_part and param_device.type == "cpu" and torch.cuda.is_available()
-        self.part = torch.empty(self.layout.partition_numel, dtype=compute_dtype, device=param_device, pin_memory=pin)
-        self.aliased = compute_dtype == torch.float32 and master_device == param_device
+        self.param_swap = param_swap
+        self.master_swap = None if frozen else master_swap
+        self._param_device = param_device
+        self._materialized = 0
+        # NVMe offload: which buckets' partitions rest in the swap file ([Note: swapped partitions]).
+        self.swapped = self._choose_swapped(keep_in_cpu) if param_swap is not None else set()
+        if self.swapped:
+            self.part = torch.empty(0, dtype=compute_dtype, device=param_device)
+            self._part_views = [
+                torch.empty(0 if b in self.swapped else n, dtype=compute_dtype, device=param_device, pin_memory=pin)
+                for b, n in enumerate(self._shard_numels())
+            ]
+        else:
+            self.part = torch.empty(
+                self.layout.partition_numel, dtype=compute_dtype, device=param_device, pin_memory=pin
+            )
+            self._part_views = self.layout.partition_views(self.part)
+        swapping = param_swap is not None or self.master_swap is not None
+        self.aliased = compute_dtype == torch.float32 and master_device == param_device and not swapping
         if self.aliased or frozen:
             self.master_flat: torch.Tensor | None = None
+        elif self.master_swap is not None:
+            self.master_flat = torch.empty(0, dtype=torch.float32, device=master_device)
         else:
             self.master_flat = torch.empty(
                 self.layout.partition_numel, dtype=torch.float32, device=master_device, pin_memory=pin_memory
             )
-        self._part_views = self.layout.partition_views(self.part)
-        master_views = self._part_views if self.master_flat is None else self.layout.partition_views(self.master_flat)
+        if self.master_flat is None:
+            master_views = self._part_views
+        elif self.master_swap is not None:
+            master_views = []  # written straight to the swap file by _take_bucket
+        else:
+            master_views = self.layout.partition_views(self.master_flat)
         if frozen:
             self.aliased = False
         # Built one bucket at a time: beyond this rank's partition, only one full-size bucket (in fp32,
@@ -112,7 +139,31 @@ class ShardedGroup(GroupStorage):
                 self.full[b] = torch.empty(bucket.padded, dtype=compute_dtype, device=self.device)
                 host_memory.release(self.full[b])
         # One leaf per bucket for the optimizer (see [Note: master weights] in buffers.py); none when frozen.
-        self.masters = [] if frozen else [nn.Parameter(piece) for piece in master_views]
+        if frozen:
+            self.masters: list[nn.Parameter] = []
+        elif self.master_swap is not None:  # NVMe: the masters rest in the swap file (written by _take_bucket)
+            self.masters = [nn.Parameter(torch.empty(0, device=master_device)) for _ in self.layout.buckets]
+            for b, (master, n) in enumerate(zip(self.masters, self._shard_numels(), strict=True)):
+                self.master_swap.bind(master, (index, b), n)
+        else:
+            self.masters = [nn.Parameter(piece) for piece in master_views]
+
+    def _shard_numels(self) -> list[int]:
+        return [b.padded // self.coll.world_size for b in self.layout.buckets]
+
+    def _choose_swapped(self, keep_in_cpu: int) -> set[int]:
+        """[Note: swapped partitions] With offload_param on NVMe, persistent buckets (gathered for good) and
+        the first ``max_in_cpu`` partition elements in layout order stay in host memory, as in DeepSpeed;
+        every other bucket's partition rests in the swap file and is read when the bucket is gathered."""
+        swapped, budget = set(), keep_in_cpu
+        for b, n in enumerate(self._shard_numels()):
+            if b in self.persistent:
+                continue
+            if n <= budget:
+                budget -= n
+            else:
+                swapped.add(b)
+        return swapped
 
     @torch.no_grad()
     def _take_bucket(
@@ -138,8 +189,10 @@ class ShardedGroup(GroupStorage):
         if not from_init:
             self.coll.broadcast(full32)
         mine = full32.view(self.coll.world_size, -1)[self.rank]
-        self._part_views[b].copy_(mine)
-        if master_views is not self._part_views:
+        self.write_part(b, mine)
+        if self.master_swap is not None:
+            self.master_swap.store((self.index, b), mine)
+        elif master_views is not self._part_views:
             master_views[b].copy_(mine)
         if b in self.persistent:
             self.full.append(full32.to(self.compute_dtype, copy=True))
@@ -173,7 +226,7 @@ class ShardedGroup(GroupStorage):
         full = self.full[bucket]
         host_memory.allocate(full)
         mine = full.view(self.coll.world_size, -1)[self.rank]
-        mine.copy_(self._part_views[bucket], non_blocking=True)
+        self.read_part(bucket, mine, trace=True)
         self.live[bucket] = True
         self._point_params(bucket)
         return self.coll.all_gather(full, mine, async_op=async_op, tag=tag)
@@ -191,9 +244,60 @@ class ShardedGroup(GroupStorage):
         """After an edit of the gathered (live) bucket on every rank: keep this rank's shard of it as the new
         compute-dtype partition and fp32 master (used by GatheredParameters)."""
         mine = self.full[bucket].view(self.coll.world_size, -1)[self.rank]
-        self._part_views[bucket].copy_(mine)
-        if self.master_flat is not None:
+        self.write_part(bucket, mine)
+        if self.master_swap is not None and not self.master_swap.resident:
+            self.master_swap.store((self.index, bucket), mine)
+        elif self.master_flat is not None:
             self.masters[bucket].data.copy_(mine)
+
+    # ------------------------------------------------------------------ partitions, wherever they rest
+    def read_part(self, bucket: int, out: torch.Tensor, *, trace: bool = False) -> None:
+        """Copy this rank's compute-dtype partition of ``bucket`` into ``out`` (from the swap file when it
+        rests there; ``trace``: a gather, whose order the read-ahead learns)."""
+        if bucket in self.swapped and not self._materialized:
+            assert self.param_swap is not None
+            if trace:
+                self.param_swap.load((self.index, bucket), out)
+            else:
+                self.param_swap.fetch((self.index, bucket), out)
+        else:
+            out.copy_(self._part_views[bucket], non_blocking=True)
+
+    def write_part(self, bucket: int, value: torch.Tensor) -> None:
+        """Make ``value`` (any float dtype) this rank's partition of ``bucket``."""
+        if bucket in self.swapped and not self._materialized:
+            assert self.param_swap is not None
+            self.param_swap.store((self.index, bucket), value)
+        else:
+            self._part_views[bucket].copy_(value)
+
+    def materialize(self) -> None:
+        """The whole partition in host memory as one ``part`` buffer, as without NVMe (``resident``)."""
+        self._materialized += 1
+        if self._materialized > 1 or not self.swapped:
+            return
+        part = torch.empty(self.layout.partition_numel, dtype=self.compute_dtype, device=self._param_device)
+        views = self.layout.partition_views(part)
+        for b, view in enumerate(views):
+            if b in self.swapped:
+                assert self.param_swap is not None
+                self.param_swap.fetch((self.index, b), view)
+            else:
+                view.copy_(self._part_views[b])
+        self._kept, self.part, self._part_views = self._part_views, part, views
+
+    def dematerialize(self) -> None:
+        self._materialized -= 1
+        if self._materialized > 0 or not self.swapped:
+            return
+        views, kept = self._part_views, self._kept
+        for b, view in enumerate(views):
+            if b in self.swapped:
+                assert self.param_swap is not None
+                self.param_swap.store((self.index, b), view)
+            else:
+                kept[b].copy_(view)
+        self._part_views, self.part = kept, torch.empty(0, dtype=self.compute_dtype, device=self._param_device)
 
     def live_numel(self) -> int:
         return sum(self.full[b].numel() for b, live in enumerate(self.live) if live and b not in self.persistent)
@@ -203,8 +307,28 @@ class ShardedGroup(GroupStorage):
     def copy_masters_to_params(self) -> None:
         if self.master_flat is None or self.frozen:
             return  # the masters are the partition buffer itself
-        for view, master in zip(self._part_views, self.masters, strict=True):
-            view.copy_(master.detach(), non_blocking=True)
+        if self.master_swap is not None and not self.master_swap.resident:
+            return  # NVMe: the tile-by-tile step wrote each bucket's parameters (ZeroStage._apply_step_tiled)
+        for b, master in enumerate(self.masters):
+            self.write_part(b, master.detach())
+
+    @torch.no_grad()
+    def copy_master_to_param(self, bucket: int) -> None:
+        if self.master_flat is not None and not self.frozen:
+            self.write_part(bucket, self.masters[bucket].detach())
+
+    def sixteen_bit_output(self, bucket: int) -> torch.Tensor | None:
+        if self.master_flat is None or self.frozen or self.compute_dtype not in (torch.bfloat16, torch.float16):
+            return None
+        if self._param_device != self.master_flat.device:
+            return None
+        if bucket in self.swapped and not self._materialized:  # written to the swap file after the step
+            return torch.empty(self._shard_numels()[bucket], dtype=self.compute_dtype, device=self._param_device)
+        return self._part_views[bucket]
+
+    def store_sixteen_bit_output(self, bucket: int, out: torch.Tensor) -> None:
+        if out is not self._part_views[bucket]:
+            self.write_part(bucket, out)
 
     def sixteen_bit_outputs(self) -> dict[torch.Tensor, torch.Tensor]:
         """master -> this rank's 16-bit partition piece (see ``GroupStorage.sixteen_bit_outputs``)."""
@@ -217,7 +341,8 @@ class ShardedGroup(GroupStorage):
     def numel_bytes(self) -> dict[str, int]:
         live = sum(t.untyped_storage().nbytes() for t in self.full)
         master = 0 if self.master_flat is None else self.master_flat.numel() * self.master_flat.element_size()
-        return {"params": self.part.numel() * self.part.element_size() + live, "master": master}
+        part = self.part.numel() if not self.swapped or self._materialized else sum(v.numel() for v in self._part_views)
+        return {"params": part * self.part.element_size() + live, "master": master}
 
 
 def _compute_device(params: Sequence[nn.Parameter]) -> torch.device:

@@ -75,13 +75,20 @@ class Stage2(ZeroStage):
             self._written[self._pid(g, i)] = False  # the staging buffer is consumed by this launch
         if self.options.pre_scale != 1.0:
             staging.mul_(self.options.pre_scale)
-        out = gs.layout.partition_views(self.partition_grads[g])[b]
         fresh = self._fresh[key]
         self._fresh[key] = False
+        out = self._partition_out(key, fresh)
         direct = fresh and staging.dtype == out.dtype
         result = out if direct else torch.empty(out.numel(), dtype=staging.dtype, device=out.device)
         handle = self.coll.reduce_scatter(result, staging, async_op=self.options.async_comm)
-        return _Land(self, key, handle, None if direct else (out, result, fresh))
+        return _Land(self, key, handle, out, None if direct else (result, fresh))
+
+    def _partition_out(self, key: BucketKey, fresh: bool) -> torch.Tensor:
+        """Where bucket ``key``'s reduced shard lands (holding this window's earlier ones unless ``fresh``)."""
+        return self.groups[key[0]].layout.partition_views(self.partition_grads[key[0]])[key[1]]
+
+    def _landed(self, key: BucketKey, out: torch.Tensor) -> None:
+        """Bucket ``key``'s shard in ``out`` is final for this backward (stage 3's NVMe offload writes it)."""
 
     def _grad_pieces(self, group: int) -> list[torch.Tensor]:
         return self.groups[group].master_shaped(self.partition_grads[group])
@@ -91,8 +98,9 @@ class Stage2(ZeroStage):
         return torch.zeros(bucket.padded, dtype=self.options.comm_dtype, device=self.groups[key[0]].device)
 
     def _reduce_late(self, key: BucketKey, late: torch.Tensor) -> None:
-        out = self.groups[key[0]].layout.partition_views(self.partition_grads[key[0]])[key[1]]
+        out = self._partition_out(key, False)
         self._reduce_scatter_add(out, late)
+        self._landed(key, out)
 
     def _reset_window(self) -> None:
         self._fresh = dict.fromkeys(self.bucket_order, True)
@@ -109,17 +117,25 @@ class _Land:
     """Finish one bucket: wait, fold the shard into the partition gradient, free the staging buffer."""
 
     def __init__(
-        self, stage: Stage2, key: BucketKey, handle: Handle, fold: tuple[torch.Tensor, torch.Tensor, bool] | None
+        self,
+        stage: Stage2,
+        key: BucketKey,
+        handle: Handle,
+        out: torch.Tensor,
+        fold: tuple[torch.Tensor, bool] | None,
     ) -> None:
-        self._stage, self._key, self._handle, self._fold = stage, key, handle, fold
+        self._stage, self._key, self._handle, self._out, self._fold = stage, key, handle, out, fold
 
     def wait(self) -> None:
         self._handle.wait()
         if self._fold is not None:
-            out, result, fresh = self._fold
+            result, fresh = self._fold
             if fresh:
-                out.copy_(result)
+                self._out.copy_(result)
             else:
-                out.add_(result)
+                self._out.add_(result)
             self._fold = None
+        if self._out is not None:
+            self._stage._landed(self._key, self._out)
+            self._out = None  # type: ignore[assignment]
         self._stage._staging.pop(self._key, None)

@@ -148,6 +148,15 @@ class Stage3(Stage2):
             [self._make_group(len(self._plans) - 1, frozen_plan, frozen=True)] if frozen_plan else []
         )
         self.storages: list[ShardedGroup] = self.sharded + self.frozen  # what gather keys index
+        # NVMe optimizer offload: the gradient partitions rest in the swap file too, one holder per master
+        # (see [Note: swapped tensors] in runtime/swap/optimizer.py), written as each bucket's shard lands.
+        self._grad_holders: list[list[torch.Tensor]] = []
+        if self.swapper is not None:
+            for gs in self.sharded:
+                holders = [torch.empty(0) for _ in gs.masters]
+                for master, holder in zip(gs.masters, holders, strict=True):
+                    self.swapper.bind_grad(master, holder)
+                self._grad_holders.append(holders)
         for g, gs in enumerate(self.storages):
             for i, p in enumerate(gs.params):
                 setattr(p, ZERO3_ATTR, (self, g, i))
@@ -202,7 +211,13 @@ class Stage3(Stage2):
             pin_memory=self.options.pin_memory,
             pin_part=self.s3.param_pin and device.type == "cuda",
             frozen=frozen,
+            param_swap=self.swap.params if self.swap is not None else None,
+            master_swap=self.swapper,
+            keep_in_cpu=nvme.max_in_cpu if (nvme := self.options.offload.params_nvme) is not None else 0,
         )
+
+    def swapped_storages(self) -> list[GroupStorage]:
+        return list(self.storages)
 
     # ------------------------------------------------------------------ hooks
     def attach(self) -> None:
@@ -236,11 +251,30 @@ class Stage3(Stage2):
 
     def _launch(self, key: BucketKey) -> Handle:
         gs = self.groups[key[0]]
-        if self.partition_grads[key[0]].numel() != gs.layout.partition_numel:
+        if self.swapper is None and self.partition_grads[key[0]].numel() != gs.layout.partition_numel:
             # Every bucket is launched in every reducing pass and its first landing overwrites, so the
             # fresh partition needs no zeroing.
             self.partition_grads[key[0]] = torch.empty(gs.layout.partition_numel, dtype=torch.float32, device=gs.device)
         return super()._launch(key)
+
+    def _partition_out(self, key: BucketKey, fresh: bool) -> torch.Tensor:
+        if self.swapper is None:
+            return super()._partition_out(key, fresh)
+        g, b = key
+        master = self.groups[g].masters[b]
+        out = torch.empty(self.swapper.numel[master], dtype=torch.float32, device=self.groups[g].device)
+        if not fresh:
+            self.swapper.get_grad(master, out)  # this window's earlier backwards (gradient accumulation)
+        return out
+
+    def _landed(self, key: BucketKey, out: torch.Tensor) -> None:
+        if self.swapper is not None:
+            self.swapper.put_grad(self.groups[key[0]].masters[key[1]], out)
+
+    def _grad_pieces(self, group: int) -> list[torch.Tensor]:
+        if self.swapper is not None:
+            return self._grad_holders[group]  # placeholders outside a swap-in
+        return super()._grad_pieces(group)
 
     def _reset_window(self) -> None:
         """After a step: also release the partition gradients until the next backward lands one."""
@@ -280,10 +314,12 @@ class Stage3(Stage2):
             gs = self.sharded[g]
             if gs.live[b]:
                 mine = gs.full[b].view(self.coll.world_size, -1)[self.coll.rank]
-                mine.copy_(gs.layout.partition_views(gs.part)[b])
+                gs.read_part(b, mine)
                 handles.append(self.coll.all_gather(gs.full[b], mine, async_op=self.options.async_comm))
         for h in handles:
             h.wait()
+        if self.swap is not None and self.swap.params is not None:
+            self.swap.params.end_step()  # see [Note: parameter read-ahead]
 
     @torch.no_grad()
     def refresh_frozen(self) -> None:
@@ -293,7 +329,7 @@ class Stage3(Stage2):
             for b, live in enumerate(gs.live):
                 if live:
                     mine = gs.full[b].view(self.coll.world_size, -1)[self.coll.rank]
-                    mine.copy_(gs.layout.partition_views(gs.part)[b])
+                    gs.read_part(b, mine)
                     self.coll.all_gather(gs.full[b], mine)
 
     # ------------------------------------------------------------------ full access

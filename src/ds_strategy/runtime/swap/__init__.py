@@ -1,0 +1,86 @@
+"""NVMe offload (ZeRO-Infinity): what ZeRO offloads to the host, resting in swap files between uses.
+
+``files`` makes the owner-only swap directory and aligned file regions; ``optimizer`` swaps masters,
+optimizer state and gradients a sub-group at a time around the step; ``params`` swaps stage 3's parameter
+partitions around their gathers. All I/O goes through ``ds_strategy.ops.aio``.
+"""
+
+from __future__ import annotations
+
+from typing import TYPE_CHECKING
+
+import torch
+
+from ds_strategy.ops.aio import AsyncIO
+
+from .files import NvmePathError, SwapDir, SwapFile
+from .optimizer import OptimizerSwapper
+from .params import PartitionSwapper
+
+if TYPE_CHECKING:
+    from ..zero.offload import Offload
+
+__all__ = ["NvmePathError", "OptimizerSwapper", "PartitionSwapper", "Swap", "make_swap"]
+
+
+class Swap:
+    """The swappers of one engine, their I/O engines and directories; ``close`` removes the files."""
+
+    def __init__(self) -> None:
+        self.optimizer: OptimizerSwapper | None = None
+        self.params: PartitionSwapper | None = None
+        self._dirs: list[SwapDir] = []
+        self._engines: list[AsyncIO] = []
+        self._files: list[SwapFile] = []
+
+    def _file(self, offload: Offload, path: str, rank: int, key: str, need: int, name: str) -> SwapFile:
+        directory = SwapDir(path, rank, key=key, need_bytes=need)
+        engine = AsyncIO(offload.aio)
+        file = SwapFile(engine, directory.path / name)
+        self._dirs.append(directory)
+        self._engines.append(engine)
+        self._files.append(file)
+        return file
+
+    def close(self) -> None:
+        if self.optimizer is not None:
+            self.optimizer.flush()
+        if self.params is not None:
+            self.params.close()
+        for file in self._files:
+            file.close()
+        for engine in self._engines:
+            engine.close()
+        for directory in self._dirs:
+            directory.remove()
+        self._files, self._engines, self._dirs = [], [], []
+
+    @property
+    def directories(self) -> list[str]:
+        return [str(d.path) for d in self._dirs]
+
+
+def make_swap(
+    offload: Offload, *, rank: int, stage: int, partition_numel: int, compute_dtype: torch.dtype
+) -> Swap | None:
+    """The swappers ``offload`` asks for (None when nothing goes to NVMe). ``partition_numel``: this rank's
+    share of the trainable elements, to check the disk has room before anything is written."""
+    if offload.optimizer_nvme is None and offload.params_nvme is None:
+        return None
+    swap = Swap()
+    opt = offload.optimizer_nvme
+    if opt is not None:
+        # fp32 master + two Adam moments (+ stage 3's gradient): what the files will hold after one step.
+        need = partition_numel * 4 * (4 if stage == 3 else 3)
+        file = swap._file(offload, opt.path, rank, "offload_optimizer", need, "optimizer.swp")
+        swap.optimizer = OptimizerSwapper(
+            file, buffer_count=opt.buffer_count, pipeline_read=opt.pipeline_read, pipeline_write=opt.pipeline_write
+        )
+    par = offload.params_nvme
+    if par is not None:
+        need = partition_numel * compute_dtype.itemsize
+        file = swap._file(offload, par.path, rank, "offload_param", need, "params.swp")
+        swap.params = PartitionSwapper(
+            file, dtype=compute_dtype, buffer_count=par.buffer_count, buffer_numel=par.buffer_size
+        )
+    return swap
