@@ -75,7 +75,7 @@ def cross_checks(config: dict[str, Any]) -> list[ConfigProblem]:
             problems.append(
                 ConfigProblem(
                     f"zero_optimization.{kind}.buffer_count",
-                    f'got {count}; NVMe offload needs at least 1 buffer (DeepSpeed\'s default: {4 if kind == "offload_optimizer" else 5})',
+                    f"got {count}; NVMe offload needs at least 1 buffer (DeepSpeed's default: {4 if kind == 'offload_optimizer' else 5})",
                 )
             )
     # A partial offload (ratio < 1) is refused whatever the stage: see support.py.

@@ -310,9 +310,9 @@ def _write(
         return
     info = init_shard(t)
     if info is not None:  # zero.Init, before any engine: this rank's piece of the flattened parameter
-        per = info.shard.numel()
+        per = info.per
         lo, hi = min(info.coll.rank * per, info.numel), min((info.coll.rank + 1) * per, info.numel)
-        info.shard[: hi - lo].copy_(read(lo, hi, info.shard.dtype))
+        info.write_prefix(read(lo, hi, info.dtype))
         return
     t.data.copy_(read(0, t.numel(), t.dtype).view(t.shape))
 

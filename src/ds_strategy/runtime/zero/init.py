@@ -35,6 +35,7 @@ built (bucket by bucket, gathering only one parameter at a time). Buffers are ne
 from __future__ import annotations
 
 import sys
+import warnings
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -54,12 +55,76 @@ _ATTR = "_ds_init_shard"
 
 @dataclass
 class InitShard:
-    """This rank's piece of a parameter partitioned by ``zero.Init``."""
+    """This rank's piece of a parameter partitioned by ``zero.Init``: ``per`` = ceil(numel / W) elements of
+    the flattened parameter, zero-padded at the end, in ``shard`` - or, with ``remote_device="nvme"``, in a
+    swap file (``store``; ``shard`` is then a 0-element placeholder of the piece's dtype)."""
 
     shape: torch.Size
     numel: int
-    shard: torch.Tensor  # ceil(numel / W) elements of the flattened parameter, zero-padded at the end
+    shard: torch.Tensor
     coll: Collectives
+    per: int = -1
+    store: InitStore | None = None
+    key: int = -1  # its region in ``store``
+
+    def __post_init__(self) -> None:
+        if self.per < 0:
+            self.per = self.shard.numel()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        return self.shard.dtype
+
+    def values(self) -> torch.Tensor:
+        """The piece's elements (read from the swap file when it rests there)."""
+        if self.store is None:
+            return self.shard
+        return self.store.read(self)
+
+    def write_prefix(self, values: torch.Tensor) -> None:
+        """Set the piece's first ``len(values)`` elements."""
+        if self.store is None:
+            self.shard[: values.numel()].copy_(values)
+            return
+        piece = self.store.read(self)
+        piece[: values.numel()].copy_(values)
+        self.store.write(self, piece)
+
+
+class InitStore:
+    """``zero.Init(remote_device="nvme")``: every shard of one Init context in one swap file of this rank
+    under ``offload_param.nvme_path``; the file goes when the engine has taken the last shard (or at exit)."""
+
+    def __init__(self, nvme_path: str, aio: Any, rank: int) -> None:
+        from ds_strategy.ops.aio import AsyncIO
+
+        from ..swap.files import SwapDir, SwapFile
+        from .offload import AioOptions, _aio_block
+
+        self.dir = SwapDir(nvme_path, rank, key="offload_param", need_bytes=0)
+        self.aio = AsyncIO(AioOptions.from_config(_aio_block(aio)))
+        self.file = SwapFile(self.aio, self.dir.path / "init.swp")
+        self.live: set[int] = set()
+        self._next = 0
+
+    def write(self, info: InitShard, piece: torch.Tensor) -> None:
+        if info.key < 0:
+            info.key = self._next
+            self._next += 1
+            self.live.add(info.key)
+        self.file.write(info.key, piece.detach().to("cpu").contiguous()).wait()
+
+    def read(self, info: InitShard) -> torch.Tensor:
+        out = torch.empty(info.per, dtype=info.dtype)
+        self.file.read(info.key, out).wait()
+        return out.to(info.shard.device)
+
+    def forget(self, info: InitShard) -> None:
+        self.live.discard(info.key)
+        if not self.live:
+            self.file.close()
+            self.aio.close()
+            self.dir.remove()
 
 
 def init_shard(param: torch.Tensor) -> InitShard | None:
@@ -72,7 +137,7 @@ def compute_device() -> torch.device:
 
 
 @torch.no_grad()
-def partition_param(param: nn.Parameter, coll: Collectives, *, src: int = 0) -> None:
+def partition_param(param: nn.Parameter, coll: Collectives, *, src: int = 0, store: InitStore | None = None) -> None:
     """Broadcast rank ``src``'s value, keep this rank's piece, leave a placeholder in ``param.data``."""
     if init_shard(param) is not None:
         return
@@ -80,20 +145,31 @@ def partition_param(param: nn.Parameter, coll: Collectives, *, src: int = 0) -> 
     # nothing else, and the shard then lives where the engine will train it.
     full = param.detach().to(compute_device()).contiguous().view(-1)
     coll.broadcast(full, src=src)
-    keep_shard(param, full, coll)
+    keep_shard(param, full, coll, store=store)
 
 
 @torch.no_grad()
-def keep_shard(param: nn.Parameter, full: torch.Tensor, coll: Collectives, shape: torch.Size | None = None) -> None:
+def keep_shard(
+    param: nn.Parameter,
+    full: torch.Tensor,
+    coll: Collectives,
+    shape: torch.Size | None = None,
+    store: InitStore | None = None,
+) -> None:
     """Keep this rank's piece of ``full`` (``param``'s flattened value, the same on every rank) as its
-    zero.Init shard, on ``full``'s device, and leave a placeholder in ``param.data``."""
+    zero.Init shard, on ``full``'s device (in ``store``'s swap file when given), and leave a placeholder in
+    ``param.data``."""
     numel, world = full.numel(), coll.world_size
     per = -(-numel // world) if numel else 0
     shard = torch.zeros(per, dtype=full.dtype, device=full.device)
     lo, hi = min(coll.rank * per, numel), min((coll.rank + 1) * per, numel)
     shard[: hi - lo].copy_(full[lo:hi])
-    setattr(param, _ATTR, InitShard(param.shape if shape is None else shape, numel, shard, coll))
-    param.data = torch.empty(0, dtype=full.dtype, device=full.device)
+    placeholder = torch.empty(0, dtype=full.dtype, device=full.device)
+    info = InitShard(param.shape if shape is None else shape, numel, placeholder if store else shard, coll, per, store)
+    if store is not None:
+        store.write(info, shard)
+    setattr(param, _ATTR, info)
+    param.data = placeholder
 
 
 @torch.no_grad()
@@ -104,18 +180,21 @@ def gather_init_param(param: torch.Tensor, out: torch.Tensor | None = None) -> t
     info = init_shard(param)
     if info is None:
         raise ValueError("gather_init_param: the parameter was not partitioned by zero.Init")
-    total = info.shard.numel() * info.coll.world_size
-    if out is None or out.numel() < total or out.dtype != info.shard.dtype or out.device != info.shard.device:
-        out = torch.empty(total, dtype=info.shard.dtype, device=info.shard.device)
+    total = info.per * info.coll.world_size
+    if out is None or out.numel() < total or out.dtype != info.dtype or out.device != info.shard.device:
+        out = torch.empty(total, dtype=info.dtype, device=info.shard.device)
     out = out[:total]
-    info.coll.all_gather(out, info.shard)
+    info.coll.all_gather(out, info.values())
     return out[: info.numel]
 
 
 def release_init_shard(param: torch.Tensor) -> None:
     """Forget zero.Init's shard of ``param`` once a stage-3 engine has taken it into its partition."""
-    if init_shard(param) is not None:
+    info = init_shard(param)
+    if info is not None:
         delattr(param, _ATTR)
+        if info.store is not None:
+            info.store.forget(info)
 
 
 @torch.no_grad()
@@ -125,7 +204,7 @@ def unpartition_param(param: nn.Parameter) -> None:
     if info is None:
         return
     param.data = gather_init_param(param).clone().view(info.shape)
-    delattr(param, _ATTR)
+    release_init_shard(param)
 
 
 # [Note: init functions on partitioned parameters]
@@ -153,14 +232,14 @@ def _on_whole_value(fn: Any) -> Any:
         if info is None:
             return fn(tensor, *args, **kwargs)
         with torch.no_grad():
-            full = torch.empty(info.shape, dtype=info.shard.dtype, device=info.shard.device)
+            full = torch.empty(info.shape, dtype=info.dtype, device=info.shard.device)
             fn(full, *args, **kwargs)
             flat = full.view(-1)
             info.coll.broadcast(flat, src=0)
             # This rank's piece, into the shard it already has (no second shard at the peak).
-            per, rank = info.shard.numel(), info.coll.rank
+            per, rank = info.per, info.coll.rank
             lo, hi = min(rank * per, info.numel), min((rank + 1) * per, info.numel)
-            info.shard[: hi - lo].copy_(flat[lo:hi])
+            info.write_prefix(flat[lo:hi])
         return tensor
 
     init_function.__wrapped__ = fn  # type: ignore[attr-defined]
@@ -224,6 +303,8 @@ class Init:
         self.group = data_parallel_group
         self.dtype = dtype
         self._coll: Collectives | None = None
+        self._remote = _remote_device(remote_device, config_dict_or_path if config is None else config)
+        self._store: InitStore | None = None
         self._pending: list[nn.Module] = []
         self._handles: list[RemovableHandle] = []
         self.peak_whole_bytes = 0  # the most bytes of not-yet-partitioned parameters seen at an event
@@ -294,7 +375,10 @@ class Init:
             return  # [Note: meta parameters under zero.Init]
         if self.dtype is not None and p.is_floating_point() and p.dtype != self.dtype:
             p.data = p.data.to(self.dtype)
-        partition_param(p, self.coll)
+        if self._remote is not None and self._store is None:
+            nvme_path, aio = self._remote
+            self._store = InitStore(nvme_path, aio, self.coll.rank)
+        partition_param(p, self.coll, store=self._store)
 
     def _whole_bytes(self) -> int:
         return sum(
@@ -303,6 +387,36 @@ class Init:
             for p in m._parameters.values()
             if p is not None and init_shard(p) is None and not p.is_meta
         )
+
+
+def _remote_device(remote_device: str | None, config: Any) -> tuple[str, Any] | None:
+    """(nvme_path, aio block) when the shards go to NVMe: ``remote_device="nvme"``, or the config's
+    ``offload_param.device`` "nvme" when ``remote_device`` is not given (DeepSpeed's rule). Other values
+    keep the shards on the compute device."""
+    if remote_device not in (None, "none", "cpu", "nvme") and not str(remote_device).startswith("cuda"):
+        raise ValueError(f'zero.Init(remote_device={remote_device!r}): expected None, "cpu" or "nvme"')
+    if remote_device == "cpu" and compute_device().type != "cpu":
+        warnings.warn(
+            'zero.Init(remote_device="cpu"): the shards stay on the compute device until the engine takes them '
+            '(host-resident construction is not built); use remote_device="nvme" to keep them off the device',
+            stacklevel=3,
+        )
+    if remote_device not in (None, "nvme") or (remote_device is None and config is None):
+        return None
+    parsed = None
+    if config is not None:
+        from ds_strategy.config import load_config
+
+        parsed = config if hasattr(config, "zero_optimization") else load_config(config)
+    param = parsed.zero_optimization.offload_param if parsed is not None else None
+    if remote_device is None and (param is None or param.device != "nvme"):
+        return None
+    if param is None or not param.nvme_path:
+        raise ValueError(
+            'zero.Init(remote_device="nvme") needs the config (config_dict_or_path=) with '
+            "zero_optimization.offload_param.nvme_path: where the shards' swap files go"
+        )
+    return str(param.nvme_path), parsed.aio  # type: ignore[union-attr]
 
 
 def _modules_under_construction() -> set[int]:

@@ -127,9 +127,7 @@ class ShardedGroup(GroupStorage):
         # about the whole model resident (measured with MALLOC_PERTURB_: 2.5x the model instead of 0.6x).
         longest = max((b.padded for b in self.layout.buckets), default=0)
         scratch32 = torch.empty(longest, dtype=torch.float32, device=self.device)
-        gathered = max(
-            (s.shard.numel() * coll.world_size for s in map(init_shard, self.params) if s is not None), default=0
-        )
+        gathered = max((s.per * coll.world_size for s in map(init_shard, self.params) if s is not None), default=0)
         gather_buf = torch.empty(gathered, dtype=torch.float32, device=self.device) if gathered else None
         for b in range(len(self.layout.buckets)):
             self._take_bucket(b, scratch32, gather_buf, master_views)
@@ -180,7 +178,7 @@ class ShardedGroup(GroupStorage):
             view = self.in_bucket(full32, i)
             info = init_shard(p)
             if info is not None:
-                out = gather_buf if gather_buf is not None and info.shard.dtype == torch.float32 else None
+                out = gather_buf if gather_buf is not None and info.dtype == torch.float32 else None
                 view.copy_(gather_init_param(p, out=out).view_as(view))
                 release_init_shard(p)  # the partition below replaces zero.Init's shard
             else:
