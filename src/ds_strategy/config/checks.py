@@ -70,12 +70,12 @@ def cross_checks(config: dict[str, Any]) -> list[ConfigProblem]:
                     "fast local disk (its swap files go there)",
                 )
             )
-        count = block.get("buffer_count")
+        count, default = block.get("buffer_count"), 4 if kind == "offload_optimizer" else 5
         if isinstance(count, int) and count < 1:
             problems.append(
                 ConfigProblem(
                     f"zero_optimization.{kind}.buffer_count",
-                    f"got {count}; NVMe offload needs at least 1 buffer (DeepSpeed's default: {4 if kind == 'offload_optimizer' else 5})",
+                    f"got {count}; NVMe offload needs at least 1 buffer (DeepSpeed's default: {default})",
                 )
             )
     # A partial offload (ratio < 1) is refused whatever the stage: see support.py.

@@ -12,7 +12,6 @@ file system) are left alone: their owners may be alive.
 from __future__ import annotations
 
 import atexit
-import errno
 import itertools
 import os
 import shutil
@@ -52,7 +51,7 @@ def _alive(pid: int) -> bool:
 
 def remove_stale(root: Path) -> list[Path]:
     """Remove swap directories of this host whose process has exited (see [Note: swap directories])."""
-    removed = []
+    removed: list[Path] = []
     prefix = _host() + "-pid"
     try:
         entries = list(root.iterdir())
@@ -138,7 +137,3 @@ class SwapFile:
 
     def close(self) -> None:
         self.file.close()
-
-
-def is_enospc(err: OSError) -> bool:
-    return err.errno in (errno.ENOSPC, errno.EDQUOT)

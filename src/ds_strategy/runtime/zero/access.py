@@ -334,9 +334,8 @@ class FullStateAccess:
         if status is GradStatus.NONE:  # nothing to show (a skipped step raises its own error afterwards)
             yield
             return
-        with self.stage.resident():  # NVMe offload: the reduced gradients in memory for the block
-            with self._visible_grads():
-                yield
+        with self.stage.resident(), self._visible_grads():  # NVMe offload: the gradients in memory meanwhile
+            yield
 
     @contextmanager
     def _visible_grads(self) -> Iterator[None]:
