@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Any
 
-BENCHMARKS = ("optim", "comm", "e2e", "checkpoint", "activation_checkpointing", "lora")
+BENCHMARKS = ("optim", "comm", "e2e", "checkpoint", "activation_checkpointing", "lora", "aio")
 ALIASES = {"engine": "e2e", "zero3": "e2e"}
 PEERS = {
     "optim": "torch.optim.AdamW (foreach, fused), DeepSpeedCPUAdam, a memory-traffic ceiling",
@@ -30,6 +30,7 @@ PEERS = {
     "checkpoint": "DeepSpeed stages 1-3 (save, load, size, consolidation)",
     "activation_checkpointing": "DeepSpeed stages 2-3 + deepspeed.checkpointing, torch FSDP2 + checkpoint_wrapper",
     "lora": "DeepSpeed stages 2-3 (peft LoRA on a frozen Hugging Face Llama base)",
+    "aio": "a plain sequential read / write of the same bytes on the same file system",
 }
 
 

@@ -73,6 +73,26 @@ def test_run_all_quick_writes_every_result(tmp_path: Path, cpu_kernels: bool) ->
     print(f"run_all --quick: {wall:.0f} s")
 
 
+@pytest.mark.kernels
+def test_aio_quick_writes_its_results(tmp_path: Path, cpu_kernels: bool) -> None:
+    """bench_aio alone at a tiny size (the run_all smoke test above runs it too, among the slow ones)."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_aio", "--quick", "--size-mib", "4", "--dir", str(tmp_path)],
+        cwd=ROOT, env=_bench_env(tmp_path / "results"), capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    payload = json.loads((tmp_path / "results" / "aio.json").read_text())
+    backends = {r["backend"] for r in payload["cases"]}
+    assert backends == {"plain", "kernel", "python"}, backends
+    assert all(r["write_gbps"] > 0 and r["read_gbps"] > 0 for r in payload["cases"])
+    assert "| plain sequential" in (tmp_path / "results" / "aio.md").read_text()
+    assert (tmp_path / "results" / "aio.png").read_bytes()[:8] == PNG
+    from benchmarks.bench_aio import headlines
+
+    assert any("DeepSpeed default" in figure for figure, _ in headlines(payload))
+    assert [p.name for p in tmp_path.iterdir()] == ["results"]  # the test file's folder was removed
+
+
 def _bench_env(results: Path) -> dict[str, str]:
     return {
         **os.environ,
