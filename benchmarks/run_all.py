@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Any
 
-BENCHMARKS = ("optim", "comm", "e2e", "checkpoint", "activation_checkpointing", "lora", "aio")
+BENCHMARKS = ("optim", "comm", "e2e", "checkpoint", "activation_checkpointing", "lora", "aio", "nvme")
 ALIASES = {"engine": "e2e", "zero3": "e2e"}
 PEERS = {
     "optim": "torch.optim.AdamW (foreach, fused), DeepSpeedCPUAdam, a memory-traffic ceiling",
@@ -31,6 +31,7 @@ PEERS = {
     "activation_checkpointing": "DeepSpeed stages 2-3 + deepspeed.checkpointing, torch FSDP2 + checkpoint_wrapper",
     "lora": "DeepSpeed stages 2-3 (peft LoRA on a frozen Hugging Face Llama base)",
     "aio": "a plain sequential read / write of the same bytes on the same file system",
+    "nvme": "ds_strategy CPU offload, DeepSpeed NVMe offload (ZeRO-3, a GPT and one 4x larger)",
 }
 
 

@@ -68,6 +68,12 @@ def test_run_all_quick_writes_every_result(tmp_path: Path, cpu_kernels: bool) ->
     assert [r for r in checkpoint["cases"] if "error" in r] == []
     assert {(r["peer"], r["stage"]) for r in checkpoint["cases"]} >= {("ds_strategy", s) for s in (1, 2, 3)}
 
+    nvme = json.loads((tmp_path / "nvme.json").read_text())
+    ours = {k: c for k, c in nvme["cases"].items() if "ds_strategy" in k}
+    assert len(ours) == 4 and all("error" not in c for c in ours.values()), ours
+    assert all(c["swap_bytes_per_rank"] > 0 for k, c in ours.items() if "nvme" in k)
+    assert {"ds_strategy nvme", "ds_strategy cpu"} <= set(nvme["derived"])
+
     after = {p: p.stat().st_mtime_ns for p in (ROOT / "benchmarks" / "results").glob("*")}
     assert after == committed, "the smoke run touched the committed results"
     print(f"run_all --quick: {wall:.0f} s")

@@ -22,7 +22,7 @@ from ds_strategy.lightning import strategy as strategy_module
 from ds_strategy.lightning.config import apply_keywords, read_config, resolve
 from ds_strategy.lightning.launcher import ZeroMultiProcessingLauncher
 
-NAMES = ["zero0", "zero1", "zero1_offload", "zero2", "zero2_offload", "zero3", "zero3_offload"]
+NAMES = ["zero0", "zero1", "zero1_offload", "zero2", "zero2_offload", "zero3", "zero3_offload", "zero3_offload_nvme"]
 
 
 def _trainer(**kwargs: Any) -> pl.Trainer:
@@ -49,8 +49,28 @@ def test_names_build_the_strategy(name: str) -> None:
     assert isinstance(strategy, zl.ZeroStrategy)
     assert strategy.stage == int(name[4]) and strategy.is_distributed
     zero = strategy.raw_config["zero_optimization"]
-    assert ("offload_optimizer" in zero) == name.endswith("offload")
-    assert ("offload_param" in zero) == (name == "zero3_offload")
+    assert ("offload_optimizer" in zero) == ("offload" in name)
+    assert ("offload_param" in zero) == name.startswith("zero3_offload")
+    if name.endswith("nvme"):  # Lightning's deepspeed_stage_3_offload_nvme: both blocks in swap files
+        for block in ("offload_optimizer", "offload_param"):
+            assert zero[block] == {"device": "nvme", "nvme_path": "/local_nvme"}
+
+
+def test_nvme_keywords_as_lightning_takes_them() -> None:
+    s = zl.ZeroStrategy(stage=2, offload_optimizer_device="nvme", nvme_path="/fast")
+    assert s.raw_config["zero_optimization"]["offload_optimizer"] == {"device": "nvme", "nvme_path": "/fast"}
+    assert "offload_param" not in s.raw_config["zero_optimization"]
+    with pytest.raises(ValueError, match="contradicts offload_optimizer=False"):
+        zl.ZeroStrategy(offload_optimizer=False, offload_optimizer_device="nvme", nvme_path="/x")
+    with pytest.raises(ValueError, match="nothing is offloaded to NVMe"):
+        zl.ZeroStrategy(nvme_path="/x")
+    with pytest.raises(ValueError, match=r"contradicts the config's zero_optimization\.offload_param\.device='cpu'"):
+        zl.ZeroStrategy(
+            stage=3,
+            offload_params_device="nvme",
+            nvme_path="/x",
+            config={"zero_optimization": {"offload_param": {"device": "cpu"}}},
+        )
 
 
 def test_instance_and_name_are_the_same_strategy() -> None:
@@ -260,7 +280,7 @@ def test_a_bad_config_fails_at_construction_before_any_process_starts() -> None:
     there (once, in the launching process); "auto" entries wait for the Trainer's values at setup."""
     with pytest.raises(ConfigError, match=r"zero_optimization\.bogus: unknown key"):
         zl.ZeroStrategy(stage=2, config={"zero_optimization": {"bogus": 1}})
-    with pytest.raises(ConfigError, match=r"offload_optimizer\.device"):
+    with pytest.raises(ConfigError, match=r"offload_optimizer\.nvme_path: .*nvme_path is null"):
         zl.ZeroStrategy(stage=2, config={"zero_optimization": {"offload_optimizer": {"device": "nvme"}}})
     with pytest.raises(ConfigError, match="gradient_clipping"):
         zl.ZeroStrategy(config={"gradient_clipping": "a lot"})

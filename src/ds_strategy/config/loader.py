@@ -107,7 +107,8 @@ def find_problems(
 
 def check_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> None:
     """Raise ``ConfigError`` for every problem that does not depend on the run (unknown keys, wrong types
-    or values, refused settings, legacy-form clashes): what a launcher checks before starting any process.
+    or values, refused settings, legacy-form clashes, cross-field rules such as a missing nvme_path): what a
+    launcher checks before starting any process.
     "auto" entries and the batch arithmetic wait for ``load_config`` with the run's context. Warns nothing."""
     raw, source = _read(config)
     if not isinstance(raw, Mapping):
@@ -117,7 +118,7 @@ def check_config(config: Mapping[str, Any] | str | os.PathLike[str]) -> None:
     validated = coerce(norm.config, schema)
     problems = list(norm.problems) + validate(validated)
     if not problems:
-        problems += classify(fill_defaults(validated, schema), schema)[0]
+        problems += classify(fill_defaults(validated, schema), schema)[0] + cross_checks(dict(validated))
     if problems:
         raise ConfigError(_unique(problems), source=source)
 

@@ -38,6 +38,9 @@ class StrategyKeywords:
     loss_scale: float | None = None
     initial_scale_power: int | None = None
     micro_batch_size: int | None = None
+    offload_optimizer_device: str | None = None  # Lightning DeepSpeedStrategy's names: "cpu" or "nvme"
+    offload_params_device: str | None = None
+    nvme_path: str | None = None
 
     def given(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
@@ -102,11 +105,62 @@ def _same(configured: Any, wanted: Any) -> bool:
     return bool(configured == wanted)
 
 
+_DEVICES = {  # device keyword -> (its on/off keyword, the offload block)
+    "offload_optimizer_device": ("offload_optimizer", "offload_optimizer"),
+    "offload_params_device": ("offload_parameters", "offload_param"),
+}
+
+
+def _apply_devices(out: dict[str, Any], given: dict[str, Any], problems: list[str]) -> None:
+    """``offload_*_device`` ("cpu" / "nvme", which implies the offload) and ``nvme_path`` (written into every
+    block offloaded to NVMe), as Lightning's DeepSpeedStrategy takes them."""
+    for name, (flag, block) in _DEVICES.items():
+        device = given.get(name)
+        if device is None:
+            continue
+        path = ("zero_optimization", block, "device")
+        configured = _lookup(out, path)
+        if device not in ("cpu", "nvme"):
+            problems.append(f'ZeroStrategy({name}={device!r}): use "cpu" or "nvme"')
+        elif given.get(flag) is False:
+            problems.append(f"ZeroStrategy({name}={device!r}) contradicts {flag}=False; remove one of them")
+        elif configured not in (None, "auto", "none", device):
+            problems.append(
+                f"ZeroStrategy({name}={device!r}) contradicts the config's {'.'.join(path)}={configured!r}; "
+                "remove one of them or make them agree"
+            )
+        else:
+            _store(out, path, device)
+    nvme_path = given.get("nvme_path")
+    if nvme_path is None:
+        return
+    blocks = [b for _, b in _DEVICES.values() if _lookup(out, ("zero_optimization", b, "device")) == "nvme"]
+    if not blocks:
+        problems.append(
+            "ZeroStrategy(nvme_path=...) is given but nothing is offloaded to NVMe; add "
+            'offload_optimizer_device="nvme" and/or offload_params_device="nvme"'
+        )
+    for block in blocks:
+        path = ("zero_optimization", block, "nvme_path")
+        configured = _lookup(out, path)
+        if configured not in (None, nvme_path):
+            problems.append(
+                f"ZeroStrategy(nvme_path={nvme_path!r}) contradicts the config's {'.'.join(path)}={configured!r}; "
+                "remove one of them or make them agree"
+            )
+        else:
+            _store(out, path, str(nvme_path))
+
+
 def apply_keywords(raw: Mapping[str, Any], keywords: StrategyKeywords) -> dict[str, Any]:
     """``raw`` with the given keywords written in; a contradiction is a ValueError listing every one."""
     out = copy.deepcopy(dict(raw))
     problems: list[str] = []
-    for name, value in keywords.given().items():
+    given = keywords.given()
+    _apply_devices(out, given, problems)
+    for name, value in given.items():
+        if name in _DEVICES or name == "nvme_path":
+            continue
         path = _PATHS[name]
         dotted = ".".join(path)
         configured = _lookup(out, path)

@@ -20,6 +20,17 @@ STRATEGY_NAMES: dict[str, tuple[str, dict[str, Any]]] = {
         "ds_strategy ZeRO stage 3, optimizer and parameters offloaded to CPU",
         {"stage": 3, "offload_optimizer": True, "offload_parameters": True},
     ),
+    "zero3_offload_nvme": (
+        "ds_strategy ZeRO stage 3, optimizer and parameters offloaded to NVMe under /local_nvme (ZeRO-Infinity)",
+        {
+            "stage": 3,
+            "offload_optimizer": True,
+            "offload_parameters": True,
+            "offload_optimizer_device": "nvme",
+            "offload_params_device": "nvme",
+            "nvme_path": "/local_nvme",
+        },
+    ),
 }
 
 

@@ -106,6 +106,9 @@ class ZeroStrategy(ParallelStrategy):
         stage: ZeRO stage 0-3 (default: the config's ``zero_optimization.stage``, else 2).
         offload_optimizer: keep fp32 master weights and optimizer state on the CPU (stages 1-3).
         offload_parameters: keep the parameters on the CPU between uses (stage 3).
+        offload_optimizer_device, offload_params_device: "cpu" or "nvme" (Lightning DeepSpeedStrategy's
+            names; "nvme" keeps the offloaded state in swap files under ``nvme_path``, docs/nvme.md).
+        nvme_path: the directory of the swap files of every block offloaded to NVMe.
         config: a DeepSpeed config, as a dict or the path of a JSON file. Everything not covered by a
             keyword lives here; Trainer arguments fill what it leaves absent or "auto".
         reduce_bucket_size: elements per gradient-reduction bucket (``zero_optimization.reduce_bucket_size``).
@@ -142,6 +145,9 @@ class ZeroStrategy(ParallelStrategy):
         *,
         offload_optimizer: bool | None = None,
         offload_parameters: bool | None = None,
+        offload_optimizer_device: Literal["cpu", "nvme"] | None = None,
+        offload_params_device: Literal["cpu", "nvme"] | None = None,
+        nvme_path: str | None = None,
         config: ConfigArg = None,
         reduce_bucket_size: int | None = None,
         allgather_bucket_size: int | None = None,
@@ -184,6 +190,9 @@ class ZeroStrategy(ParallelStrategy):
             loss_scale=loss_scale,
             initial_scale_power=initial_scale_power,
             micro_batch_size=micro_batch_size,
+            offload_optimizer_device=offload_optimizer_device,
+            offload_params_device=offload_params_device,
+            nvme_path=nvme_path,
         )
         self.config = config
         # Read, merged and checked now: a missing file, a contradiction or a bad key fails at construction,
