@@ -197,6 +197,7 @@ def make_strategy(name: str) -> Any:
     returns a torch Adam, so this run allows it (``zero_force_ds_cpu_optimizer: false``).
     zero3_sharded: stage 3 with every parameter partitioned (the test model's are all below the default
     persistence threshold, so plain zero3 keeps them gathered).
+    zero3_nvme: zero3_sharded with the optimizer and the parameters offloaded to NVMe (swap files in /tmp).
     """
     import ds_strategy.lightning as zl
 
@@ -209,6 +210,23 @@ def make_strategy(name: str) -> Any:
             activation_checkpointing_policy={nn.Linear},
         )
 
+    if name == "zero3_nvme":  # both offloads in swap files under /tmp (issue 22)
+        import tempfile
+
+        return zl.ZeroStrategy(
+            stage=3,
+            offload_optimizer_device="nvme",
+            offload_params_device="nvme",
+            nvme_path=tempfile.gettempdir(),
+            config={
+                "zero_force_ds_cpu_optimizer": False,
+                "zero_optimization": {
+                    "stage3_param_persistence_threshold": 0,
+                    "sub_group_size": 64,
+                    "offload_param": {"max_in_cpu": 0},
+                },
+            },
+        )
     if name.endswith("_offload"):
         stage = int(name[4])
         return zl.ZeroStrategy(

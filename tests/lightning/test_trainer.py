@@ -31,7 +31,7 @@ CLIP = 4.5
 TRAINER = {"accumulate_grad_batches": 2, "gradient_clip_val": CLIP, "max_epochs": 2}
 MODEL = {"scheduler": "step", "optimizer": "sgd", "lr": 0.1}
 THEN = ("validate", "test", "predict")
-NAMES = ["zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_sharded", "zero3_offload"]
+NAMES = ["zero0", "zero1", "zero2", "zero2_offload", "zero3", "zero3_sharded", "zero3_offload", "zero3_nvme"]
 
 
 def _run(strategy: Any, trainer: dict[str, Any], model: dict[str, Any], **kw: Any) -> list[dict[str, Any]]:

@@ -173,7 +173,8 @@ class ZeroStage:
         self._launched: set[BucketKey] = set()
         self._late: dict[BucketKey, torch.Tensor] = {}
         self._ptr = 0
-        self._inflight: list[Handle] = []
+        self._inflight: list[tuple[Handle, int]] = []  # (reduction, its bucket's elements)
+        self._inflight_numel = 0
         self._host_grad_buffers: dict[int, list[torch.Tensor]] = {}
         self._host_copier = HostCopier(self.compute_device)  # offloaded gradients to the host masters
 
@@ -376,15 +377,25 @@ class ZeroStage:
     def _launch_next(self) -> None:
         key = self.bucket_order[self._ptr]
         self._launched.add(key)
-        self._inflight.append(self._launch(key))
+        numel = self.groups[key[0]].layout.buckets[key[1]].padded
+        self._inflight.append((self._launch(key), numel))
+        self._inflight_numel += numel
         self._ptr += 1
+        # At most reduce_bucket_size elements in flight (their staging buffers with them), as DeepSpeed's
+        # key promises: the oldest reduction lands before another starts. Collectives complete in launch
+        # order on every rank, so waiting for the oldest never waits on a peer's later one.
+        while len(self._inflight) > 1 and self._inflight_numel > self.options.bucket_numel:
+            handle, landed = self._inflight.pop(0)
+            handle.wait()
+            self._inflight_numel -= landed
 
     def _finish_pass(self) -> None:
         while self._ptr < len(self.bucket_order):
             self._launch_next()
-        for handle in self._inflight:
+        for handle, _ in self._inflight:
             handle.wait()
         self._inflight.clear()
+        self._inflight_numel = 0
         for key, late in self._late.items():  # in bucket order on every rank: the same collectives
             self._reduce_late(key, late)
         self._late.clear()
