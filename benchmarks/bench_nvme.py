@@ -37,7 +37,21 @@ QUICK_SHAPES = {
     "GPT 2 layers": {"layers": 2, "d": 64, "seq": 32, "micro": 1},
     "GPT 8 layers (4x)": {"layers": 8, "d": 64, "seq": 32, "micro": 1},
 }
-CASES = (("ds_strategy", "cpu"), ("ds_strategy", "nvme"), ("deepspeed", "nvme"))
+# (peer, offload, activation checkpointing of every block). DeepSpeed 0.19.8's NVMe parameter swapper fails
+# under checkpoint recomputation ("AssertionError: param <n> already assigned swap buffer id <k>" in
+# partitioned_param_swapper.py), so it runs without; ours runs both ways for the like-for-like comparison.
+CASES = (
+    ("ds_strategy", "cpu", True),
+    ("ds_strategy", "nvme", True),
+    ("ds_strategy", "nvme", False),
+    ("deepspeed", "nvme", False),
+)
+
+
+def label(peer: str, offload: str, ckpt: bool) -> str:
+    return f"{peer} {offload}" + ("" if ckpt else " (no ckpt)")
+
+
 RSS_GROWTH_TARGET = 1.2  # issue 22, criterion 4
 SUB_GROUP = 1_000_000
 PARAM_BUFFER = 600_000  # elements: the largest parameter partition (a 512x2048 Linear / 2 ranks)
@@ -91,9 +105,9 @@ def _case(rank: int, world: int, item: tuple[str, str, str], nvme_dir: str, quic
     from benchmarks.training import LossModel
     from ds_strategy.demo.model import GPTConfig
 
-    model_name, peer, offload = item
+    model_name, peer, offload, ckpt = item
     shape = (QUICK_SHAPES if quick else SHAPES)[model_name]
-    path = os.path.join(nvme_dir, f"{peer}-{model_name.split()[1]}")
+    path = os.path.join(nvme_dir, f"{peer}-{model_name.split()[1]}-{int(ckpt)}")
     os.makedirs(path, exist_ok=True)
     config = ds_config(offload, path, pipeline=peer != "deepspeed")
     lib: Any
@@ -105,7 +119,8 @@ def _case(rank: int, world: int, item: tuple[str, str, str], nvme_dir: str, quic
     cfg = GPTConfig(block_size=shape["seq"], n_layer=shape["layers"], n_embd=shape["d"], n_head=8)
     with lib.zero.Init(config_dict_or_path=config):
         model = LossModel(cfg)
-    _checkpoint_blocks(model, peer)
+    if ckpt:
+        _checkpoint_blocks(model, peer)
     params = sum(p.ds_numel if hasattr(p, "ds_numel") else _numel(p) for p in model.parameters())
     engine, *_ = lib.initialize(model=model, model_parameters=model.parameters(), config=config)
     gen = torch.Generator().manual_seed(1 + rank)
@@ -155,10 +170,11 @@ def _numel(p: Any) -> int:
 def derive(cases: dict[str, dict[str, Any]], models: list[str]) -> dict[str, Any]:
     base, big = models
     out: dict[str, Any] = {}
-    for peer, offload in CASES:
-        a, b = cases.get(f"{base} | {peer} {offload}"), cases.get(f"{big} | {peer} {offload}")
+    for case in CASES:
+        name = label(*case)
+        a, b = cases.get(f"{base} | {name}"), cases.get(f"{big} | {name}")
         if a and b and "error" not in a and "error" not in b:
-            out[f"{peer} {offload}"] = {
+            out[name] = {
                 "rss_growth": b["peak_rss"] / a["peak_rss"],
                 "params_growth": b["params"] / a["params"],
             }
@@ -166,6 +182,10 @@ def derive(cases: dict[str, dict[str, Any]], models: list[str]) -> dict[str, Any
         cpu, nvme = cases.get(f"{model} | ds_strategy cpu"), cases.get(f"{model} | ds_strategy nvme")
         if cpu and nvme and "error" not in cpu and "error" not in nvme:
             out[f"{model} nvme/cpu step"] = nvme["s_per_step"] / cpu["s_per_step"]
+        ours, ds = cases.get(f"{model} | ds_strategy nvme (no ckpt)"), cases.get(f"{model} | deepspeed nvme (no ckpt)")
+        if ours and ds and "error" not in ours and "error" not in ds:
+            out[f"{model} ours/DeepSpeed nvme step"] = ours["s_per_step"] / ds["s_per_step"]
+            out[f"{model} ours/DeepSpeed nvme peak RSS"] = ours["peak_rss"] / ds["peak_rss"]
     return out
 
 
@@ -175,7 +195,7 @@ def _plot(cases: dict[str, dict[str, Any]], models: list[str], path: str) -> Non
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    labels = [f"{peer} {offload}" for peer, offload in CASES]
+    labels = [label(*case) for case in CASES]
     fig, axes = plt.subplots(1, 2, figsize=(11, 4))
     width = 0.38
     for m, model in enumerate(models):
@@ -202,9 +222,9 @@ def main(argv: list[str] | None = None) -> None:
     models = list((QUICK_SHAPES if args.quick else SHAPES).keys())
     base_dir = tempfile.mkdtemp(prefix="ds_nvme_", dir=args.dir)
     items = [
-        (model, peer, offload)
+        (model, peer, offload, ckpt)
         for model in models
-        for peer, offload in CASES
+        for peer, offload, ckpt in CASES
         if peer != "deepspeed" or importlib.util.find_spec("deepspeed") is not None
     ]
     cases: dict[str, dict[str, Any]] = {}
@@ -214,7 +234,7 @@ def main(argv: list[str] | None = None) -> None:
     runs.append(run_each(_case, WORLD, theirs, base_dir, args.quick, fresh=True))
     try:
         for item, result in (pair for run in runs for pair in run):
-            key = f"{item[0]} | {item[1]} {item[2]}"
+            key = f"{item[0]} | {label(*item[1:])}"
             if isinstance(result, Exception):
                 cases[key] = {
                     "error": str(result).strip().splitlines()[-1][:300] if str(result).strip() else repr(result)
@@ -264,10 +284,14 @@ def main(argv: list[str] | None = None) -> None:
         for name, d in derived.items()
         if isinstance(d, dict)
     ]
+    ratios = [[name, f"{v:.2f}x"] for name, v in derived.items() if isinstance(v, float)]
     table += "\n\n" + markdown_table(["peer offload", "params 4x model / base", "peak RSS 4x model / base"], growth)
+    table += "\n\n" + markdown_table(["ratio", "value"], ratios)
     table += (
-        f"\n\nTarget (issue 22): NVMe peak-RSS growth <= {RSS_GROWTH_TARGET}x. DeepSpeed runs with "
-        "pipeline_read/pipeline_write off (its pipelined swapper fails an assertion on this config)."
+        f"\n\nTarget (issue 22): NVMe peak-RSS growth <= {RSS_GROWTH_TARGET}x. DeepSpeed 0.19.8 runs with "
+        "pipeline_read/pipeline_write off (its pipelined optimizer swapper fails an assertion on this config) "
+        "and without activation checkpointing (its NVMe parameter swapper fails an assertion under "
+        "recomputation); '(no ckpt)' rows compare with it like for like."
     )
     write_results("nvme", payload, table)
     _plot(cases, models, str(results_dir() / "nvme.png"))
@@ -290,7 +314,7 @@ def _filesystem(path: str) -> str:
 def headlines(payload: dict[str, Any]) -> list[tuple[str, str]]:
     out = []
     derived = payload.get("derived", {})
-    for name in ("ds_strategy nvme", "ds_strategy cpu", "deepspeed nvme"):
+    for name in ("ds_strategy nvme", "ds_strategy cpu", "ds_strategy nvme (no ckpt)", "deepspeed nvme (no ckpt)"):
         d = derived.get(name)
         if d:
             out.append(
@@ -300,7 +324,7 @@ def headlines(payload: dict[str, Any]) -> list[tuple[str, str]]:
                 )
             )
     for key, value in derived.items():
-        if key.endswith("nvme/cpu step"):
+        if isinstance(value, float):
             out.append((key, f"{value:.2f}x"))
     errors = [k for k, c in payload.get("cases", {}).items() if "error" in c]
     if errors:

@@ -70,7 +70,7 @@ def test_run_all_quick_writes_every_result(tmp_path: Path, cpu_kernels: bool) ->
 
     nvme = json.loads((tmp_path / "nvme.json").read_text())
     ours = {k: c for k, c in nvme["cases"].items() if "ds_strategy" in k}
-    assert len(ours) == 4 and all("error" not in c for c in ours.values()), ours
+    assert len(ours) == 6 and all("error" not in c for c in ours.values()), ours
     assert all(c["swap_bytes_per_rank"] > 0 for k, c in ours.items() if "nvme" in k)
     assert {"ds_strategy nvme", "ds_strategy cpu"} <= set(nvme["derived"])
 

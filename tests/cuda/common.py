@@ -162,11 +162,13 @@ def engine_run(engine: Any, data: list[tuple[torch.Tensor, torch.Tensor]], *, mi
     with GatheredParameters(list(engine.module.parameters())):  # stage 3: whole for the copy; else a no-op
         gathered_on_device = all(on_device(p) for p in engine.module.parameters())
         params = {n: p.detach().float().cpu() for n, p in engine.module.named_parameters()}
+    with engine.stage.resident():  # NVMe offload: the masters in memory for the copy; else a no-op
+        masters = full_masters(engine)
     return {
         "losses": losses,
         "norms": norms,
         "params": params,
-        "masters": full_masters(engine),
+        "masters": masters,
         "gathered_on_device": gathered_on_device,
         "skipped": engine.skipped_steps,
     }

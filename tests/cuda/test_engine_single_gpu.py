@@ -154,6 +154,46 @@ def test_the_configs_optimizer_trains_like_torch_adamw(
         engine.destroy()
 
 
+NVME_LAYOUTS = [(1, False), (2, False), (3, False), (3, True)]  # (stage, parameters on NVMe too)
+
+
+@pytest.mark.parametrize("precision", ["fp32", "bf16", "fp16"])
+@pytest.mark.parametrize(
+    ("stage", "params"), NVME_LAYOUTS, ids=[f"stage{s}{'-param' if p else ''}" for s, p in NVME_LAYOUTS]
+)
+def test_nvme_offload_trains_like_torch_on_the_gpu(stage: int, params: bool, precision: str, tmp_path: Any) -> None:
+    """NVMe offload (issue 22) on the GPU: masters, optimizer state, stage 3's gradients (and partitions)
+    in swap files, moved between the device and the files through host memory, several sub-groups."""
+    import ds_strategy
+
+    label = f"nvme stage {stage} params={params} {precision}"
+    data = batches(STEPS, MICRO * GAS)
+    model = make_model()
+    cfg = zero_config(stage, precision, True, params, client_optimizer=False)
+    zero = cfg["zero_optimization"]
+    zero["sub_group_size"] = 300
+    zero["offload_optimizer"] = {
+        "device": "nvme",
+        "nvme_path": str(tmp_path),
+        "pipeline_read": True,
+        "pipeline_write": True,
+    }
+    if params:
+        zero["offload_param"] = {"device": "nvme", "nvme_path": str(tmp_path), "max_in_cpu": 0, "buffer_size": 1000}
+    engine, *_ = ds_strategy.initialize(model=model, model_parameters=groups_of(model), config=cfg)
+    try:
+        got = engine_run(engine, data, micro=MICRO, gas=GAS)
+        ref = reference_on_device(
+            data, precision=precision, micro=MICRO, world=1, gas=GAS, lr=LR, clip=0.5,
+            loss_scale=2.0**8 if precision == "fp16" else 1.0,
+        )  # fmt: skip
+        assert_trains_like(got, ref, precision, label, clip=0.5)
+        assert all(m.numel() == 0 for gs in engine.stage.groups for m in gs.masters), f"{label}: masters in memory"
+    finally:
+        engine.destroy()
+    assert not any((tmp_path / "ds_strategy_swap").iterdir()), f"{label}: swap files left behind"
+
+
 class Small(nn.Module):
     def __init__(self) -> None:
         super().__init__()

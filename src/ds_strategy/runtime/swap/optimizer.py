@@ -59,6 +59,13 @@ class _Pool:
     def available(self) -> bool:
         return bool(self.free) or self.made < self.count
 
+    def reserve(self, nbytes: int) -> None:
+        """Grow every buffer to at least ``nbytes`` now (the ones in the pool are dropped and remade)."""
+        if nbytes > self.capacity:
+            self.capacity = nbytes
+            self.free.clear()
+            self.made = 0
+
     def take(self, nbytes: int) -> torch.Tensor:
         if nbytes > self.capacity:  # state appeared after the first step: every buffer grows once
             self.capacity = nbytes
@@ -230,6 +237,10 @@ class OptimizerSwapper:
             buf, transfer = self._read(entries)
             reads[t] = (buf, transfer, entries)
 
+        # Every buffer at the largest tile's size from the start (the pool would otherwise grow tile by tile).
+        self.pool.reserve(
+            max((self._nbytes(self._entries(tile, states=True, grads=True)) for tile in tiles), default=0)
+        )
         for t in range(len(tiles)):
             if t not in reads:
                 start(t)
@@ -237,6 +248,7 @@ class OptimizerSwapper:
                 start(t + 1)
             buf, transfer, entries = reads.pop(t)
             transfer.wait()
+            known = {m: dict(self.state_dtypes.get(m, {})) for m in tiles[t]}
             run(t)
             self._record_states(tiles[t])
             # The step may have created state (the first step): write it back with the rest.
@@ -244,9 +256,10 @@ class OptimizerSwapper:
                 e for e in self._entries(tiles[t], states=True, grads=False) if e.file_key[0] == "s"
             ]
             write = self._write_out(entries, buf)
-            if self.pipeline_write:
+            created = any(self.state_dtypes.get(m) != known[m] for m in tiles[t])
+            if self.pipeline_write and not created:
                 self._writes.append(write)
-            else:
+            else:  # new state lives outside the pool: let it go before the next tile makes more
                 write.wait()
         self.flush()
 

@@ -39,7 +39,7 @@ from ds_strategy.ops.norm import multi_tensor_sum_of_squares
 
 from ..optimizers import is_cpu_kernel_optimizer
 from ..precision import Precision
-from ..swap import OptimizerSwapper, Swap, make_swap
+from ..swap import OptimizerSwapper, Swap, make_swap, trim_heap
 from .buffers import GroupState, GroupStorage
 from .collectives import Collectives, Handle
 from .init import init_shard
@@ -177,6 +177,8 @@ class ZeroStage:
         self._inflight_numel = 0
         self._host_grad_buffers: dict[int, list[torch.Tensor]] = {}
         self._host_copier = HostCopier(self.compute_device)  # offloaded gradients to the host masters
+        if self.swap is not None:
+            trim_heap()  # the build's freed blocks ([Note: host memory under NVMe offload], runtime/swap)
 
     @classmethod
     def create(
@@ -602,6 +604,7 @@ class ZeroStage:
             for t in range(len(tiles)):
                 run(t)
         self.publish(params_written=range(len(self.groups)))
+        trim_heap()  # [Note: host memory under NVMe offload] in runtime/swap/__init__.py
 
     # ------------------------------------------------------------------ NVMe offload
     def swapped_storages(self) -> list[GroupStorage]:

@@ -98,9 +98,11 @@ class InitStore:
     def __init__(self, nvme_path: str, aio: Any, rank: int) -> None:
         from ds_strategy.ops.aio import AsyncIO
 
+        from ..swap import return_freed_memory_to_os
         from ..swap.files import SwapDir, SwapFile
         from .offload import AioOptions, _aio_block
 
+        return_freed_memory_to_os()  # [Note: host memory under NVMe offload] in runtime/swap/__init__.py
         self.dir = SwapDir(nvme_path, rank, key="offload_param", need_bytes=0)
         self.aio = AsyncIO(AioOptions.from_config(_aio_block(aio)))
         self.file = SwapFile(self.aio, self.dir.path / "init.swp")
@@ -369,6 +371,10 @@ class Init:
                 if p is not None:
                     self._partition(p)
         self._pending = keep
+        if self._store is not None:
+            from ..swap import trim_heap
+
+            trim_heap()  # [Note: host memory under NVMe offload] in runtime/swap/__init__.py
 
     def _partition(self, p: nn.Parameter) -> None:
         if p.is_meta:

@@ -38,6 +38,7 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..swap import trim_heap
 from . import host_memory
 from .base import BucketKey, StageOptions, ZeroStage
 from .buffers import GroupStorage
@@ -169,6 +170,8 @@ class Stage3(Stage2):
             max_live_numel=s3.max_live_numel,
             reuse_distance=s3.reuse_distance,
         )
+        if self.swap is not None:
+            trim_heap()  # the build's freed blocks ([Note: host memory under NVMe offload], runtime/swap)
 
     def _plan(
         self, named: Sequence[tuple[str, nn.Parameter]], owner: dict[int, int], persistent: set[int]
