@@ -320,7 +320,8 @@ def headlines(payload: dict[str, Any]) -> list[tuple[str, str]]:
             out.append(
                 (
                     f"{name}: peak RSS, 4x model / base",
-                    f"{d['rss_growth']:.2f}x (target <= {RSS_GROWTH_TARGET}x for NVMe)",
+                    f"{d['rss_growth']:.2f}x"
+                    + (f" (target <= {RSS_GROWTH_TARGET}x)" if name == "ds_strategy nvme" else ""),
                 )
             )
     for key, value in derived.items():

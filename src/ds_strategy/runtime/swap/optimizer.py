@@ -261,6 +261,10 @@ class OptimizerSwapper:
                 self._writes.append(write)
             else:  # new state lives outside the pool: let it go before the next tile makes more
                 write.wait()
+                if created:  # the first step: its state blocks were malloc'd one tile at a time
+                    from . import trim_heap
+
+                    trim_heap()
         self.flush()
 
     def stream_grads(self, tiles: Sequence[Sequence[nn.Parameter]]) -> Iterator[list[torch.Tensor]]:
