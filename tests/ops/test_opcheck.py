@@ -78,6 +78,10 @@ CASES: dict[str, list[Case]] = {
         Case(lambda: ([_t(), _t(9, torch.bfloat16), _t(4, torch.float16)],)),
         Case(lambda: ([torch.tensor([1.0, float("inf")])],)),
     ],
+    "multi_tensor_sum_of_squares": [
+        Case(lambda: ([_t(), _t(9, torch.bfloat16), _t(4, torch.float16)],)),
+        Case(lambda: ([torch.tensor([1.0, float("inf")])],)),
+    ],
     "simd_isa": [
         Case(
             lambda: (),

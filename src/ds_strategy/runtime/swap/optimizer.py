@@ -29,6 +29,7 @@ from torch.optim import Optimizer
 
 from ds_strategy.ops.aio import AioRequest, aligned_empty
 
+from ..zero.host_memory import trim_heap  # [Note: host memory under NVMe offload] in __init__.py
 from .files import SwapFile, _align
 
 Key = tuple[int, int]  # (group, bucket)
@@ -262,8 +263,6 @@ class OptimizerSwapper:
             else:  # new state lives outside the pool: let it go before the next tile makes more
                 write.wait()
                 if created:  # the first step: its state blocks were malloc'd one tile at a time
-                    from . import trim_heap
-
                     trim_heap()
         self.flush()
 
