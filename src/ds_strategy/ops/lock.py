@@ -23,7 +23,8 @@ class KernelBuildTimeout(RuntimeError):
     """Raised when another process held the build lock longer than the allowed wait."""
 
 
-def _pid_alive(pid: int) -> bool:
+def pid_alive(pid: int) -> bool:
+    """Whether process ``pid`` exists on this host (someone else's process counts as alive)."""
     try:
         os.kill(pid, 0)
     except ProcessLookupError:
@@ -67,7 +68,7 @@ class BuildLock:
                     # Being written right now, or truncated by a crash: judge by age.
                     if self._age() > 10.0:
                         self._remove_stale("an unreadable lock file")
-                elif holder.get("host") == host and not _pid_alive(int(str(holder.get("pid", 0)))):
+                elif holder.get("host") == host and not pid_alive(int(str(holder.get("pid", 0)))):
                     self._remove_stale(f"process {holder.get('pid')} (dead), started {holder.get('started')}")
                 elif time.monotonic() > deadline:
                     raise KernelBuildTimeout(

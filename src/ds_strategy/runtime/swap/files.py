@@ -22,6 +22,7 @@ from pathlib import Path
 import torch
 
 from ds_strategy.ops.aio import ALIGNMENT, AioFile, AioRequest, AsyncIO
+from ds_strategy.ops.lock import pid_alive
 
 ROOT_NAME = "ds_strategy_swap"
 _counter = itertools.count()
@@ -37,16 +38,6 @@ def _align(n: int) -> int:
 
 def _host() -> str:
     return socket.gethostname().replace("-", "_") or "host"
-
-
-def _alive(pid: int) -> bool:
-    try:
-        os.kill(pid, 0)
-    except ProcessLookupError:
-        return False
-    except PermissionError:
-        return True  # someone else's process
-    return True
 
 
 def remove_stale(root: Path) -> list[Path]:
@@ -65,7 +56,7 @@ def remove_stale(root: Path) -> list[Path]:
             pid = int(name[len(prefix) :].split("-", 1)[0])
         except ValueError:
             continue
-        if pid != os.getpid() and not _alive(pid):
+        if pid != os.getpid() and not pid_alive(pid):
             shutil.rmtree(entry, ignore_errors=True)
             removed.append(entry)
     return removed

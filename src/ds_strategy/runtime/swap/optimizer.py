@@ -68,10 +68,7 @@ class _Pool:
             self.made = 0
 
     def take(self, nbytes: int) -> torch.Tensor:
-        if nbytes > self.capacity:  # state appeared after the first step: every buffer grows once
-            self.capacity = nbytes
-            self.free.clear()
-            self.made = 0
+        self.reserve(nbytes)  # state appeared after the first step: every buffer grows once
         if self.free:
             return self.free.pop()
         assert self.made < self.count, "the caller waits for a buffer before taking one"
