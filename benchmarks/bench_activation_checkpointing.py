@@ -16,7 +16,7 @@ bounds the saving at ~100 MiB here.
 
 Each case runs in fresh processes (so peak RSS is its own): 2 warm-up + 3 timed steps, slowest rank's
 s/step, largest rank's peak RSS. Then, per peer and stage, one engine per checkpointing flavour in the same
-two processes with their steps interleaved (2 warm-up + 4 timed): load from other work hits the flavours of
+two processes with their steps interleaved (2 warm-up + 8 timed): load from other work hits the flavours of
 a step alike, so the median per-step ratio with / without checkpointing is the noise-robust overhead
 figure (the targets are judged on it). Derived per stage and flavour (issue 20, criterion 4): the peak-RSS
 reduction checkpointing brings (MiB and fraction of the run without) beside DeepSpeed's, the step-time
@@ -62,7 +62,7 @@ WORLD = 2
 SHAPE = {"layers": 4, "d": 256, "seq": 1024, "micro": 2}
 QUICK_SHAPE = {"layers": 2, "d": 64, "seq": 128, "micro": 2}
 STEPS, QUICK_STEPS = 3, 2
-PAIRED_STEPS = 4  # interleaved, after WARMUP
+PAIRED_STEPS = 8  # interleaved, after WARMUP
 WARMUP = 2
 STAGES = (2, 3)
 OVERHEAD_MAX = 1.4  # issue 20, criterion 4: within 1.4x of the same stage without checkpointing

@@ -387,9 +387,17 @@ class ZeroStage:
         # key promises: the oldest reduction lands before another starts. Collectives complete in launch
         # order on every rank, so waiting for the oldest never waits on a peer's later one.
         while len(self._inflight) > 1 and self._inflight_numel > self.options.bucket_numel:
-            handle, landed = self._inflight.pop(0)
-            handle.wait()
-            self._inflight_numel -= landed
+            self._land_oldest()
+        # Reductions that already finished land now, so their staging buffers go at once rather than at
+        # the end of backward: with DeepSpeed's default bucket size (5e8) every bucket would otherwise stay
+        # until then, on top of the activations of the last blocks (a checkpointed backward's peak).
+        while self._inflight and self._inflight[0][0].is_completed():
+            self._land_oldest()
+
+    def _land_oldest(self) -> None:
+        handle, landed = self._inflight.pop(0)
+        handle.wait()
+        self._inflight_numel -= landed
 
     def _finish_pass(self) -> None:
         while self._ptr < len(self.bucket_order):

@@ -21,10 +21,15 @@ from ds_strategy.comm.collectives import CommHandle, Communicator
 class Handle(Protocol):
     def wait(self) -> None: ...
 
+    def is_completed(self) -> bool: ...
+
 
 class _Done:
     def wait(self) -> None:
         return None
+
+    def is_completed(self) -> bool:
+        return True
 
 
 DONE: Handle = _Done()

@@ -89,3 +89,6 @@ class _CopyBack:
     def wait(self) -> None:
         self._handle.wait()
         self._dst.copy_(self._src)
+
+    def is_completed(self) -> bool:
+        return self._handle.is_completed()

@@ -139,3 +139,6 @@ class _Land:
             self._stage._landed(self._key, self._out)
             self._out = None  # type: ignore[assignment]
         self._stage._staging.pop(self._key, None)
+
+    def is_completed(self) -> bool:
+        return self._handle.is_completed()
