@@ -497,7 +497,7 @@ def _staging(rank: int, world: int) -> dict[str, Any]:
         engine, *_ = rt.initialize(model=model, config=cfg)
         seen: list[int] = []
         for p in model.parameters():  # registered after the engine's hooks, so they run after them
-            p.register_post_accumulate_grad_hook(lambda _: seen.append(len(engine.stage._staging)))
+            p.register_post_accumulate_grad_hook(lambda _, e=engine, s=seen: s.append(len(e.stage._staging)))
         losses = []
         for _ in range(2):
             seen.clear()
