@@ -44,6 +44,7 @@ class EngineProfiling:
         self.flops_per_sample: float | None = None  # a training step's flops per sample, once profiled
         self._per_step, self._per_report = SpeedMeter(), SpeedMeter()
         self.latest: dict[str, float] = {}
+        self.last_profile: dict[str, float] = {}  # rank 0: the profiled forward's flops, macs, params, duration
 
     def _profiling(self, global_steps: int) -> bool:
         return self.profiler is not None and self._rank == 0 and global_steps == self.config.profile_step
@@ -71,6 +72,12 @@ class EngineProfiling:
         prof = self.profiler
         if self._profiling(finished_step) and prof is not None and prof.started:
             fwd_flops = int(prof.get_total_flops())
+            self.last_profile = {
+                "flops": fwd_flops,
+                "macs": int(prof.get_total_macs()),
+                "params": int(prof.get_total_params()),
+                "duration": float(prof.get_total_duration()),
+            }
             self.flops_per_sample = (3.0 + self.config.recompute_fwd_factor) * fwd_flops / self._micro_batch
             prof.print_model_profile(
                 profile_step=finished_step,
