@@ -179,5 +179,5 @@ def test_bad_inputs_are_refused() -> None:
         get_model_profile(MLP())
     with pytest.raises(ValueError, match="input_shape must be a non-empty tuple"):
         get_model_profile(MLP(), input_shape=[B, D_IN])  # type: ignore[arg-type]
-    with pytest.raises(TypeError, match="model must be a torch.nn.Module"):
+    with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
         get_model_profile(object())  # type: ignore[arg-type]

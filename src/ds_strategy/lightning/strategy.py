@@ -413,8 +413,9 @@ class ZeroStrategy(ParallelStrategy):
                 )
             self._adopt_config_scheduler(self.engine)
             self.optimizers = [self.engine.optimizer]
-            if not any(isinstance(c, ThroughputProgress) for c in trainer.callbacks):
-                trainer.callbacks.append(ThroughputProgress())  # tokens/s and MFU in the progress bar
+            callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
+            if not any(isinstance(c, ThroughputProgress) for c in callbacks):
+                callbacks.append(ThroughputProgress())  # tokens/s and MFU in the progress bar
         else:
             self.optimizers = []
         self.model = self.engine

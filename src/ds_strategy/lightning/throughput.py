@@ -25,4 +25,6 @@ class ThroughputProgress(Callback):
         stats: dict[str, float] = getattr(engine, "throughput", None) or {}
         for key, name in SHOWN.items():
             if key in stats:
-                pl_module.log(name, stats[key], prog_bar=True, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1)
+                pl_module.log(
+                    name, stats[key], prog_bar=True, on_step=True, on_epoch=False, rank_zero_only=True, batch_size=1
+                )

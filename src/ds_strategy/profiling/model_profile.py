@@ -41,8 +41,13 @@ def get_model_profile(
         if not isinstance(input_shape, tuple) or not input_shape:
             raise ValueError(f"get_model_profile: input_shape must be a non-empty tuple, got {input_shape!r}")
         first = next(model.parameters(), None)
-        args = [torch.zeros(input_shape, dtype=first.dtype if first is not None else None,
-                            device=first.device if first is not None else None)]
+        args = [
+            torch.zeros(
+                input_shape,
+                dtype=first.dtype if first is not None else None,
+                device=first.device if first is not None else None,
+            )
+        ]
     if not args and not kwargs:
         raise ValueError("get_model_profile: give input_shape, args or kwargs (the model's inputs)")
     run = getattr(model, mode) if mode == "generate" else model

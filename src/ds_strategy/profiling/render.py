@@ -69,7 +69,10 @@ def _summary(prof: FlopsProfiler) -> list[tuple[str, str]]:
         iteration = fwd + bwd + step
         rows += [
             ("bwd latency", duration_to_string(bwd)),
-            (f"bwd FLOPS per GPU = {factor:g} x fwd flops / bwd latency", flops_to_string(factor * flops / bwd if bwd else 0)),
+            (
+                f"bwd FLOPS per GPU = {factor:g} x fwd flops / bwd latency",
+                flops_to_string(factor * flops / bwd if bwd else 0),
+            ),
             (
                 f"fwd+bwd FLOPS per GPU = {factor + 1:g} x fwd flops / (fwd+bwd latency)",
                 flops_to_string((factor + 1) * flops / (fwd + bwd) if fwd + bwd else 0),
@@ -112,7 +115,7 @@ def _detail_rows(prof: FlopsProfiler) -> list[tuple[str, ...]]:
     total_params = int(prof.get_total_params()) or 1
     total_flops = int(prof.get_total_flops()) or 1
     total_time = float(prof.get_total_duration()) or 1.0
-    rows = []
+    rows: list[tuple[str, ...]] = []
     for name, module in prof.model.named_modules():
         depth = name.count(".") + 1 if name else 0
         label = "  " * depth + (name.rpartition(".")[2] or "(model)") + f" ({type(module).__name__})"
