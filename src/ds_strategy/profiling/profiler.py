@@ -30,6 +30,7 @@ from torch import nn
 from torch.utils.flop_counter import FlopCounterMode, sdpa_flop_count
 from torch.utils.hooks import RemovableHandle
 
+from .render import render_profile
 from .units import duration_to_string, macs_to_string, number_to_string, params_to_string
 
 
@@ -159,8 +160,6 @@ class FlopsProfiler:
         all) and, with ``detailed``, a table of every module; into ``output_file`` when given."""
         if not self.started:
             return
-        from .render import render_profile
-
         if output_file:
             path = Path(output_file)
             path.parent.mkdir(parents=True, exist_ok=True)

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING, Any, TextIO
+from typing import Any, Protocol, TextIO
 
 from torch import nn
 
@@ -10,14 +10,27 @@ from ds_strategy.table import print_table
 
 from .units import duration_to_string, flops_to_string, macs_to_string, number_to_string, params_to_string
 
-if TYPE_CHECKING:
-    from .profiler import FlopsProfiler
+
+class Profile(Protocol):
+    """What the tables read: FlopsProfiler's totals and per-module numbers."""
+
+    model: nn.Module
+    ds_engine: Any
+    recompute_fwd_factor: float
+
+    def get_total_flops(self, as_string: bool = False) -> int | str: ...
+    def get_total_duration(self, as_string: bool = False) -> float | str: ...
+    def get_total_params(self, as_string: bool = False) -> int | str: ...
+    def module_flops(self, module: nn.Module) -> int: ...
+    def module_duration(self, module: nn.Module) -> float: ...
+    def module_params(self, module: nn.Module) -> int: ...
+
 
 _WIDTH = 160  # rich wraps to 80 columns in files and pipes: a module table needs more
 
 
 def render_profile(
-    prof: FlopsProfiler, file: TextIO | None, profile_step: int, module_depth: int, top_modules: int, detailed: bool
+    prof: Profile, file: TextIO | None, profile_step: int, module_depth: int, top_modules: int, detailed: bool
 ) -> None:
     print_table(f"Flops profile at step {profile_step}", ("quantity", "value"), _summary(prof), file, _WIDTH)
     depths = _aggregate(prof.model, prof)
@@ -43,7 +56,7 @@ def render_profile(
         print_table("Per-module profile (forward)", _DETAIL_COLUMNS, _detail_rows(prof), file, _WIDTH)
 
 
-def _summary(prof: FlopsProfiler) -> list[tuple[str, str]]:
+def _summary(prof: Profile) -> list[tuple[str, str]]:
     flops, params = int(prof.get_total_flops()), int(prof.get_total_params())
     fwd = float(prof.get_total_duration())
     rows: list[tuple[str, str]] = []
@@ -90,7 +103,7 @@ def _summary(prof: FlopsProfiler) -> list[tuple[str, str]]:
     return rows
 
 
-def _aggregate(model: nn.Module, prof: FlopsProfiler) -> list[dict[str, list[float]]]:
+def _aggregate(model: nn.Module, prof: Profile) -> list[dict[str, list[float]]]:
     """Per depth, per module type: [params, MACs, fwd latency] summed over the modules of that type."""
     depths: list[dict[str, list[float]]] = []
 
@@ -111,7 +124,7 @@ def _aggregate(model: nn.Module, prof: FlopsProfiler) -> list[dict[str, list[flo
 _DETAIL_COLUMNS = ("module", "params", "% params", "MACs", "% MACs", "fwd latency", "% latency", "fwd FLOPS")
 
 
-def _detail_rows(prof: FlopsProfiler) -> list[tuple[str, ...]]:
+def _detail_rows(prof: Profile) -> list[tuple[str, ...]]:
     total_params = int(prof.get_total_params()) or 1
     total_flops = int(prof.get_total_flops()) or 1
     total_time = float(prof.get_total_duration()) or 1.0
