@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import math
 from pathlib import Path
+from typing import Any
 
 import pytest
 import torch
@@ -181,3 +182,26 @@ def test_bad_inputs_are_refused() -> None:
         get_model_profile(MLP(), input_shape=[B, D_IN])  # type: ignore[arg-type]
     with pytest.raises(TypeError, match=r"model must be a torch\.nn\.Module"):
         get_model_profile(object())  # type: ignore[arg-type]
+
+
+def _deepspeed_and_ours(rank: int, world: int) -> list[tuple[Any, Any]]:
+    pytest.importorskip("deepspeed")
+    from deepspeed.profiling.flops_profiler import get_model_profile as deepspeed_profile
+
+    out = []
+    for model, x in ((MLP(), torch.randn(B, D_IN)), (Block(16, 2), torch.randn(2, 5, 16))):
+        kw: dict[str, Any] = {"args": [x], "print_profile": False, "as_string": False}
+        out.append((deepspeed_profile(model, **kw), get_model_profile(model, **kw)))
+    return out
+
+
+@pytest.mark.multiprocess
+def test_macs_and_params_equal_deepspeeds() -> None:
+    """DeepSpeed's own profiler (its formulas patched into torch's functions) agrees on MACs and params;
+    its flops are higher by the elementwise ops it also counts (bias adds, activations, norms, softmax)."""
+    from tests.harness import run_distributed
+
+    (pairs,) = run_distributed(_deepspeed_and_ours, 1, process_env={"DS_ACCELERATOR": "cpu"}, timeout=180)
+    for (ds_flops, ds_macs, ds_params), (flops, macs, params) in pairs:
+        assert (macs, params) == (ds_macs, ds_params)
+        assert flops == 2 * macs < ds_flops
