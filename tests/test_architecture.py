@@ -25,6 +25,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "ds_strategy.config": (1, "the typed DeepSpeed config (no torch at import)"),
     "ds_strategy.comm": (2, "process group, collectives, shared memory"),
     "ds_strategy.launcher": (2, "ds-launch: starts processes, reads the scheduler's environment"),
+    "ds_strategy.profiling": (2, "flops profiler, peak-flops table, throughput: torch only, under the engine"),
     "ds_strategy.runtime": (3, "the engine, the ZeRO stages, checkpoints"),
     "ds_strategy.zero": (3, "the public ds_strategy.zero namespace of runtime.zero"),
     "ds_strategy.checkpointing": (3, "the public ds_strategy.checkpointing namespace (activation checkpointing)"),

@@ -108,6 +108,12 @@ CKPT_TEST_PAUSE = _declare(
     "test only: seconds to sleep before each checkpoint file (to kill a save midway)",
     "runtime/checkpoint/format.py",
 )
+PEAK_TFLOPS = _declare(
+    "DS_STRATEGY_PEAK_TFLOPS",
+    "the device table",
+    "peak dense TFLOPS of one device, for the MFU of the progress line (docs/profiling.md)",
+    "profiling/peak.py",
+)
 
 VARIABLES: dict[str, EnvVar] = {v.name: v for v in _VARS}
 

@@ -17,7 +17,11 @@ def format_plain(title: str, columns: Sequence[str], rows: Sequence[Sequence[obj
 
 
 def print_table(
-    title: str, columns: Sequence[str], rows: Sequence[Sequence[object]], file: TextIO | None = None
+    title: str,
+    columns: Sequence[str],
+    rows: Sequence[Sequence[object]],
+    file: TextIO | None = None,
+    width: int | None = None,
 ) -> None:
     try:
         from rich.console import Console
@@ -30,4 +34,4 @@ def print_table(
         table.add_column(column)
     for row in rows:
         table.add_row(*(str(c) for c in row))
-    Console(file=file).print(table)
+    Console(file=file, width=width).print(table)

@@ -246,6 +246,19 @@ class CommsLoggerConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class FlopsProfilerConfig:
+    """``flops_profiler``."""
+
+    enabled: bool = False
+    recompute_fwd_factor: float = 0.0
+    profile_step: int = 1
+    module_depth: int = -1
+    top_modules: int = 1
+    detailed: bool = True
+    output_file: str | None = None
+
+
+@dataclass(frozen=True, kw_only=True)
 class CheckpointConfig:
     """``checkpoint``."""
 
@@ -299,6 +312,7 @@ class DeepSpeedConfig:
     zero_optimization: ZeroConfig = field(default_factory=ZeroConfig)
     activation_checkpointing: ActivationCheckpointingConfig = field(default_factory=ActivationCheckpointingConfig)
     comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
+    flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
     aio: AioConfig = field(default_factory=AioConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     # Accepted-but-ignored DeepSpeed settings by dotted path, kept so ``to_dict`` round-trips.

@@ -89,6 +89,7 @@ from .config import (
 )
 from .launcher import ZeroMultiProcessingLauncher
 from .precision import ZeroPrecision
+from .throughput import ThroughputProgress
 
 if TYPE_CHECKING:
     from ds_strategy.config import DeepSpeedConfig
@@ -412,6 +413,9 @@ class ZeroStrategy(ParallelStrategy):
                 )
             self._adopt_config_scheduler(self.engine)
             self.optimizers = [self.engine.optimizer]
+            callbacks: list[Any] = trainer.callbacks  # type: ignore[attr-defined]
+            if not any(isinstance(c, ThroughputProgress) for c in callbacks):
+                callbacks.append(ThroughputProgress())  # tokens/s and MFU in the progress bar
         else:
             self.optimizers = []
         self.model = self.engine

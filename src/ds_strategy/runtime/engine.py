@@ -12,6 +12,7 @@ beyond choosing the stage class; precision is decided once (``Precision``), the 
 from __future__ import annotations
 
 import os
+import weakref
 from collections.abc import Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
@@ -38,6 +39,7 @@ from .params import (
     param_groups,
 )
 from .precision import Precision, make_loss_scaler
+from .profiling import EngineProfiling
 from .timers import Throughput, Timers
 from .zero import STAGES, Collectives
 from .zero.access import FullStateAccess
@@ -131,6 +133,17 @@ class ZeroEngine(nn.Module):
         self.timers = Timers(config.wall_clock_breakdown, self.device)
         self._throughput = Throughput()
         self._print_every = config.steps_per_print or (10 if config.wall_clock_breakdown else None)
+        self.profiling = EngineProfiling(
+            weakref.proxy(self),  # the profiler reads world size and timers from it; no cycle back to us
+            module,
+            config.flops_profiler,
+            rank=self.coll.rank,
+            world_size=self.coll.world_size,
+            micro_batch_size=self.batch.train_micro_batch_size_per_gpu,
+            device=self.device,
+            dtype=self.precision.compute_dtype,
+        )
+        self.flops_profiler = self.profiling.profiler  # DeepSpeed's attribute: None unless flops_profiler.enabled
 
     # ------------------------------------------------------------------ set-up helpers
     @torch.no_grad()
@@ -167,7 +180,11 @@ class ZeroEngine(nn.Module):
     # ------------------------------------------------------------------ DeepSpeed's engine API
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         activation_checkpointing.reset()  # contiguous checkpoint buffers are reused from the first again
-        with self.timers("forward"), self.stage.forward_context():
+        with (
+            self.timers("forward"),
+            self.stage.forward_context(),
+            self.profiling.forward(self.global_steps, inputs, kwargs),
+        ):
             args, kwargs = self.precision.cast_forward_inputs(inputs, kwargs)
             return self.module(*args, **kwargs)
 
@@ -233,6 +250,7 @@ class ZeroEngine(nn.Module):
                 self.lr_scheduler.step(**lr_kwargs)
         self.global_steps += 1
         self.global_samples += self.batch.train_batch_size
+        self.profiling.step_done(self.global_steps - 1, self.global_samples)
         if self._loss_sum is not None:
             self.last_loss = self._loss_sum
             self._loss_sum = None
@@ -279,12 +297,13 @@ class ZeroEngine(nn.Module):
     def _report(self) -> None:
         rate = self._throughput.rate(self.global_samples)
         breakdown = self.timers.mean_ms()
+        extra = self.profiling.report(self.global_samples)
         if self.coll.rank != 0:
             return
         loss = float(self.last_loss) if self.last_loss is not None else float("nan")
         lrs = ", ".join(f"{lr:.4g}" for lr in self.get_lr())
         log.info(
-            "step=%d skipped=%d lr=[%s] loss=%.5g grad_norm=%.4g loss_scale=%g samples/sec=%.2f",
+            "step=%d skipped=%d lr=[%s] loss=%.5g grad_norm=%.4g loss_scale=%g samples/sec=%.2f%s",
             self.global_steps,
             self.skipped_steps,
             lrs,
@@ -292,9 +311,15 @@ class ZeroEngine(nn.Module):
             self._global_grad_norm or 0.0,
             self.loss_scaler.loss_scale,
             rate,
+            extra,
         )
         if breakdown:
             log.info("time (ms) | %s", " | ".join(f"{k}: {v:.2f}" for k, v in breakdown.items()))
+
+    @property
+    def throughput(self) -> dict[str, float]:
+        """The last optimizer step's samples_per_sec, tokens_per_sec, tflops and mfu (those known)."""
+        return dict(self.profiling.latest)
 
     def is_gradient_accumulation_boundary(self) -> bool:
         if self._boundary_override is not None:
