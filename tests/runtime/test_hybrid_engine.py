@@ -278,8 +278,8 @@ def test_max_out_tokens_generate_fn_partition_size_and_memory_rule() -> None:
         assert r["chunks"] == [3] * (n // 3) + ([n % 3] if n % 3 else []), r["chunks"]
         torch.testing.assert_close(r["fallback"], r["expected"], rtol=0, atol=0)
         assert r["fallback_gathers"] > r["buckets"] and not r["fallback_held"]
-        assert len(r["warnings"]) == (1 if rank == 0 else 0), r["warnings"]
-        assert "stage3_max_live_parameters (20000)" in "".join(r["warnings"])
+        assert len(r["warnings"]) == (1 if rank == 0 else 0), r["warnings"]  # once, on rank 0
+        assert all("stage3_max_live_parameters (20000)" in m for m in r["warnings"])
 
 
 def test_config_refuses_tensor_parallel_generation_and_types_the_block() -> None:
