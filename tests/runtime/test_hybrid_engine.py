@@ -142,6 +142,7 @@ def _generate_train_generate(rank: int, world: int) -> dict[str, Any]:
     }.items():
         engine, *_ = ds_strategy.initialize(model=_gpt(), config=_config(3, hybrid))
         out[name] = _loop(engine, rank, engine=True)
+        out[name]["cycle"] = dict(engine.hybrid.last_cycle)  # eval() closed a train/generate cycle
         engine.destroy()
     return out
 
@@ -157,6 +158,9 @@ def test_generate_train_generate_matches_ddp() -> None:
         held = r["pinned"]["held"]
         assert held[0] > 0 and held[1] == 0 and held[2] > 0 and held[3] == 0, held
         assert r["hybrid"]["held"] == [0, 0, 0, 0]
+        cycle = r["hybrid"]["cycle"]
+        assert cycle["training"] > 0 and cycle["generate"] > 0 and cycle["gather"] > 0
+        assert cycle["latency"] >= cycle["training"] + cycle["generate"] + cycle["gather"]
 
 
 def _llama() -> Any:

@@ -137,6 +137,7 @@ class ZeroEngine(nn.Module):
             config.hybrid_engine,
             max_live_numel=int(config.zero_optimization.stage3_max_live_parameters),
             rank=self.coll.rank,
+            report=config.wall_clock_breakdown,
         )
 
     # ------------------------------------------------------------------ set-up helpers

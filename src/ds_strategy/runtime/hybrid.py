@@ -48,11 +48,15 @@ GenerateFn = Callable[..., Any]
 class HybridEngine:
     """``engine.generate`` and the eval/train bookkeeping of a ``ZeroEngine`` (see the module docstring)."""
 
-    def __init__(self, stage: ZeroStage, config: HybridEngineConfig, *, max_live_numel: int, rank: int) -> None:
+    def __init__(
+        self, stage: ZeroStage, config: HybridEngineConfig, *, max_live_numel: int, rank: int, report: bool = False
+    ) -> None:
         self.stage = stage
         self.config = config
         self.max_live_numel = max_live_numel
         self.rank = rank
+        self.report = report  # wall_clock_breakdown: log each cycle's times on rank 0
+        self.last_cycle: dict[str, float] = {}  # the last train/generate cycle's seconds (see mode_changed)
         self._warned_fallback = False
         # Seconds spent since the last eval(): gathering, generating, training (DeepSpeed's latency report).
         self.gather_s = 0.0
@@ -125,6 +129,9 @@ class HybridEngine:
 
     # ------------------------------------------------------------------ eval / train (DeepSpeed's report)
     def mode_changed(self, training: bool) -> None:
+        """train(): the training time starts; eval(): a cycle ends (DeepSpeed's hybrid engine prints its
+        end-to-end / gather / generate / training times at every eval; here ``last_cycle`` keeps them, and
+        ``wall_clock_breakdown`` logs them on rank 0)."""
         now = time.perf_counter()
         if training:
             self._training_start = now
@@ -132,19 +139,26 @@ class HybridEngine:
         if self._training_start is not None:
             self.training_s += now - self._training_start
             self._training_start = None
-        if self._cycle_start is not None and self.config.enabled and self.rank == 0:
+        if self._cycle_start is not None:
             latency = max(now - self._cycle_start, 1e-9)
-            log.info(
-                "hybrid engine: E2E latency=%.2fs | gather %.2fs (%.1f%%) | generate %.2fs (%.1f%%) | "
-                "training %.2fs (%.1f%%)",
-                latency,
-                self.gather_s,
-                100 * self.gather_s / latency,
-                self.generate_s,
-                100 * self.generate_s / latency,
-                self.training_s,
-                100 * self.training_s / latency,
-            )
+            self.last_cycle = {
+                "latency": latency,
+                "gather": self.gather_s,
+                "generate": self.generate_s,
+                "training": self.training_s,
+            }
+            if self.report and self.rank == 0:
+                log.info(
+                    "hybrid engine: E2E latency=%.2fs | gather %.2fs (%.1f%%) | generate %.2fs (%.1f%%) | "
+                    "training %.2fs (%.1f%%)",
+                    latency,
+                    self.gather_s,
+                    100 * self.gather_s / latency,
+                    self.generate_s,
+                    100 * self.generate_s / latency,
+                    self.training_s,
+                    100 * self.training_s / latency,
+                )
         self._cycle_start = now
         self.gather_s = self.generate_s = self.training_s = 0.0
 
