@@ -8,9 +8,10 @@ generates 64 greedy tokens after its own 32-token prompts (batch 4) with ``GPT.g
 attention inputs: each step runs the new token only). Plain stage 3 runs with the e2e benchmark's stage-3
 keys (STAGE3); the hybrid engine needs the whole model within ``stage3_max_live_parameters`` (its memory
 rule), so it runs with STAGE3 and that key at its default (1e9); ``pin_parameters`` false, so every call
-pays its gather. One untimed warm-up call, then the best of REPEATS timed calls per case; tokens/s is
-per rank (batch x 64 / seconds). Each case in fresh processes; the generated tokens are compared with
-DDP's. Writes benchmarks/results/hybrid.{json,md,png}. ``--quick``: QUICK_SHAPE, 8 tokens (smoke run).
+pays its gather. All cases in one set of processes: one untimed warm-up call each, then REPEATS rounds
+timing one call of every case in turn (so a change in the machine's load hits every case alike), the best
+call per case; tokens/s is per rank (batch x 64 / seconds of the slower rank). The generated tokens are
+compared with DDP's. Writes benchmarks/results/hybrid.{json,md,png}. ``--quick``: QUICK_SHAPE, 8 tokens (smoke run).
 
     python -m benchmarks.bench_hybrid [--quick]
 """
@@ -19,6 +20,7 @@ from __future__ import annotations
 
 import argparse
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -29,6 +31,7 @@ from benchmarks.training import QUICK_SHAPE, SHAPE, STAGE3, model_and_batches
 WORLD = 2
 NEW, QUICK_NEW = 64, 8
 PROMPT, BATCH, REPEATS = 32, 4, 3
+COLUMNS = ("case", "tokens/s per rank", "s per call", "bucket all-gathers per call", "tokens = DDP")
 CASES = ("torch DDP", "ds_strategy stage 3 (plain hooks)", "ds_strategy stage 3 + hybrid engine")
 
 
@@ -45,61 +48,73 @@ def _config(case: str) -> dict[str, Any]:
     return cfg
 
 
-def _generate(rank: int, world: int, case: str, quick: bool) -> dict[str, Any]:
+def _caller(case: str, gpt: torch.nn.Module, prompt: torch.Tensor) -> tuple[Callable[[int], torch.Tensor], Any]:
+    """``call(n)``: generate n greedy tokens in ``case``; and the engine (None for DDP)."""
     import ds_strategy
 
-    shape = QUICK_SHAPE if quick else SHAPE
-    new = QUICK_NEW if quick else NEW
-    torch.manual_seed(0)
-    model, _ = model_and_batches(shape, 0, rank)
-    gpt = model.gpt
-    prompt = torch.randint(0, 256, (BATCH, PROMPT), generator=torch.Generator().manual_seed(100 + rank))
-    gathers = None
     if case == "torch DDP":
         ddp = torch.nn.parallel.DistributedDataParallel(gpt)
         ddp.eval()
+        return (lambda n: ddp.module.generate(prompt, n, do_sample=False)), None
+    engine, *_ = ds_strategy.initialize(model=gpt, config=_config(case))
+    engine.eval()
+    return (lambda n: engine.generate(prompt, n, do_sample=False)), engine
 
-        def call(n: int) -> torch.Tensor:
-            return ddp.module.generate(prompt, n, do_sample=False)
-    else:
-        engine, *_ = ds_strategy.initialize(model=gpt, config=_config(case))
-        engine.eval()
 
-        def call(n: int) -> torch.Tensor:
-            return engine.generate(prompt, n, do_sample=False)
-
-    call(2)  # warm-up: allocator, kernels, the host pool
-    times = []
-    before = engine.stage.gatherer.gathers if case != "torch DDP" else 0
+def _generate(rank: int, world: int, _item: str, quick: bool) -> dict[str, Any]:
+    """Every case in these processes, timed round-robin (DDP, plain, hybrid, DDP, ...): a machine whose load
+    changes during the run slows every case alike."""
+    shape = QUICK_SHAPE if quick else SHAPE
+    new = QUICK_NEW if quick else NEW
+    prompt = torch.randint(0, 256, (BATCH, PROMPT), generator=torch.Generator().manual_seed(100 + rank))
+    callers = {}
+    for case in CASES:
+        model, _ = model_and_batches(shape, 0, rank)  # seed 0: the same weights in every case
+        callers[case] = _caller(case, model.gpt, prompt)
+        callers[case][0](2)  # warm-up: allocator, kernels, the host pool
+    times: dict[str, list[float]] = {case: [] for case in CASES}
+    gathers: dict[str, int] = {}
+    tokens: dict[str, list[Any]] = {}
     for _ in range(REPEATS):
-        torch.distributed.barrier()
-        start = time.perf_counter()
-        out = call(new)
-        times.append(time.perf_counter() - start)
-    if case != "torch DDP":
-        gathers = (engine.stage.gatherer.gathers - before) // REPEATS
-        engine.destroy()
-    return {"seconds": min(times), "all_seconds": times, "tokens": out.tolist(), "gathers_per_call": gathers}
+        for case, (call, engine) in callers.items():
+            before = engine.stage.gatherer.gathers if engine is not None else 0
+            torch.distributed.barrier()
+            start = time.perf_counter()
+            out = call(new)
+            times[case].append(time.perf_counter() - start)
+            if engine is not None:
+                gathers[case] = engine.stage.gatherer.gathers - before
+            tokens[case] = out.tolist()
+    for _, engine in callers.values():
+        if engine is not None:
+            engine.destroy()
+    return {
+        case: {"seconds": min(times[case]), "all_seconds": times[case], "tokens": tokens[case],
+               "gathers_per_call": gathers.get(case)}
+        for case in CASES
+    }  # fmt: skip
 
 
 def run(quick: bool) -> dict[str, Any]:
     new = QUICK_NEW if quick else NEW
     records = []
-    for case, result in run_each(_generate, WORLD, CASES, quick, fresh=not quick):
-        if isinstance(result, Exception):
-            records.append({"case": case, "error": f"{type(result).__name__}: {result}"})
-            continue
-        seconds = max(r["seconds"] for r in result)  # the slowest rank sets the pace
-        record = {
-            "case": case,
-            "seconds_per_call": seconds,
-            "tokens_per_s_per_rank": BATCH * new / seconds,
-            "gathers_per_call": result[0]["gathers_per_call"],
-            "ranks": [{"all_seconds": r["all_seconds"]} for r in result],
-            "tokens": [r["tokens"] for r in result],
-        }
-        records.append(record)
-        print(f"{case}: {record['tokens_per_s_per_rank']:.1f} tokens/s per rank", flush=True)
+    for _, result in run_each(_generate, WORLD, ["all cases"], quick):
+        for case in CASES:
+            if isinstance(result, Exception):
+                records.append({"case": case, "error": f"{type(result).__name__}: {result}"})
+                continue
+            ranks = [r[case] for r in result]
+            seconds = max(r["seconds"] for r in ranks)  # the slowest rank sets the pace
+            record = {
+                "case": case,
+                "seconds_per_call": seconds,
+                "tokens_per_s_per_rank": BATCH * new / seconds,
+                "gathers_per_call": ranks[0]["gathers_per_call"],
+                "ranks": [{"all_seconds": r["all_seconds"]} for r in ranks],
+                "tokens": [r["tokens"] for r in ranks],
+            }
+            records.append(record)
+            print(f"{case}: {record['tokens_per_s_per_rank']:.1f} tokens/s per rank", flush=True)
     by = {r["case"]: r for r in records if "error" not in r}
     ddp = by.get(CASES[0])
     for r in by.values():
@@ -143,7 +158,9 @@ def table(payload: dict[str, Any]) -> str:
         f"{payload['batch']} per rank, {payload['world_size']} CPU ranks, fp32, GPT {payload['shape']}; best of "
         f"{payload['repeats']} calls.",
         "",
-        markdown_table(("case", "tokens/s per rank", "s per call", "bucket all-gathers per call", "tokens = DDP"), rows),
+        markdown_table(
+            ("case", "tokens/s per rank", "s per call", "bucket all-gathers per call", "tokens = DDP"), rows
+        ),
     ]
     if "hybrid_speedup_vs_plain_stage3" in d:
         lines += ["", f"Hybrid engine vs plain stage 3: {d['hybrid_speedup_vs_plain_stage3']:.2f}x (target >= 3x)."]
@@ -185,7 +202,9 @@ def headlines(payload: dict[str, Any]) -> list[tuple[str, str]]:
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="a tiny GPT and 8 tokens, every case in one set of processes")
+    parser.add_argument(
+        "--quick", action="store_true", help="a tiny GPT and 8 tokens, every case in one set of processes"
+    )
     args = parser.parse_args(argv)
     payload = run(args.quick)
     text = table(payload)

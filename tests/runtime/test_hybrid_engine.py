@@ -131,8 +131,9 @@ def _loop(engine_or_ddp: Any, rank: int, *, engine: bool) -> dict[str, Any]:
 
 
 def _generate_train_generate(rank: int, world: int) -> dict[str, Any]:
-    import ds_strategy
     from torch.nn.parallel import DistributedDataParallel
+
+    import ds_strategy
 
     out = {"ddp": _loop(DistributedDataParallel(_gpt()), rank, engine=False)}
     for name, hybrid in {

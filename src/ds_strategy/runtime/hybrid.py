@@ -26,6 +26,7 @@ a larger model generates through the per-module hooks instead, with one warning 
 
 from __future__ import annotations
 
+import contextlib
 import inspect
 import logging
 import time
@@ -167,10 +168,8 @@ def requested_length(fn: GenerateFn, args: Any, kwargs: dict[str, Any]) -> int |
     """Prompt + new tokens a generate call asks for: ``max_new_tokens`` (by keyword, or bound to ``fn``'s
     signature) plus the prompt's last dimension, or Hugging Face's ``max_length``; None when not stated."""
     values = dict(kwargs)
-    try:
+    with contextlib.suppress(TypeError, ValueError):  # no signature, or one these arguments do not fit
         values.update(inspect.signature(fn).bind_partial(*args, **kwargs).arguments)
-    except (TypeError, ValueError):
-        pass
     prompt = kwargs.get("input_ids")
     if not isinstance(prompt, torch.Tensor):
         prompt = next((a for a in (*args, *kwargs.values()) if isinstance(a, torch.Tensor)), None)

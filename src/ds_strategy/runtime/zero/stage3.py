@@ -359,9 +359,7 @@ class Stage3(Stage2):
         return trainable + frozen
 
     def partitioned_numel(self) -> int:
-        return sum(
-            gs.full[b].numel() for gs in self.storages for b in range(len(gs.full)) if b not in gs.persistent
-        )
+        return sum(gs.full[b].numel() for gs in self.storages for b in range(len(gs.full)) if b not in gs.persistent)
 
     def hold_gathered(self, in_flight: int) -> None:
         keys = [(g, b) for g, b in self.all_buckets() if b not in self.storages[g].persistent]
