@@ -270,6 +270,16 @@ def _rules(rank: int, world: int) -> dict[str, Any]:
     finally:
         logging.getLogger("ds_strategy.runtime").removeHandler(handler)
     out["warnings"] = [m for m in records if "hybrid_engine" in m]
+
+    # release_inference_cache: the host pool's cached gathered-bucket buffers are returned after the call.
+    from ds_strategy.runtime.zero import host_memory
+
+    for release in (False, True):
+        hybrid = {"enabled": True, "pin_parameters": False, "release_inference_cache": release}
+        engine, *_ = ds_strategy.initialize(model=_gpt(), config=_config(3, hybrid))
+        engine.generate(_prompt(rank), 2, do_sample=False)
+        out[f"pool_cached_{release}"] = host_memory.pool_stats()[1]
+        engine.destroy()
     out["expected"] = _gpt().eval().generate(_prompt(rank), NEW, do_sample=False)
     return out
 
@@ -285,6 +295,7 @@ def test_max_out_tokens_generate_fn_partition_size_and_memory_rule() -> None:
         assert r["fallback_gathers"] > r["buckets"] and not r["fallback_held"]
         assert len(r["warnings"]) == (1 if rank == 0 else 0), r["warnings"]  # once, on rank 0
         assert all("stage3_max_live_parameters (20000)" in m for m in r["warnings"])
+        assert r["pool_cached_False"] > 0 and r["pool_cached_True"] == 0
 
 
 def test_config_refuses_tensor_parallel_generation_and_types_the_block() -> None:
