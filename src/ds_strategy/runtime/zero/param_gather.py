@@ -33,7 +33,7 @@ are computed, the module's backward is over. A module whose inputs need no gradi
 keeps its frozen buckets until ``end_backward``, which frees everything.
 
 [Note: held buckets]
-The hybrid engine's generate (runtime/hybrid.py) gathers every partitioned bucket once, ``hold_size``
+The hybrid engine's generate (runtime/hybrid.py) gathers every partitioned bucket once, ``in_flight``
 buckets in flight at a time, and *holds* them: while anything is held the module hooks do nothing (no
 gather, no release, no divergence label: ranks may run different numbers of forwards, so generation
 needs no ``synced_gpus``), and ``_free`` leaves held buckets alone, so a training forward and backward
