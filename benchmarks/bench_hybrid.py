@@ -174,9 +174,7 @@ def table(payload: dict[str, Any]) -> str:
         f"{payload['batch']} per rank, {payload['world_size']} CPU ranks, fp32, GPT {payload['shape']}; best and "
         f"median of {payload['repeats']} calls.",
         "",
-        markdown_table(
-            ("case", "tokens/s per rank", "s per call", "bucket all-gathers per call", "tokens = DDP"), rows
-        ),
+        markdown_table(COLUMNS, rows),
     ]
     if "hybrid_speedup_vs_plain_stage3" in d:
         lines += ["", f"Hybrid engine vs plain stage 3: {d['hybrid_speedup_vs_plain_stage3']:.2f}x best, "
