@@ -21,7 +21,7 @@ import time
 import traceback
 from typing import Any
 
-BENCHMARKS = ("optim", "comm", "e2e", "checkpoint", "activation_checkpointing", "lora", "aio", "nvme")
+BENCHMARKS = ("optim", "comm", "e2e", "checkpoint", "activation_checkpointing", "lora", "aio", "nvme", "hybrid")
 ALIASES = {"engine": "e2e", "zero3": "e2e"}
 PEERS = {
     "optim": "torch.optim.AdamW (foreach, fused), DeepSpeedCPUAdam, a memory-traffic ceiling",
@@ -32,6 +32,7 @@ PEERS = {
     "lora": "DeepSpeed stages 2-3 (peft LoRA on a frozen Hugging Face Llama base)",
     "aio": "a plain sequential read / write of the same bytes on the same file system",
     "nvme": "ds_strategy CPU offload, DeepSpeed NVMe offload (ZeRO-3, a GPT and one 4x larger)",
+    "hybrid": "torch DDP, ds_strategy stage 3 through the per-module hooks (greedy generation)",
 }
 
 

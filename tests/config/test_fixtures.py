@@ -30,7 +30,6 @@ REFUSED = {
     "deepspeed_docs/expert_parallel": ["expert_parallel"],
     "deepspeed_docs/expert_parallel_custom_model": ["expert_parallel"],
     "deepspeed_docs/expert_parallel_preset_override": ["expert_parallel"],
-    "deepspeed_docs/hybrid_engine": ["hybrid_engine"],
     "deepspeed_docs/tensor_parallel": ["tensor_parallel"],
     "deepspeed_docs/torch_autocast": ["torch_autocast"],
     "deepspeed_docs/zero_offload_optimizer_nvme": ["zero_optimization.offload_optimizer.ratio"],

@@ -276,6 +276,19 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class HybridEngineConfig:
+    """``hybrid_engine``: training and generation in one engine (runtime/hybrid.py, docs/hybrid_engine.md)."""
+
+    enabled: bool = False
+    max_out_tokens: int = 512
+    inference_tp_size: int = 1
+    release_inference_cache: bool = False
+    pin_parameters: bool = True
+    tp_gather_partition_size: int = 8
+    enable_cuda_graph: bool = False
+
+
+@dataclass(frozen=True, kw_only=True)
 class DataTypesConfig:
     """``data_types``."""
 
@@ -315,6 +328,7 @@ class DeepSpeedConfig:
     flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
     aio: AioConfig = field(default_factory=AioConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
+    hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
     # Accepted-but-ignored DeepSpeed settings by dotted path, kept so ``to_dict`` round-trips.
     ignored: FrozenDict = field(default_factory=FrozenDict, metadata=_NOT_JSON)
     # The validated input before "auto" resolution, and the context used: what re-resolution starts from.

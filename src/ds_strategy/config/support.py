@@ -329,7 +329,20 @@ SUPPORT: dict[str, Support] = {
     "eigenvalue": _refused("the eigenvalue computation for MoQ is not built"),
     "quantize_training": _refused("quantisation-aware training (MoQ) is not built"),
     "pipeline": _warned("pipeline parallelism is not built; the section only configures a PipelineModule"),
-    "hybrid_engine": _refused("the hybrid (training + generation) engine is not built"),
+    "hybrid_engine": _acted("engine.generate() (docs/hybrid_engine.md)"),
+    "hybrid_engine.enabled": _acted("stage 3: gather every partitioned parameter once per engine.generate() call"),
+    "hybrid_engine.max_out_tokens": _acted("prompt + new tokens above it make engine.generate() raise"),
+    "hybrid_engine.inference_tp_size": _refused(
+        "ds_strategy has no tensor parallelism: generation runs data-parallel, each rank on its own prompts "
+        "with the whole model (gathered once at stage 3)",
+        when=lambda v: isinstance(v, int) and v > 1,
+    ),
+    "hybrid_engine.release_inference_cache": _acted(
+        "after each generate the cached gathered-bucket buffers (host pool, CUDA cache) are returned"
+    ),
+    "hybrid_engine.pin_parameters": _acted("keep the gathered parameters until the next optimizer step"),
+    "hybrid_engine.tp_gather_partition_size": _acted("bucket all-gathers in flight at once in the one-time gather"),
+    "hybrid_engine.enable_cuda_graph": _warned(_PERF_ONLY + " (CUDA graphs of the decoding steps)"),
     "tensor_parallel": _refused("AutoTP tensor parallelism is not built"),
     "expert_parallel": _refused("AutoEP expert parallelism is not built"),
     "compile": _warned("torch.compile through the engine is not built; compile the module yourself"),

@@ -30,6 +30,7 @@ from ds_strategy.runtime import activation_checkpointing
 from ds_strategy.runtime.activation_checkpointing import ModelParallelUnit
 
 from .counters import StepCounters
+from .hybrid import GenerateFn, HybridEngine
 from .params import (
     OptimizerArg,
     ParamsArg,
@@ -144,6 +145,13 @@ class ZeroEngine(nn.Module):
             dtype=self.precision.compute_dtype,
         )
         self.flops_profiler = self.profiling.profiler  # DeepSpeed's attribute: None unless flops_profiler.enabled
+        self.hybrid = HybridEngine(
+            self.stage,
+            config.hybrid_engine,
+            max_live_numel=int(config.zero_optimization.stage3_max_live_parameters),
+            rank=self.coll.rank,
+            report=config.wall_clock_breakdown,
+        )
 
     # ------------------------------------------------------------------ set-up helpers
     @torch.no_grad()
@@ -188,6 +196,18 @@ class ZeroEngine(nn.Module):
             args, kwargs = self.precision.cast_forward_inputs(inputs, kwargs)
             return self.module(*args, **kwargs)
 
+    def generate(self, *args: Any, generate_fn: GenerateFn | None = None, **kwargs: Any) -> Any:
+        """``module.generate(*args, **kwargs)``, or ``generate_fn(*args, **kwargs)``; with
+        ``hybrid_engine.enabled`` stage 3 gathers the parameters once for the call (docs/hybrid_engine.md)."""
+        return self.hybrid.generate(self.module, generate_fn, args, kwargs)
+
+    def train(self, mode: bool = True) -> ZeroEngine:
+        """Set the module's training mode (``eval()`` is ``train(False)``), as DeepSpeed's engine; with the
+        hybrid engine enabled, ``eval()`` logs the time of the last generate/train cycle on rank 0."""
+        if "hybrid" in self.__dict__:  # nn.Module.__init__ may call it before the engine is built
+            self.hybrid.mode_changed(mode)
+        return super().train(mode)
+
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` x loss scale (/ gradient_accumulation_steps); reduces at the boundary."""
         gas = self.batch.gradient_accumulation_steps
@@ -220,6 +240,7 @@ class ZeroEngine(nn.Module):
                 'engine.step() needs an optimizer: pass optimizer=... or add an "optimizer" block to the config'
             )
         self._refuse_changed_params()
+        self.hybrid.release()  # a pinned gathered copy would go stale when the partitions are updated
         self.stage.prepare_step()
         if not self.config.zero_optimization.ignore_unused_parameters:
             self._refuse_unused_parameters()
@@ -443,8 +464,10 @@ class ZeroEngine(nn.Module):
         return int(os.environ.get("LOCAL_RANK", "0"))
 
     def memory_breakdown(self) -> dict[str, int]:
-        """Bytes this rank holds: params (flat + frozen), grads, master (separate fp32 copies), optimizer_state."""
+        """Bytes this rank holds: params (flat + frozen), gathered_params (stage 3's partitioned buckets gathered
+        now), grads, master (separate fp32 copies), optimizer_state."""
         out = self.stage.memory_bytes()
+        out.setdefault("gathered_params", 0)  # stage 3: gathered partitioned buckets (the hybrid engine's hold)
         flat_owned = {id(p) for p in self.stage.stored_params()}
         out["params"] += sum(p.numel() * p.element_size() for p in self.module.parameters() if id(p) not in flat_owned)
         state = 0
@@ -488,6 +511,7 @@ class ZeroEngine(nn.Module):
         """Load a checkpoint saved at any world size and stage; return (tag directory, client state)."""
         from .checkpoint import load_checkpoint
 
+        self.hybrid.release()
         with self.stage.resident():
             return load_checkpoint(
                 self,
@@ -505,6 +529,7 @@ class ZeroEngine(nn.Module):
         ``strict`` the keys must match the module's exactly (tied parameters may appear under either name)."""
         from .checkpoint.full import load_full_state_dict
 
+        self.hybrid.release()
         with self.stage.resident():
             load_full_state_dict(self, state_dict, strict)
 
@@ -546,6 +571,7 @@ class ZeroEngine(nn.Module):
         when the peers may be gone (the stage-3 parameters are then left unusable)."""
         self.state_access.detach()
         if release_params:
+            self.hybrid.release()
             self.stage.release_params()
         self.stage.detach()
         self.stage.close_swap()  # NVMe offload: its swap files go with the engine

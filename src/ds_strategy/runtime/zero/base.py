@@ -242,6 +242,24 @@ class ZeroStage:
         """Before the engine is destroyed: leave the parameters usable by a later engine. Stages 0-2 have
         nothing to do (the module keeps its flat-buffer parameters); stage 3 overrides it."""
 
+    # The hybrid engine's one-time gather (runtime/hybrid.py); stages 0-2 hold whole parameters already.
+    def partitioned_numel(self) -> int:
+        """Elements a gather of every partitioned parameter holds (stage 3: its non-persistent buckets)."""
+        return 0
+
+    def hold_gathered(self, in_flight: int) -> None:
+        """Gather every partitioned parameter once and keep it gathered until ``release_held`` (stage 3)."""
+
+    def release_held(self) -> None:
+        """End ``hold_gathered``: the partitioned parameters are freed again."""
+
+    @property
+    def holding(self) -> bool:
+        return False
+
+    def release_caches(self) -> None:
+        """Return cached buffers of gathered parameters (stage 3's host pool)."""
+
     # ------------------------------------------------------------------ stage-specific parts
     def _target(self, group: int, index: int) -> torch.Tensor:
         """Where parameter ``index`` of ``group`` accumulates its gradient."""

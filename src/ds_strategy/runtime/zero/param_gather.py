@@ -32,6 +32,15 @@ by a multi-grad hook on the module's *inputs*: once the gradients w.r.t. every i
 are computed, the module's backward is over. A module whose inputs need no gradient (the first layer)
 keeps its frozen buckets until ``end_backward``, which frees everything.
 
+[Note: held buckets]
+The hybrid engine's generate (runtime/hybrid.py) gathers every partitioned bucket once, ``in_flight``
+buckets in flight at a time, and *holds* them: while anything is held the module hooks do nothing (no
+gather, no release, no divergence label: ranks may run different numbers of forwards, so generation
+needs no ``synced_gpus``), and ``_free`` leaves held buckets alone, so a training forward and backward
+under a pinned hold (``pin_parameters``) read the held copy and its post-accumulate-grad frees are moot.
+``unhold`` ends it (after generate, or before the optimizer step updates the partitions the held copy
+was gathered from) and frees the buckets.
+
 Divergence detection (ranks running different modules) lives in divergence.py.
 """
 
@@ -109,6 +118,8 @@ class ParamGatherer:
         self._recording: list[int] | None = None
         self._cursor: int | None = None
         self._hooks: list[RemovableHandle] = []
+        self.held: set[BucketKey] = set()  # see [Note: held buckets]
+        self.suspended = False
         self.gathers = 0  # bucket all-gathers issued (for tests and reports) ...
         self.misses = 0  # ... fetches that found a bucket neither gathered nor prefetched ...
         self.peak_live = 0  # ... and the most partitioned-bucket elements gathered at once
@@ -172,6 +183,8 @@ class ParamGatherer:
 
     # ------------------------------------------------------------------ hooks
     def _on_root_start(self, module: nn.Module, args: Any) -> None:
+        if self.suspended:  # see [Note: held buckets]
+            return
         if self._leaf_generation != leaf_generation():
             self._follow_leaf_changes()
         if self.trace is None:
@@ -181,13 +194,19 @@ class ParamGatherer:
             self._free(key)
 
     def _on_root_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.suspended:  # see [Note: held buckets]
+            return
         if not torch.is_grad_enabled():  # no backward follows: nothing stays gathered for it
             self.check_agreement()
 
     def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self.suspended:  # see [Note: held buckets]
+            return
         self.fetch(module)
 
     def _post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self.suspended:  # see [Note: held buckets]
+            return
         if not self.units.get(id(module)):
             return
         if torch.is_grad_enabled():
@@ -251,6 +270,24 @@ class ParamGatherer:
                 handle.wait()
             self.users[k] += 1
 
+    def hold(self, keys: Sequence[BucketKey], *, in_flight: int) -> None:
+        """Gather ``keys`` (``in_flight`` bucket all-gathers at a time) and keep them gathered with the hooks
+        suspended until ``unhold`` (see [Note: held buckets]); every rank must call it."""
+        keys = [k for k in keys if k not in self.held]
+        for start in range(0, len(keys), max(1, in_flight)):
+            chunk = keys[start : start + max(1, in_flight)]
+            self.gathers += sum(1 for k in chunk if not self._live(k) and k not in self.inflight)
+            self.acquire(chunk, "hybrid engine")
+            self.held.update(chunk)
+        self.peak_live = max(self.peak_live, self.live_numel())
+        self.suspended = True
+
+    def unhold(self) -> None:
+        """End the hold: the hooks work again and the held buckets are freed."""
+        keys, self.held = sorted(self.held), set()
+        self.suspended = False
+        self.release_keys(keys)
+
     def release_keys(self, keys: Sequence[BucketKey]) -> None:
         for k in keys:
             self.users[k] = max(0, self.users[k] - 1)
@@ -283,6 +320,8 @@ class ParamGatherer:
         self.users.clear()
 
     def _free(self, key: BucketKey) -> None:
+        if key in self.held:  # see [Note: held buckets]
+            return
         handle = self.inflight.pop(key, None)
         if handle is not None:
             handle.wait()

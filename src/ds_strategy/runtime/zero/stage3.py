@@ -191,8 +191,13 @@ class Stage3(Stage2):
         return [p for gs in self.storages for p in gs.params]
 
     def memory_bytes(self) -> dict[str, int]:
+        """``gathered_params``: the partitioned buckets gathered now (by hooks, GatheredParameters or the hybrid
+        engine's hold); ``params`` the rest (partitions, persistent buckets)."""
         out = super().memory_bytes()
         out["params"] += sum(gs.numel_bytes()["params"] for gs in self.frozen)
+        gathered = sum(gs.live_numel() * gs.full[0].element_size() for gs in self.storages if gs.full)
+        out["params"] -= gathered
+        out["gathered_params"] = gathered
         return out
 
     def _make_group(
@@ -352,6 +357,23 @@ class Stage3(Stage2):
         first = len(self.sharded)
         frozen = [(first + g, b) for g, gs in enumerate(self.frozen) for b in range(len(gs.full))]
         return trainable + frozen
+
+    def partitioned_numel(self) -> int:
+        return sum(gs.full[b].numel() for gs in self.storages for b in range(len(gs.full)) if b not in gs.persistent)
+
+    def hold_gathered(self, in_flight: int) -> None:
+        keys = [(g, b) for g, b in self.all_buckets() if b not in self.storages[g].persistent]
+        self.gatherer.hold(keys, in_flight=in_flight)
+
+    def release_held(self) -> None:
+        self.gatherer.unhold()
+
+    @property
+    def holding(self) -> bool:
+        return self.gatherer.suspended
+
+    def release_caches(self) -> None:
+        host_memory.trim()
 
     def gather_for_user(self, keys: Sequence[BucketKey]) -> None:
         self.gatherer.acquire(keys, "GatheredParameters")
