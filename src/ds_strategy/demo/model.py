@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 from torch import nn
@@ -18,30 +19,79 @@ class GPTConfig:
     n_embd: int = 128
 
 
+@dataclass
+class KVCache:
+    """One block's attention keys and values of the positions so far, (batch, heads, positions, head dim),
+    written into buffers sized once for the whole generation (``capacity`` positions) rather than
+    concatenated anew at every token."""
+
+    capacity: int
+    keys: torch.Tensor | None = None
+    values: torch.Tensor | None = None
+    length: int = 0
+
+    def extend(self, k: torch.Tensor, v: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Append the new positions' ``k`` and ``v``; return the keys and values of every position so far."""
+        end = self.length + k.size(2)
+        if end > self.capacity:
+            raise ValueError(f"KVCache: {end} positions exceed its capacity of {self.capacity}")
+        if self.keys is None or self.values is None:
+            self.keys = k.new_empty(*k.shape[:2], self.capacity, k.size(3))
+            self.values = v.new_empty(*v.shape[:2], self.capacity, v.size(3))
+        self.keys[:, :, self.length : end] = k
+        self.values[:, :, self.length : end] = v
+        self.length = end
+        return self.keys[:, :, :end], self.values[:, :, :end]
+
+
+class CachedSelfAttention(nn.MultiheadAttention):
+    """``nn.MultiheadAttention`` (batch first, same parameters and training path) that can also attend with a
+    key/value cache: generation then projects only the new positions, not every earlier one again.
+
+    The cached path runs inside this module's own ``forward``, so ZeRO stage 3 gathers the weights it reads
+    (this module's and ``out_proj``'s) as it does for the plain path."""
+
+    def forward(
+        self, query: torch.Tensor, *args: Any, kv_cache: KVCache | None = None, **kwargs: Any
+    ) -> tuple[torch.Tensor, torch.Tensor | None]:
+        if kv_cache is None:
+            return super().forward(query, *args, **kwargs)
+        b, t, d = query.shape
+        heads = self.num_heads
+        q, k, v = (
+            y.view(b, t, heads, d // heads).transpose(1, 2)
+            for y in F.linear(query, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
+        )
+        past = kv_cache.length
+        k, v = kv_cache.extend(k, v)
+        # True = may attend: every cached position, and the new ones causally among themselves (one new
+        # position, the usual decoding step, attends to everything: no mask).
+        allowed = None if t == 1 else torch.ones(t, past + t, dtype=torch.bool, device=query.device).tril(past)
+        out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
+        out = F.linear(out.transpose(1, 2).reshape(b, t, d), self.out_proj.weight, self.out_proj.bias)
+        return out, None
+
+
 class Block(nn.Module):
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.ln1 = nn.LayerNorm(cfg.n_embd)
-        self.attn = nn.MultiheadAttention(cfg.n_embd, cfg.n_head, batch_first=True)
+        self.attn = CachedSelfAttention(cfg.n_embd, cfg.n_head, batch_first=True)
         self.ln2 = nn.LayerNorm(cfg.n_embd)
         self.mlp = nn.Sequential(
             nn.Linear(cfg.n_embd, 4 * cfg.n_embd), nn.GELU(), nn.Linear(4 * cfg.n_embd, cfg.n_embd)
         )
 
-    def forward(self, x: torch.Tensor, cache: list[torch.Tensor] | None = None) -> torch.Tensor:
-        """``cache`` (generation): this block's attention inputs of the earlier positions, extended in place;
-        the new positions attend to them and to each other (causally)."""
-        t = x.size(1)
+    def forward(self, x: torch.Tensor, cache: KVCache | None = None) -> torch.Tensor:
+        """``cache`` (generation): this block's attention keys and values of the earlier positions, extended
+        in place; the new positions attend to them and to each other (causally)."""
         h = self.ln1(x)
-        past = 0
-        keys = h
-        if cache is not None:
-            if cache:
-                past = cache[0].size(1)
-                keys = torch.cat([cache[0], h], dim=1)
-            cache[:] = [keys]
-        mask = torch.triu(torch.ones(t, past + t, dtype=torch.bool, device=x.device), diagonal=past + 1)
-        x = x + self.attn(h, keys, keys, attn_mask=mask, need_weights=False)[0]
+        if cache is None:
+            t = x.size(1)
+            mask = torch.triu(torch.ones(t, t, dtype=torch.bool, device=x.device), diagonal=1)
+            x = x + self.attn(h, h, h, attn_mask=mask, need_weights=False)[0]
+        else:
+            x = x + self.attn(h, kv_cache=cache)[0]
         return x + self.mlp(self.ln2(x))
 
 
@@ -65,10 +115,10 @@ class GPT(nn.Module):
             if isinstance(module, nn.Linear) and module.bias is not None:
                 nn.init.zeros_(module.bias)
 
-    def forward(self, idx: torch.Tensor, cache: list[list[torch.Tensor]] | None = None) -> torch.Tensor:
-        """Logits of every position of ``idx``; ``cache`` (one list per block, see ``Block.forward``) makes
-        ``idx`` the continuation of the positions cached."""
-        start = cache[0][0].size(1) if cache and cache[0] else 0
+    def forward(self, idx: torch.Tensor, cache: list[KVCache] | None = None) -> torch.Tensor:
+        """Logits of every position of ``idx``; ``cache`` (one ``KVCache`` per block) makes ``idx`` the
+        continuation of the positions cached."""
+        start = cache[0].length if cache else 0
         pos = torch.arange(start, start + idx.size(1), device=idx.device)
         x = self.tok(idx) + self.pos(pos)
         for n, block in enumerate(self.blocks):
@@ -84,11 +134,10 @@ class GPT(nn.Module):
         self, idx: torch.Tensor, max_new_tokens: int, temperature: float = 0.8, *, do_sample: bool = True
     ) -> torch.Tensor:
         """``idx`` followed by ``max_new_tokens`` tokens, sampled (``do_sample``) or greedy. While the sequence
-        fits ``block_size`` each step runs the new token only, on a cache of the attention inputs; beyond
-        it every step reruns the last ``block_size`` tokens."""
-        cache: list[list[torch.Tensor]] | None = (
-            [[] for _ in self.blocks] if idx.size(1) + max_new_tokens <= self.cfg.block_size else None
-        )
+        fits ``block_size`` each step runs the new token only, on a cache of the attention keys and values;
+        beyond it every step reruns the last ``block_size`` tokens."""
+        total = idx.size(1) + max_new_tokens
+        cache = [KVCache(total) for _ in self.blocks] if total <= self.cfg.block_size else None
         step_input = idx
         for _ in range(max_new_tokens):
             if cache is None:
