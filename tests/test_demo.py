@@ -290,3 +290,24 @@ def test_recorder_in_one_process_whatever_all_gather_returns() -> None:
             rec.on_train_batch_end(trainer, None, torch.tensor(3.0 - step), batch, step)  # type: ignore[arg-type]
         rec.on_train_end(trainer, None)  # type: ignore[arg-type]
         assert rec.result is not None and rec.result.losses == [3.0, 2.0] and rec.result.state_bytes == [24]
+
+
+def test_generate_with_the_key_value_cache_equals_full_recompute() -> None:
+    """The cached decoding path (only the new token through each block) gives the tokens and logits of
+    running the whole sequence again at every step, in several pieces of any length."""
+    from ds_strategy.demo.model import GPTConfig, KVCache
+
+    torch.manual_seed(0)
+    model = GPT(GPTConfig(block_size=48, n_layer=2, n_head=4, n_embd=32)).eval()
+    prompt = torch.randint(0, 256, (3, 7))
+    out = model.generate(prompt, 20, do_sample=False)
+    expected = prompt
+    with torch.no_grad():
+        for _ in range(20):
+            expected = torch.cat([expected, model(expected)[:, -1].argmax(-1, keepdim=True)], dim=1)
+        assert torch.equal(out, expected)
+        caches = [KVCache(30) for _ in model.blocks]
+        pieces = [model(out[:, a:b], caches) for a, b in ((0, 5), (5, 6), (6, 26))]
+        torch.testing.assert_close(torch.cat(pieces, dim=1), model(out[:, :26]), rtol=1e-5, atol=1e-5)
+        with pytest.raises(ValueError, match="exceed its capacity"):
+            model(out[:, :5], caches)
