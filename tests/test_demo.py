@@ -19,6 +19,7 @@ import ds_strategy
 from ds_strategy.demo.__main__ import (
     CHECKPOINT,
     CONSOLIDATED,
+    FLOPS_PROFILE,
     PLOT,
     QUICK,
     parse_args,
@@ -95,9 +96,10 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     assert stdout.count("│ zero3 ") == 1, stdout
     cells = [c.strip() for c in rows["zero3"].split("│")[1:-1]]
     assert cells[1] == str(QUICK.zero3_steps)
-    peaks = [float(v.replace(",", "")) for v in cells[7].split("/")]
+    assert cells[6].endswith("%") and 0 < float(cells[6][:-1]) < 100, cells  # MFU against the measured core
+    peaks = [float(v.replace(",", "")) for v in cells[8].split("/")]
     assert len(peaks) == 2 and all(50 < p < 10_000 for p in peaks), cells  # MiB: measured, one per rank
-    states = {name: [float(v) for v in row.split("│")[7].split("/")] for name, row in rows.items()}
+    states = {name: [float(v) for v in row.split("│")[8].split("/")] for name, row in rows.items()}
     assert all(0 < s < 1 for s in states["ddp"]), states  # a 0.02M-parameter model: well under 1 MiB
     # ZeRO partitions what DDP replicates (stage 3 keeps parameters this small whole: its persistence threshold)
     assert max(states["zero3"]) < min(states["ddp"]) and max(states["zero2"]) < min(states["ddp"]), states
@@ -123,10 +125,13 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     assert not torch.equal(GPT(QUICK.model).head.weight, bare.head.weight)
     assert "bit-identical" in stdout
 
+    # the sample comes from engine.generate under the hybrid engine; its greedy tokens equal the bare GPT's
+    assert "greedy tokens of the bare GPT vs engine.generate under the hybrid engine: 14, equal" in stdout
     lines = stdout.splitlines()
-    at = next(i for i, line in enumerate(lines) if line.startswith("sample from the bare GPT"))
+    at = next(i for i, line in enumerate(lines) if line.startswith("sample from engine.generate under the hybrid"))
     assert lines[at + 1].startswith("The ") and len(lines[at + 1]) > len("The ")
-    for name in (CHECKPOINT, CONSOLIDATED, PLOT):
+    assert "Flops profile at step 2" in (out / FLOPS_PROFILE).read_text()  # the engine's flops_profiler
+    for name in (CHECKPOINT, CONSOLIDATED, PLOT, FLOPS_PROFILE):
         assert str(out / name) in stdout
 
 

@@ -34,14 +34,16 @@ from torch.utils.data import DataLoader
 
 import lightning as L
 from ds_strategy.demo.data import VOCAB_SIZE, CharDataset, corpus_text, decode
-from ds_strategy.demo.measure import RunRecorder, RunResult
+from ds_strategy.demo.measure import RunRecorder, RunResult, measured_peak_flops, training_flops_per_token
 from ds_strategy.demo.model import GPT, GPTConfig
 from ds_strategy.demo.module import GPTModule
+from ds_strategy.profiling import peak_flops, set_peak_tflops
 
 PROMPT = "The "
 CHECKPOINT = "zero3.ckpt"  # a directory: ZeroStrategy checkpoints are sharded
 CONSOLIDATED = "zero3_fp32.pt"
 PLOT = "demo.png"
+FLOPS_PROFILE = "flops_profile.txt"  # the engine's flops profile of one zero3 step (flops_profiler.output_file)
 
 
 @dataclass(frozen=True)
@@ -57,12 +59,13 @@ class Plan:
     sample_chars: int = 200
 
 
-FULL = Plan(
-    model=GPTConfig(vocab_size=VOCAB_SIZE, block_size=64, n_layer=2, n_head=4, n_embd=128),
-    zero3_steps=700,
-    brief_steps=80,
-    batch_size=16,
-    lr=3e-3,
+FULL = Plan(  # 10.7M parameters: model states (16 bytes each) outweigh what every rank holds anyway
+    model=GPTConfig(vocab_size=VOCAB_SIZE, block_size=128, n_layer=6, n_head=8, n_embd=384),
+    zero3_steps=150,
+    brief_steps=25,
+    batch_size=4,
+    lr=1e-3,
+    sample_chars=120,  # the prompt and the sample fit block_size: decoding runs on the key/value cache
 )
 QUICK = Plan(
     model=GPTConfig(vocab_size=VOCAB_SIZE, block_size=16, n_layer=1, n_head=2, n_embd=32),
@@ -71,7 +74,7 @@ QUICK = Plan(
     batch_size=4,
     lr=3e-3,
     max_chars=20_000,
-    sample_chars=40,
+    sample_chars=10,
 )
 
 
@@ -142,13 +145,57 @@ class SaveAtTrainEnd(L.Callback):
         trainer.save_checkpoint(self.path)
 
 
+class GenerateAtTrainEnd(L.Callback):
+    """At the end of the zero3 fit, while the engine holds the partitions: text from ``engine.generate`` under
+    the hybrid engine (every partitioned parameter gathered once for the call, not per module per token),
+    sampled and greedy. Every rank generates (the gather is collective); rank 0 reports."""
+
+    def __init__(self, chars: int) -> None:
+        self.chars = chars
+        self.sampled: list[int] = []
+        self.greedy: list[int] = []
+        self.seconds = 0.0
+
+    def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
+        engine = trainer.strategy.engine  # type: ignore[attr-defined]
+        generate = pl_module.model.generate  # type: ignore[union-attr]  # the GPT's decoding loop, run by the engine
+        prompt = torch.tensor([list(PROMPT.encode())])
+        engine.eval()
+        torch.manual_seed(0)
+        start = time.perf_counter()
+        self.sampled = engine.generate(prompt, self.chars, generate_fn=generate)[0].tolist()
+        self.seconds = time.perf_counter() - start
+        self.greedy = engine.generate(prompt, self.chars, generate_fn=generate, do_sample=False)[0].tolist()
+        engine.train()
+
+
+def zero3_strategy(out: Path) -> Any:
+    """``"zero3"`` plus the hybrid engine (for the sample) and the flops profiler (tokens/s and MFU in the
+    progress bar; one step's profile written to ``out/flops_profile.txt``)."""
+    from ds_strategy import ZeroStrategy
+
+    return ZeroStrategy(
+        stage=3,
+        config={
+            "hybrid_engine": {"enabled": True, "pin_parameters": False},
+            "flops_profiler": {"enabled": True, "profile_step": 2, "output_file": str(out / FLOPS_PROFILE)},
+        },
+    )
+
+
 def fit(
-    strategy: str, plan: Plan, steps: int, dataset: CharDataset, devices: int, callbacks: list[L.Callback]
+    name: str,
+    strategy: Any,
+    plan: Plan,
+    steps: int,
+    dataset: CharDataset,
+    devices: int,
+    callbacks: list[L.Callback],
 ) -> tuple[L.Trainer, RunRecorder]:
     L.seed_everything(0, verbose=False)  # the same initial weights and data order for every strategy
     module = GPTModule(plan.model, plan.lr, schedule_steps=plan.zero3_steps)
     loader = DataLoader(dataset, batch_size=plan.batch_size, shuffle=True, drop_last=True)
-    recorder = RunRecorder(strategy)
+    recorder = RunRecorder(name)
     per_epoch = len(dataset) // (plan.batch_size * devices)
     trainer = L.Trainer(
         accelerator="cpu",
@@ -211,28 +258,31 @@ def main(argv: list[str] | None = None) -> int:
 
         kernels = "C++ (" + torch.ops.ds_strategy.simd_isa() + ")" if load_cpu_kernels() else "pure-torch fallbacks"
         say(f"kernels: {kernels}")
+        # Before Lightning starts rank 1, which inherits the setting (DS_STRATEGY_PEAK_TFLOPS).
+        peak = measured_peak_flops()
+        set_peak_tflops(peak / 1e12)
+        say(f"MFU is against this core's measured fp32 matmul rate: {peak / 1e9:.1f} GFLOP/s per rank")
     checkpoint = out / CHECKPOINT
     if is_rank_zero() and checkpoint.is_dir():
         shutil.rmtree(checkpoint)  # a fresh checkpoint, not one tag replacing another in an old directory
     elif is_rank_zero() and checkpoint.exists():
         checkpoint.unlink()
 
-    runs: list[tuple[str, int, list[L.Callback]]] = [
-        ("zero3", plan.zero3_steps, [SaveAtTrainEnd(checkpoint)]),
-        ("zero2", plan.brief_steps, []),
-        ("ddp", plan.brief_steps, []),
+    sampler = GenerateAtTrainEnd(plan.sample_chars)
+    runs: list[tuple[str, Any, int, list[L.Callback]]] = [
+        ("zero3", zero3_strategy(out), plan.zero3_steps, [SaveAtTrainEnd(checkpoint), sampler]),
+        ("zero2", "zero2", plan.brief_steps, []),
+        ("ddp", "ddp", plan.brief_steps, []),
     ]
     results: list[RunResult] = []
     trained: dict[str, Any] = {}
     first: L.Trainer | None = None
-    for i, (strategy, steps, callbacks) in enumerate(runs, 1):
-        say(
-            f"\n[{i}/{len(runs)}] Trainer(strategy={strategy!r}, accelerator='cpu', devices={args.devices}): "
-            f"{steps} steps"
-        )
-        trainer, recorder = fit(strategy, plan, steps, dataset, args.devices, callbacks)
+    for i, (name, strategy, steps, callbacks) in enumerate(runs, 1):
+        shown = repr(strategy) if isinstance(strategy, str) else "ZeroStrategy(stage=3, hybrid engine + flops profiler)"
+        say(f"\n[{i}/{len(runs)}] Trainer(strategy={shown}, accelerator='cpu', devices={args.devices}): {steps} steps")
+        trainer, recorder = fit(name, strategy, plan, steps, dataset, args.devices, callbacks)
         first = first or trainer
-        if strategy == "zero3":
+        if name == "zero3":
             trained = strip_prefix(trainer.strategy.lightning_module_state_dict())  # gathered at teardown
         if recorder.result is not None:
             results.append(recorder.result)
@@ -248,7 +298,7 @@ def main(argv: list[str] | None = None) -> int:
 
     train_s = time.perf_counter() - started
     try:
-        report(results, plan, args, out, checkpoint, trained)
+        report(results, plan, args, out, checkpoint, trained, sampler)
     finally:
         _wait_for_workers(first)
     say(f"\ntotal {time.perf_counter() - started:.0f} s (three fits {train_s:.0f} s)")
@@ -256,7 +306,13 @@ def main(argv: list[str] | None = None) -> int:
 
 
 def report(
-    results: list[RunResult], plan: Plan, args: argparse.Namespace, out: Path, checkpoint: Path, trained: dict[str, Any]
+    results: list[RunResult],
+    plan: Plan,
+    args: argparse.Namespace,
+    out: Path,
+    checkpoint: Path,
+    trained: dict[str, Any],
+    sampler: GenerateAtTrainEnd,
 ) -> None:
     from rich.console import Console
 
@@ -267,7 +323,14 @@ def report(
         console = Console(width=120)  # a pipe or a log file: rich would assume 80 columns
     title = f"small GPT on pydoc topics, {processes(args.devices)}, same seed and data order"
     console.print()
-    console.print(comparison_table(results, title=title))
+    flops_per_token = training_flops_per_token(GPT(plan.model), plan.batch_size, plan.model.block_size, VOCAB_SIZE)
+    peak = peak_flops(torch.device("cpu"), torch.float32)
+    console.print(comparison_table(results, title=title, flops_per_token=flops_per_token, peak_per_rank=peak))
+    console.print(
+        f"MFU: tokens/s x {flops_per_token / 1e6:.1f} MFLOP per token (3 x the forward, counted by "
+        f"ds_strategy.profiling) / ({processes(args.devices)} x {(peak or float('nan')) / 1e9:.1f} GFLOP/s)",
+        highlight=False,
+    )
     png = plot(results, out / PLOT, title=title)
 
     consolidated = out / CONSOLIDATED
@@ -282,13 +345,19 @@ def report(
     if args.trained_weights is not None:
         torch.save(trained, args.trained_weights)
 
-    torch.manual_seed(0)
     prompt = torch.tensor([list(PROMPT.encode())])
-    sample = decode(bare.eval().generate(prompt, plan.sample_chars)[0].tolist())
-    console.print("\nsample from the bare GPT (consolidated weights):", highlight=False)
-    console.print(sample, markup=False, highlight=False)
+    bare_greedy = bare.eval().generate(prompt, plan.sample_chars, do_sample=False)[0].tolist()
+    agree = "equal" if bare_greedy == sampler.greedy else "DIFFERENT"
+    console.print(
+        f"greedy tokens of the bare GPT vs engine.generate under the hybrid engine: {len(bare_greedy)}, {agree}"
+    )
+    console.print(
+        f"\nsample from engine.generate under the hybrid engine (zero3, {sampler.seconds:.1f} s):", highlight=False
+    )
+    console.print(decode(sampler.sampled), markup=False, highlight=False)
     console.print(
         f"\ncheckpoint (sharded): {checkpoint}\nconsolidated fp32:    {consolidated}\nplot:                 {png}"
+        + (f"\nflops profile:        {out / FLOPS_PROFILE}" if (out / FLOPS_PROFILE).exists() else "")
     )
 
 

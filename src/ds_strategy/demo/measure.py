@@ -57,6 +57,33 @@ def model_state_bytes(trainer: L.Trainer) -> int:
     return tensor_state_bytes(trainer.lightning_module, trainer.optimizers)
 
 
+def training_flops_per_token(model: torch.nn.Module, batch: int, seq: int, vocab: int) -> float:
+    """A training step's flops per token: 3 x the forward's (backward ~2x forward, DeepSpeed's convention),
+    the forward counted by ``ds_strategy.profiling.get_model_profile`` on a (batch, seq) batch of tokens."""
+    from ds_strategy.profiling import get_model_profile
+
+    tokens = torch.randint(0, vocab, (batch, seq), generator=torch.Generator().manual_seed(0))
+    flops, _, _ = get_model_profile(model, args=[tokens], print_profile=False, warm_up=0, as_string=False)
+    return 3.0 * float(flops) / tokens.numel()
+
+
+def measured_peak_flops(seconds: float = 0.5, n: int = 1024) -> float:
+    """fp32 matmul flops per second of one core (one thread), timed here: a CPU has no datasheet peak in
+    ``ds_strategy.profiling``'s table, so the demo's MFU is against what this core reaches on a large matmul."""
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)
+    try:
+        a, b = torch.randn(n, n), torch.randn(n, n)
+        a @ b  # warm-up
+        calls, start = 0, time.perf_counter()
+        while (elapsed := time.perf_counter() - start) < seconds:
+            a @ b
+            calls += 1
+        return 2.0 * n**3 * calls / elapsed
+    finally:
+        torch.set_num_threads(threads)
+
+
 def reset_peak_memory() -> bool:
     """Restart this process's peak-memory mark from its current RSS; False where the platform cannot."""
     return get_accelerator("cpu").reset_peak_memory_stats()

@@ -24,8 +24,21 @@ def max_loss_gap(result: RunResult, reference: RunResult) -> float:
     return max(abs(a - b) for a, b in pairs) if pairs else float("nan")
 
 
-def comparison_table(results: Sequence[RunResult], reference: str = "ddp", title: str = "") -> Table:
+def mfu(result: RunResult, flops_per_token: float, peak_per_rank: float) -> float:
+    """Model flops utilisation of a run: its training flops per second (all ranks) over every rank's peak."""
+    return result.tokens_per_s * flops_per_token / (peak_per_rank * len(result.peak_rss))
+
+
+def comparison_table(
+    results: Sequence[RunResult],
+    reference: str = "ddp",
+    title: str = "",
+    flops_per_token: float | None = None,
+    peak_per_rank: float | None = None,
+) -> Table:
+    """One row per run; an MFU column when the flops per token and the per-rank peak are given."""
     ref = next((r for r in results if r.name == reference), None)
+    with_mfu = flops_per_token is not None and peak_per_rank is not None
     table = Table(title=title or None)
     table.add_column("strategy")
     table.add_column("steps", justify="right")
@@ -34,6 +47,8 @@ def comparison_table(results: Sequence[RunResult], reference: str = "ddp", title
     if ref is not None:
         table.add_column(f"max |loss - {reference}|", justify="right")
     table.add_column("tokens/s", justify="right")
+    if with_mfu:
+        table.add_column("MFU", justify="right")
     ranks = " / ".join(f"r{i}" for i in range(max(len(r.peak_rss) for r in results)))
     table.add_column(f"model states MiB {ranks}", justify="right")
     table.add_column(f"peak RSS MiB {ranks}", justify="right")
@@ -43,7 +58,11 @@ def comparison_table(results: Sequence[RunResult], reference: str = "ddp", title
             row.append("-" if r is ref else f"{max_loss_gap(r, ref):.1e}")
         states = " / ".join(f"{v:,.2f}" for v in mib(r.state_bytes))
         peak = " / ".join(f"{v:,.0f}" for v in mib(r.peak_rss))
-        row += [f"{r.tokens_per_s:,.0f}", states, peak if r.peak_is_per_run else f"{peak} (process peak)"]
+        row.append(f"{r.tokens_per_s:,.0f}")
+        if with_mfu:
+            assert flops_per_token is not None and peak_per_rank is not None
+            row.append(f"{100 * mfu(r, flops_per_token, peak_per_rank):.1f}%")
+        row += [states, peak if r.peak_is_per_run else f"{peak} (process peak)"]
         table.add_row(*row)
     return table
 
