@@ -172,7 +172,7 @@ class GenerateAtTrainEnd(L.Callback):
 def zero3_strategy(out: Path) -> Any:
     """``"zero3"`` plus the hybrid engine (for the sample) and the flops profiler (tokens/s and MFU in the
     progress bar; one step's profile written to ``out/flops_profile.txt``)."""
-    from ds_strategy import ZeroStrategy
+    from ds_strategy.lightning import ZeroStrategy
 
     return ZeroStrategy(
         stage=3,
