@@ -260,3 +260,30 @@ def token_batches(
         (torch.randint(0, vocab, (rows, seq), generator=g), torch.randint(0, vocab, (rows, seq), generator=g))
         for _ in range(steps)
     ]
+
+
+def tiny_llama() -> Any:
+    """A 2-layer Llama built from a config (seed 0) whose generate never stops early: max_new_tokens decides
+    the length. Skips the test without transformers."""
+    import pytest
+
+    transformers = pytest.importorskip("transformers")
+    cfg = transformers.LlamaConfig(
+        vocab_size=64,
+        hidden_size=32,
+        intermediate_size=64,
+        num_hidden_layers=2,
+        num_attention_heads=2,
+        num_key_value_heads=2,
+        max_position_embeddings=64,
+    )
+    torch.manual_seed(0)
+    model = transformers.LlamaForCausalLM(cfg)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None  # never stop early: max_new_tokens decides the length
+    return model
+
+
+def llama_prompt(rank: int) -> torch.Tensor:
+    """Rank ``rank``'s prompt for ``tiny_llama``: 5 + rank tokens."""
+    return torch.randint(1, 64, (1, 5 + rank), generator=torch.Generator().manual_seed(rank))

@@ -14,36 +14,16 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
+from tests.runtime.common import llama_prompt, tiny_llama
 
 transformers = pytest.importorskip("transformers")
-
-
-def _model() -> Any:
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = None  # never stop early: max_new_tokens decides the length
-    return model
-
-
-def _prompt(rank: int) -> torch.Tensor:
-    return torch.randint(1, 64, (1, 5 + rank), generator=torch.Generator().manual_seed(rank))
 
 
 def _generate(rank: int, world: int) -> dict[str, Any]:
     import ds_strategy
 
-    model = _model()
-    expected = [model.generate(_prompt(r), max_new_tokens=3 + 4 * r, do_sample=False) for r in range(world)]
+    model = tiny_llama()
+    expected = [model.generate(llama_prompt(r), max_new_tokens=3 + 4 * r, do_sample=False) for r in range(world)]
     cfg = {
         "train_micro_batch_size_per_gpu": 1,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
@@ -52,7 +32,7 @@ def _generate(rank: int, world: int) -> dict[str, Any]:
     engine, *_ = ds_strategy.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     engine.eval()
     with torch.no_grad():
-        got = engine.module.generate(_prompt(rank), max_new_tokens=3 + 4 * rank, do_sample=False, synced_gpus=True)
+        got = engine.module.generate(llama_prompt(rank), max_new_tokens=3 + 4 * rank, do_sample=False, synced_gpus=True)
     at_rest = max(p.numel() for p in model.parameters())
     engine.destroy()
     return {"got": got, "expected": expected[rank], "at_rest": at_rest}

@@ -14,6 +14,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
+from tests.runtime.common import llama_prompt, tiny_llama
 
 pytestmark = pytest.mark.multiprocess
 
@@ -164,43 +165,21 @@ def test_generate_train_generate_matches_ddp() -> None:
         assert cycle["latency"] >= cycle["training"] + cycle["generate"] + cycle["gather"]
 
 
-def _llama() -> Any:
-    transformers = pytest.importorskip("transformers")
-    cfg = transformers.LlamaConfig(
-        vocab_size=64,
-        hidden_size=32,
-        intermediate_size=64,
-        num_hidden_layers=2,
-        num_attention_heads=2,
-        num_key_value_heads=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM(cfg)
-    model.generation_config.pad_token_id = 0
-    model.generation_config.eos_token_id = None  # never stop early: max_new_tokens decides the length
-    return model
-
-
-def _llama_prompt(rank: int) -> torch.Tensor:
-    return torch.randint(1, 64, (1, 5 + rank), generator=torch.Generator().manual_seed(rank))
-
-
 def _hf_generate(rank: int, world: int) -> dict[str, Any]:
     import ds_strategy
 
     new = 3 + 4 * rank  # the ranks generate different lengths
-    expected = _llama().generate(_llama_prompt(rank), max_new_tokens=new, do_sample=False)
+    expected = tiny_llama().generate(llama_prompt(rank), max_new_tokens=new, do_sample=False)
     out: dict[str, Any] = {"expected": expected}
     for name, hybrid, synced in (
         ("plain-synced", None, True),
         ("hybrid-unsynced", {"enabled": True, "pin_parameters": False}, False),
     ):
-        model = _llama()
+        model = tiny_llama()
         engine, *_ = ds_strategy.initialize(model=model, config=_config(3, hybrid))
         engine.eval()
         before = engine.stage.gatherer.gathers
-        got = engine.generate(_llama_prompt(rank), max_new_tokens=new, do_sample=False, synced_gpus=synced)
+        got = engine.generate(llama_prompt(rank), max_new_tokens=new, do_sample=False, synced_gpus=synced)
         out[name] = {
             "got": got,
             "gathers": engine.stage.gatherer.gathers - before,
