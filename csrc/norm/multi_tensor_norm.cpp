@@ -52,7 +52,7 @@ SumOfSquares chunk_sum_of_squares(const T* x, int64_t begin, int64_t end) {
   for (int64_t j = begin; j < end; ++j) {
     const float v = to_float(x[j]);
     exact.nonfinite |= is_nonfinite(v);
-    exact.sum_sq += static_cast<double>(v) * static_cast<double>(v);
+    exact.sum_sq = accumulate_square_exact(exact.sum_sq, v);
   }
   return exact;
 }

@@ -199,6 +199,14 @@ class FlatLayout:
         lo, hi = self.shard_range(bucket, rank)
         return flat[lo:hi]
 
+    def partition_view(self, partition: torch.Tensor, bucket: int) -> torch.Tensor:
+        """Bucket ``bucket``'s view into a partition buffer (one slice: the gradient hooks call it per bucket,
+        and building every bucket's view there made a backward quadratic in the bucket count)."""
+        if partition.numel() != self.partition_numel:
+            raise ValueError(f"partition has {partition.numel()} elements, the layout needs {self.partition_numel}")
+        b = self.buckets[bucket]
+        return partition[b.partition_start : b.partition_start + b.shard]
+
     def partition_views(self, partition: torch.Tensor) -> list[torch.Tensor]:
         """Per-bucket views into a contiguous partition buffer of ``partition_numel`` elements."""
         if partition.numel() != self.partition_numel:

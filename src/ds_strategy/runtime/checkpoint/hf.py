@@ -305,7 +305,7 @@ def _write(
         lo, hi = gs.layout.shard_range(slot.bucket, gs.rank)
         a, z = max(lo, slot.offset), min(hi, slot.end)
         if a < z:
-            view = gs.layout.partition_views(gs.part)[slot.bucket]
+            view = gs.layout.partition_view(gs.part, slot.bucket)
             view[a - lo : z - lo].copy_(read(a - slot.offset, z - slot.offset, view.dtype))
         return
     info = init_shard(t)

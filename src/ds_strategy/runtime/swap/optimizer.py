@@ -114,8 +114,8 @@ class OptimizerSwapper:
 
     # ------------------------------------------------------------------ set-up
     def store(self, key: Key, master: torch.Tensor) -> None:
-        """Write a master's initial values (fp32)."""
-        self.file.write(("m", key), master.detach().float().contiguous()).wait()
+        """Write a master's initial values (fp32); stage 3 hands the device partition, aio reads host memory."""
+        self.file.write(("m", key), master.detach().to("cpu", torch.float32).contiguous()).wait()
 
     def bind(self, master: nn.Parameter, key: Key, numel: int) -> None:
         """``master`` lives in the file from now on (its values were ``store``d); leave it a placeholder."""

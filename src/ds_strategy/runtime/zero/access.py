@@ -306,7 +306,7 @@ class FullStateAccess:
             b, at, fs, n = frag
             a, z = max(start, fs), min(end, fs + n)
             if a < z:
-                part = gs.layout.partition_views(gs.part)[b]
+                part = gs.layout.partition_view(gs.part, b)
                 part[at + a - fs : at + z - fs].copy_(values[a - start : z - start])
         bucket = gs.layout.params[index].bucket
         if gs.live[bucket]:

@@ -48,7 +48,7 @@ class Stage1(Stage0):
     def _launch(self, key: BucketKey) -> Handle:
         g, b = key
         _, send = self._comm_input(key)
-        out = self.groups[g].layout.partition_views(self.partition_grads[g])[b]
+        out = self.groups[g].layout.partition_view(self.partition_grads[g], b)
         if send.dtype == out.dtype:
             return self.coll.reduce_scatter(out, send, async_op=self.options.async_comm)
         temp = torch.empty(out.numel(), dtype=send.dtype, device=out.device)
@@ -58,7 +58,7 @@ class Stage1(Stage0):
         return self.groups[group].master_shaped(self.partition_grads[group])
 
     def _reduce_late(self, key: BucketKey, late: torch.Tensor) -> None:
-        out = self.groups[key[0]].layout.partition_views(self.partition_grads[key[0]])[key[1]]
+        out = self.groups[key[0]].layout.partition_view(self.partition_grads[key[0]], key[1])
         send = late if self.options.comm_dtype == late.dtype else late.to(self.options.comm_dtype)
         self._reduce_scatter_add(out, send)
 

@@ -85,7 +85,7 @@ class Stage2(ZeroStage):
 
     def _partition_out(self, key: BucketKey, fresh: bool) -> torch.Tensor:
         """Where bucket ``key``'s reduced shard lands (holding this window's earlier ones unless ``fresh``)."""
-        return self.groups[key[0]].layout.partition_views(self.partition_grads[key[0]])[key[1]]
+        return self.groups[key[0]].layout.partition_view(self.partition_grads[key[0]], key[1])
 
     def _landed(self, key: BucketKey, out: torch.Tensor) -> None:
         """Bucket ``key``'s shard in ``out`` is final for this backward (stage 3's NVMe offload writes it)."""
