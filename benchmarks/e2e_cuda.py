@@ -68,9 +68,27 @@ def _peak_bytes(device: str) -> int:
     return peak_rss_bytes()
 
 
+def arch_list_for_deepspeed(current: str | None, capability: tuple[int, int]) -> str | None:
+    """The TORCH_CUDA_ARCH_LIST DeepSpeed's JIT op builder can read, or None to leave it as it is.
+
+    DeepSpeed 0.19.8 sorts the entries as integers and fails on an architecture suffix ("9.0a", seen on the
+    H200 machine of 2026-11-26: ``invalid literal for int() with base 10: '0a'``); the GPU's own
+    capability builds the same FusedAdam for this device."""
+    if not current:
+        return None
+    entries = current.replace(";", " ").split()
+    if all(e.removesuffix("+PTX").replace(".", "", 1).isdigit() for e in entries):
+        return None
+    return f"{capability[0]}.{capability[1]}"
+
+
 def _run_case(rank: int, world: int, case: Case, shape: dict[str, int], steps: int, device: str) -> dict[str, Any]:
     _, peer, stage, offload = case
     dev = torch.device(device, rank) if device == "cuda" else torch.device("cpu")
+    if peer == "deepspeed" and device == "cuda":
+        arch = arch_list_for_deepspeed(os.environ.get("TORCH_CUDA_ARCH_LIST"), torch.cuda.get_device_capability(dev))
+        if arch is not None:
+            os.environ["TORCH_CUDA_ARCH_LIST"] = arch  # this case's own process
     _reset_peak(device)
     model, batches = model_and_batches(shape, steps + WARMUP, rank)
     params = sum(p.numel() for p in model.parameters())

@@ -144,3 +144,14 @@ def test_e2e_cuda_pipeline_on_the_cpu(tmp_path: Path) -> None:
     text = (tmp_path / "e2e_cuda.md").read_text()
     assert "| ds_strategy stage 3 |" in text and "step vs FSDP2" in text
     assert (tmp_path / "e2e_cuda.png").read_bytes()[:8] == PNG
+
+
+def test_deepspeed_gets_an_arch_list_it_can_parse() -> None:
+    """DeepSpeed's JIT builder failed on the H200 machine's "9.0a" (2026-11-26); plain lists pass through."""
+    from benchmarks.e2e_cuda import arch_list_for_deepspeed
+
+    assert arch_list_for_deepspeed("9.0a", (9, 0)) == "9.0"
+    assert arch_list_for_deepspeed("8.0;9.0a", (9, 0)) == "9.0"
+    assert arch_list_for_deepspeed("8.0 9.0+PTX", (9, 0)) is None
+    assert arch_list_for_deepspeed("9.0", (9, 0)) is None
+    assert arch_list_for_deepspeed(None, (9, 0)) is None

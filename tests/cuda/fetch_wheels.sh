@@ -6,6 +6,8 @@
 #
 #   tests/cuda/fetch_wheels.sh [DEST]        # DEST: default .whl/ in the repository root
 #   PYVER=3.11 tests/cuda/fetch_wheels.sh    # the GPU machine's Python (default 3.12)
+#   WITH_DEEPSPEED=1 tests/cuda/fetch_wheels.sh   # also DeepSpeed 0.19.8 (the benchmark's yardstick) and
+#                                                 # what it needs beyond the GPU image (pydantic, hjson)
 #
 # Versions are the ones the project is tested with (pyproject.toml's lower bounds are older).
 set -euo pipefail
@@ -36,5 +38,15 @@ mkdir -p "$DEST"
     --python-version "$PYVER" --implementation cp \
     --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
     -d "$DEST" "${WHEELS[@]}"
+if [[ "${WITH_DEEPSPEED:-0}" == "1" ]]; then
+    # DeepSpeed publishes a source distribution only: build its pure-Python wheel here (no ops: it JIT-builds
+    # them on the GPU), then the dependencies the GPU image lacks (seen on the H200 machine, 2026-11-26).
+    DS_BUILD_OPS=0 "$PYTHON" -m pip wheel --no-deps --no-build-isolation -w "$DEST" "deepspeed==0.19.8"
+    "$PYTHON" -m pip download --no-deps --only-binary=:all: \
+        --python-version "$PYVER" --implementation cp \
+        --platform manylinux_2_28_x86_64 --platform manylinux_2_17_x86_64 --platform manylinux2014_x86_64 \
+        -d "$DEST" "pydantic==2.14.4" "pydantic-core==2.50.5" "annotated-types==0.8.0" \
+        "typing-inspection==0.4.5" "hjson==3.1.0"
+fi
 echo "wheels for Python $PYVER in $DEST:"
 ls -1 "$DEST"
