@@ -33,7 +33,7 @@ def tests(session: nox.Session) -> None:
     """Run the whole test suite (unit, kernels, multi-process, Lightning) on this machine's CPU."""
     _install(session, "[test]")
     session.run("python", "-m", "ds_strategy.ops", "build")  # one warm kernel cache for every test process
-    session.run("python", "-m", "pytest", "tests", "-q", *session.posargs, env={"DS_STRATEGY_REQUIRE_KERNELS": "1"})
+    session.run("python", "-m", "pytest", "tests", "-q", "--durations=40", *session.posargs, env={"DS_STRATEGY_REQUIRE_KERNELS": "1"})
 
 
 CUDA_SUITE = ["tests/cuda", "tests/ops/test_fused_adam_cuda.py"]
