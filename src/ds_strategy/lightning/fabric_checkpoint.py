@@ -19,7 +19,7 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import TYPE_CHECKING, Any, cast
 
 import torch
 from torch.nn import Module
@@ -101,7 +101,7 @@ def load(path: str | os.PathLike[str], state: Mapping[str, Any] | Module | Optim
     checkpoint, or a single file with a full state dict (e.g. from DDP or ``ds-zero-to-fp32``)."""
     root = Path(path)
     if _is_engine(state):
-        _load_raw(root, state, strict)
+        _load_raw(root, cast("ZeroEngine", state), strict)
         return {}
     if isinstance(state, (Module, Optimizer)):
         raise TypeError(

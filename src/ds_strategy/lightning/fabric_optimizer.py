@@ -39,22 +39,22 @@ class EngineOptimizer(Optimizer):
         assert optimizer is not None
         return optimizer
 
-    @property  # type: ignore[override]
-    def param_groups(self) -> list[dict[str, Any]]:
+    @property
+    def param_groups(self) -> list[dict[str, Any]]:  # type: ignore[override]
         return self.inner.param_groups
 
-    @property  # type: ignore[override]
-    def state(self) -> Any:
+    @property
+    def state(self) -> Any:  # type: ignore[override]
         return self.inner.state
 
-    @property  # type: ignore[override]
-    def defaults(self) -> dict[str, Any]:
+    @property
+    def defaults(self) -> dict[str, Any]:  # type: ignore[override]
         return self.inner.defaults
 
     def zero_grad(self, set_to_none: bool = True) -> None:
         self._zero_engine.zero_grad()
 
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:  # type: ignore[override]
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
         if closure is not None:
             raise TypeError("a ZeRO engine's optimizer step takes no closure (it would re-run backward)")
         self._zero_engine.step()

@@ -125,7 +125,7 @@ class EngineDtypes:
     16-bit values. No autocast, no GradScaler: the engine casts and scales the loss itself.
     """
 
-    precision: PrecisionFlag
+    precision: Any  # a PrecisionFlag; Any to agree with Lightning's own annotation of the attribute
     dtype: torch.dtype
 
     def _set_flag(self, precision: Any, owner: str) -> None:
