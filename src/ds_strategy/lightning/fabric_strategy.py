@@ -218,7 +218,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
     def setup_environment(self) -> None:
         super().setup_environment()
         self._set_world_ranks()
-        self._process_group_backend = shared.process_group_backend(self._process_group_backend, self.root_device)
+        self._process_group_backend = self._process_group_backend or shared.default_backend(self.root_device)
         assert self.cluster_environment is not None
         shared.init_process_group(self.cluster_environment, self._process_group_backend, self._timeout)
 

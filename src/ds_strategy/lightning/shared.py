@@ -67,9 +67,9 @@ def compute_device(device: torch.device) -> torch.device:
     return get_accelerator("cpu").device() if device.type == "cpu" else device
 
 
-def process_group_backend(chosen: str | None, device: torch.device) -> str:
-    """The torch.distributed backend: the user's, else nccl on CUDA and gloo on CPU."""
-    return chosen or _get_default_process_group_backend_for_device(device)
+def default_backend(device: torch.device) -> str:
+    """The torch.distributed backend when the user chose none: nccl on CUDA, gloo on CPU."""
+    return _get_default_process_group_backend_for_device(device)
 
 
 def init_process_group(env: ClusterEnvironment, backend: str, timeout: timedelta | None) -> None:
