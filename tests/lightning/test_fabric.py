@@ -64,6 +64,22 @@ def test_names_are_registered_in_fabric() -> None:
     )
 
 
+def test_import_ds_strategy_then_fabric_registers_the_names() -> None:
+    """The lazy hook: ``import ds_strategy`` imports no Lightning; importing Fabric afterwards (which runs
+    lightning/__init__.py) fills Fabric's registry too, in a fresh interpreter."""
+    import subprocess
+    import sys
+
+    code = (
+        "import sys, ds_strategy; assert 'lightning' not in sys.modules\n"
+        "from lightning.fabric import Fabric\n"
+        "f = Fabric(strategy='zero3', accelerator='cpu', devices=2)\n"
+        "print(type(f.strategy).__name__, f.strategy.stage)"
+    )
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert out.strip().splitlines()[-1] == "ZeroFabricStrategy 3"
+
+
 def test_unsupported_settings_name_what_works() -> None:
     import ds_strategy.lightning  # noqa: F401
     from ds_strategy.lightning import ZeroFabricStrategy
@@ -131,8 +147,8 @@ def _gan_runs(rank: int, world: int) -> dict[str, Any]:
     """A GAN (two engines, alternating) under DDP and zero3 (and zero2), a frozen teacher engine without
     optimizer, and the errors that name what works."""
     out: dict[str, Any] = {}
-    for name in ("ddp", "zero2", "zero3"):
-        fabric = make_fabric(name, world)
+    for name in ("ddp", "zero2", "zero3", "zero2-bf16"):
+        fabric = make_fabric(name.removesuffix("-bf16"), world, "bf16-mixed" if name.endswith("bf16") else "32-true")
         torch.manual_seed(1)
         with fabric.init_module():
             g, d = generator(), discriminator()
@@ -141,6 +157,7 @@ def _gan_runs(rank: int, world: int) -> dict[str, Any]:
         g, opt_g = fabric.setup(g, opt_g)
         d, opt_d = fabric.setup(d, opt_d)
         out[name] = gan_loop(fabric, g, d, opt_g, opt_d, steps=4, rank=rank)
+        out[name]["dtype"] = str(getattr(g._forward_module, "compute_dtype", "ddp"))
         if name == "zero3":
             with pytest.raises(
                 ValueError, match=r"name the one this loss trains: fabric.backward\(loss, model=model\)"
@@ -167,6 +184,9 @@ def test_gan_two_engines_each_match_ddp() -> None:
         for name in ("zero2", "zero3"):
             assert_close_lists(r[name]["d"], r["ddp"]["d"], RTOL, f"rank {rank} {name} discriminator")
             assert_close_lists(r[name]["g"], r["ddp"]["g"], RTOL, f"rank {rank} {name} generator")
+        # bf16-mixed: the engine computes in bf16 (fp32 masters); the first losses agree to bf16 precision
+        assert r["zero2-bf16"]["dtype"] == "torch.bfloat16" and r["zero2"]["dtype"] == "torch.float32"
+        assert_close_lists(r["zero2-bf16"]["d"][:1], r["ddp"]["d"][:1], 2e-2, f"rank {rank} bf16 discriminator")
         got, ref = r["teacher"]
         torch.testing.assert_close(got, ref, rtol=1e-6, atol=1e-7)
 
