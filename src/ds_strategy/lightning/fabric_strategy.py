@@ -39,8 +39,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision
 from lightning.fabric.strategies import ParallelStrategy
-from lightning.fabric.strategies.launchers import _MultiProcessingLauncher, _SubprocessScriptLauncher
-from lightning.fabric.strategies.strategy import TBroadcast, _BackwardSyncControl, _Sharded
+from lightning.fabric.strategies.strategy import TBroadcast
 from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.types import ReduceOp
 from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
@@ -52,7 +51,15 @@ from typing_extensions import override
 from ds_strategy.config import OnConflict, check_config
 
 from . import fabric_checkpoint, shared, stage3
-from ._compat import _IS_INTERACTIVE, _PATH, _sync_ddp_if_available
+from ._compat import (
+    _IS_INTERACTIVE,
+    _PATH,
+    _BackwardSyncControl,
+    _FabricMultiProcessingLauncher,
+    _FabricSubprocessScriptLauncher,
+    _Sharded,
+    _sync_ddp_if_available,
+)
 from .config import ConfigArg, StrategyKeywords, apply_keywords, configured_stage, read_config, states_micro_batch
 from .fabric_optimizer import EngineOptimizer
 from .fabric_precision import ZeroFabricPrecision
@@ -209,9 +216,11 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         if method == "auto":
             method = "fork" if _IS_INTERACTIVE else "popen"
         if method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
+            self._launcher = _FabricSubprocessScriptLauncher(
+                self.cluster_environment, self.num_processes, self.num_nodes
+            )
         else:
-            self._launcher = _MultiProcessingLauncher(self, start_method=method)
+            self._launcher = _FabricMultiProcessingLauncher(self, start_method=method)
 
     # ------------------------------------------------------------------ process group
     @override
