@@ -223,6 +223,16 @@ def _ckpt_run(rank: int, world: int, path: str, phase: str) -> dict[str, Any]:
     out["step"], out["remainder"], out["lr"] = state["step"], remainder, optimizer.param_groups[0]["lr"]
     out["resumed"] = gpt_loop(fabric, model, optimizer, batches[2:])["losses"]
     out["files"] = sorted(p.name for p in Path(path).iterdir())
+    if (
+        phase == "load1"
+    ):  # load_raw: a single file of full weights (as DDP or ds-zero-to-fp32 write) into a fresh engine
+        full = model._forward_module.full_state_dict(rank=0)
+        torch.save(full, Path(path).parent / "full.pt")
+        other, _, _ = fresh(fabric, 7)
+        fabric.load_raw(Path(path).parent / "full.pt", other)
+        out["load_raw_equal"] = all(
+            torch.equal(full[k], v) for k, v in other._forward_module.full_state_dict(rank=0).items()
+        )
     fabric.strategy.teardown()
     return out
 
@@ -239,5 +249,5 @@ def test_save_load_resumes_identically_and_reshards(tmp_path: Path) -> None:
     # saved by 2 ranks, loaded by 1 (the union of both ranks' batches): the mean of the 2-rank losses
     one = run_distributed(_ckpt_run, 1, args=(path, "load1"), **KW)[0]
     mean = [(a + b) / 2 for a, b in zip(two[0]["continued"], two[1]["continued"], strict=True)]
-    assert one["step"] == 2
+    assert one["step"] == 2 and one["load_raw_equal"]
     assert_close_lists(one["resumed"], mean, RTOL, "world size 1 resumed")
