@@ -16,9 +16,11 @@ import pytest
 import torch
 from lightning.fabric import Fabric
 
+from ds_strategy.lightning import ZeroFabricStrategy
 from tests.harness import run_distributed
 from tests.lightning.common import ELASTIC_ENV
 from tests.lightning.fabric_common import (
+    Block,
     TinyGPT,
     assert_close_lists,
     discriminator,
@@ -98,12 +100,16 @@ def _gpt_runs(rank: int, world: int) -> dict[str, Any]:
     """One worker call: the same LitGPT-style loop (2 micro-batches accumulated with no_backward_sync,
     clipping, AdamW) under DDP, zero1, zero2 and zero3 (model built under init_module), plus the
     collectives."""
+    from ds_strategy.runtime.activation_checkpointing import is_checkpointed
     from ds_strategy.runtime.zero.init import init_shard
 
     batches = token_batches(steps=3, micro=2, rank=rank, world=world)
     out: dict[str, Any] = {}
-    for name in ("ddp", "zero1", "zero2", "zero3"):
-        fabric = make_fabric(name, world)
+    for name in ("ddp", "zero1", "zero2", "zero3", "zero3-recompute"):
+        strategy: Any = name
+        if name == "zero3-recompute":  # activation checkpointing of every Block: recomputation is exact
+            strategy = ZeroFabricStrategy(stage=3, activation_checkpointing_policy={Block})
+        fabric = make_fabric(strategy, world)
         torch.manual_seed(0)
         with fabric.init_module():
             model = TinyGPT()
@@ -115,6 +121,7 @@ def _gpt_runs(rank: int, world: int) -> dict[str, Any]:
         optimizer = torch.optim.AdamW(model.parameters(), lr=1e-2, weight_decay=0.1)
         model, optimizer = fabric.setup(model, optimizer)
         out[name] = gpt_loop(fabric, model, optimizer, batches, max_norm=0.3)
+        out[name]["recomputed"] = sum(is_checkpointed(m) for m in model.modules())
         if name == "zero3":
             t = fabric.all_reduce(torch.tensor(float(rank + 1)), reduce_op="sum")
             out["all_reduce"] = float(t)
@@ -128,9 +135,10 @@ def _gpt_runs(rank: int, world: int) -> dict[str, Any]:
 def test_gpt_loop_matches_ddp_at_every_stage() -> None:
     results = run_distributed(_gpt_runs, 2, **KW)
     for rank, r in enumerate(results):
-        for name in ("zero1", "zero2", "zero3"):
+        for name in ("zero1", "zero2", "zero3", "zero3-recompute"):
             assert_close_lists(r[name]["losses"], r["ddp"]["losses"], RTOL, f"rank {rank} {name} losses")
             assert_close_lists(r[name]["norms"], r["ddp"]["norms"], RTOL, f"rank {rank} {name} grad norms")
+        assert r["zero3-recompute"]["recomputed"] == 2 and r["zero3"]["recomputed"] == 0  # the two Blocks
         assert min(r["ddp"]["norms"]) > 0.3  # the clipping was active
         assert r["ddp"]["losses"][-1] < r["ddp"]["losses"][0]
         # init_module at stage 3: every parameter a shard, each rank holding half (padded) of the model

@@ -49,6 +49,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ds_strategy.config import OnConflict, check_config
+from ds_strategy.runtime.activation_checkpointing import Policy
 
 from . import fabric_checkpoint, shared, stage3
 from ._compat import (
@@ -73,10 +74,11 @@ StartMethod = Literal["auto", "popen", "fork", "spawn"]
 class ZeroFabricStrategy(ParallelStrategy, _Sharded):
     """ZeRO data parallelism (stages 0-3, CPU/NVMe offload, fp16/bf16) for Lightning Fabric.
 
-    The keywords are ``ZeroStrategy``'s (docs/lightning.md); ``config`` is a DeepSpeed config (dict or
-    JSON path). The micro batch size is the config's ``train_micro_batch_size_per_gpu``, else
-    ``micro_batch_size``, else 1 (bookkeeping only: Fabric hands the engine no dataloader). Gradient
-    clipping is the config's ``gradient_clipping`` or ``fabric.clip_gradients(..., max_norm=...)``.
+    The keywords are ``ZeroStrategy``'s (docs/lightning.md), ``activation_checkpointing_policy`` included
+    (applied to each model at ``fabric.setup``); ``config`` is a DeepSpeed config (dict or JSON path).
+    The micro batch size is the config's ``train_micro_batch_size_per_gpu``, else ``micro_batch_size``,
+    else 1 (bookkeeping only: Fabric hands the engine no dataloader). Gradient clipping is the config's
+    ``gradient_clipping`` or ``fabric.clip_gradients(..., max_norm=...)``.
     """
 
     strategy_name = "zero"
@@ -104,6 +106,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
         start_method: StartMethod = "auto",
+        activation_checkpointing_policy: Policy | None = None,
         on_conflict: OnConflict = "error",
         exclude_frozen_parameters: bool = False,
     ) -> None:
@@ -149,6 +152,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         self._timeout = timeout
         self._start_method: StartMethod = start_method
         self._on_conflict: OnConflict = on_conflict
+        self._activation_checkpointing_policy = activation_checkpointing_policy
         self.exclude_frozen_parameters = exclude_frozen_parameters
         self.engines: list[ZeroEngine] = []
         self._clip_next_step: dict[int, float] = {}  # id(engine) -> max_norm of fabric.clip_gradients
@@ -308,6 +312,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
             gradient_clip_val=None,
             on_conflict=self._on_conflict,
         )
+        shared.checkpoint_activations(module, self._activation_checkpointing_policy)
         engine = shared.build_engine(module, config, optimizer, self.root_device)
         self.engines.append(engine)
         return engine

@@ -46,6 +46,7 @@ from .config import resolve
 if TYPE_CHECKING:
     from ds_strategy.config import DeepSpeedConfig
     from ds_strategy.runtime import ZeroEngine
+    from ds_strategy.runtime.activation_checkpointing import Policy
 
 T = TypeVar("T")
 
@@ -166,6 +167,19 @@ def engine_config(
         gradient_clip_val=gradient_clip_val,
         on_conflict=on_conflict,
     )
+
+
+def checkpoint_activations(module: Module, policy: Policy | None) -> None:
+    """``activation_checkpointing_policy``: the picked submodules recompute their activations in backward
+    (applied before the engine is built; parameter names do not change)."""
+    if policy is None:
+        return
+    from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+    from ds_strategy.runtime.activation_checkpointing import apply_activation_checkpointing
+
+    picked = apply_activation_checkpointing(module, policy)
+    rank_zero_info(f"activation checkpointing: {len(picked)} modules recompute their activations in backward")
 
 
 def build_engine(

@@ -59,7 +59,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from ds_strategy.config import OnConflict, check_config
-from ds_strategy.runtime.activation_checkpointing import Policy, apply_activation_checkpointing
+from ds_strategy.runtime.activation_checkpointing import Policy
 
 from . import checkpoint as lckpt
 from . import shared, stage3
@@ -375,9 +375,7 @@ class ZeroStrategy(ParallelStrategy):
             _check_clipping(trainer)
             optimizer, self.lr_scheduler_configs = self._client_optimizer(module)
         self.engine_config = self._resolve_config(trainer, fitting)
-        if self._activation_checkpointing_policy is not None:
-            picked = apply_activation_checkpointing(module, self._activation_checkpointing_policy)
-            rank_zero_info(f"activation checkpointing: {len(picked)} modules recompute their activations in backward")
+        shared.checkpoint_activations(module, self._activation_checkpointing_policy)
         self.engine = self._build_engine(module, self.engine_config, optimizer)
         if fitting:
             if self.engine.optimizer is None:
