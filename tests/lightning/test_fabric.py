@@ -61,9 +61,9 @@ def test_names_are_registered_in_fabric() -> None:
     assert isinstance(strategy, ZeroFabricStrategy) and strategy.stage == 3
     assert strategy.raw_config["zero_optimization"]["offload_param"] == {"device": "cpu"}
     assert isinstance(strategy.precision, ZeroFabricPrecision) and strategy.precision.precision == "bf16-mixed"
-    assert Fabric(strategy="zero1", accelerator="cpu", devices=2, precision="bf16-true").strategy.precision.dtype == (
-        torch.bfloat16
-    )
+    for flag, dtype in (("bf16-true", torch.bfloat16), ("16-true", torch.float16), ("32-true", torch.float32)):
+        plugin = Fabric(strategy="zero1", accelerator="cpu", devices=2, precision=flag).strategy.precision
+        assert isinstance(plugin, ZeroFabricPrecision) and plugin.dtype == dtype, flag
 
 
 def test_import_ds_strategy_then_fabric_registers_the_names() -> None:
