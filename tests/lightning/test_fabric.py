@@ -151,7 +151,7 @@ def test_gpt_loop_matches_ddp_at_every_stage() -> None:
 
 # ---------------------------------------------------------------------- several engines in one process
 @_quiet
-def _gan_runs(rank: int, world: int) -> dict[str, Any]:
+def _gan_runs(rank: int, world: int, tmp_dir: str) -> dict[str, Any]:
     """A GAN (two engines, alternating) under DDP and zero3 (and zero2), a frozen teacher engine without
     optimizer, and the errors that name what works."""
     out: dict[str, Any] = {}
@@ -182,13 +182,21 @@ def _gan_runs(rank: int, world: int) -> dict[str, Any]:
                 out["teacher"] = (teacher(z), plain_teacher(z))
             with pytest.raises(RuntimeError, match=r"model, optimizer = fabric.setup\(model, optimizer\)"):
                 fabric.setup_optimizers(torch.optim.SGD(plain_teacher.parameters(), lr=0.1))
+            two = generator()
+            opts = [torch.optim.SGD(two.parameters(), lr=0.1) for _ in range(2)]
+            with pytest.raises(ValueError, match=r"one optimizer; got 2\. .*GAN-style"):
+                fabric.setup(two, *opts)
+            with pytest.raises(NotImplementedError, match=r"max_norm=\.\.\.\) instead of clip_val"):
+                fabric.clip_gradients(g, opt_g, clip_val=1.0)
+            with pytest.raises(ValueError, match=r"put the model in the state too"):
+                fabric.save(tmp_dir, {"opt_g": opt_g})
         fabric.strategy.teardown()
     return out
 
 
 @pytest.mark.multiprocess
-def test_gan_two_engines_each_match_ddp() -> None:
-    for rank, r in enumerate(run_distributed(_gan_runs, 2, **KW)):
+def test_gan_two_engines_each_match_ddp(tmp_path: Path) -> None:
+    for rank, r in enumerate(run_distributed(_gan_runs, 2, args=(str(tmp_path),), **KW)):
         for name in ("zero2", "zero3"):
             assert_close_lists(r[name]["d"], r["ddp"]["d"], RTOL, f"rank {rank} {name} discriminator")
             assert_close_lists(r[name]["g"], r["ddp"]["g"], RTOL, f"rank {rank} {name} generator")
