@@ -5,6 +5,12 @@ costs seconds that a plain-PyTorch user of ``ds_strategy.initialize`` or a confi
 So: if ``lightning.pytorch`` is already imported, register now; otherwise a one-shot import hook runs the
 registration right after ``lightning.pytorch`` finishes executing, which every route to a ``Trainer``
 (``import lightning``, ``import lightning.pytorch as pl``, ``from lightning.pytorch import Trainer``) passes.
+
+Fabric's registry (``lightning.fabric.strategies.STRATEGY_REGISTRY``) is filled by the same registration:
+every route to ``Fabric`` (``from lightning.fabric import Fabric``, ``import lightning as L``) runs
+``lightning/__init__.py``, which imports ``lightning.pytorch`` right after ``lightning.fabric``, so the
+one hook covers both. Hooking ``lightning.fabric`` itself would fire while ``lightning.pytorch`` is not
+yet importable (the package ``__init__`` is still running), and the Trainer face needs it.
 """
 
 from __future__ import annotations

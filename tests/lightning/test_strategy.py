@@ -18,6 +18,7 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
 import ds_strategy.lightning as zl
 from ds_strategy.config import ConfigConflictWarning, ConfigError
+from ds_strategy.lightning import shared as shared_module  # the process-group setup both faces share
 from ds_strategy.lightning import strategy as strategy_module
 from ds_strategy.lightning.config import apply_keywords, read_config, resolve
 from ds_strategy.lightning.launcher import ZeroMultiProcessingLauncher
@@ -265,7 +266,7 @@ def test_a_reused_process_group_gets_no_default_timeout(
     seen: dict[str, object] = {}
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # the strategy writes both: restored after the test
     monkeypatch.setenv("MASTER_PORT", "29500")
-    monkeypatch.setattr(strategy_module, "init_distributed", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(shared_module, "init_distributed", lambda **kw: seen.update(kw))
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: initialised)
     kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
     strategy = zl.ZeroStrategy(stage=2, cluster_environment=LightningEnvironment(), **kwargs)

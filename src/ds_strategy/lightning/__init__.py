@@ -1,21 +1,31 @@
-"""ds_strategy for PyTorch Lightning: ``ZeroStrategy``, its precision plugin and the strategy names.
+"""ds_strategy for PyTorch Lightning: ``ZeroStrategy`` (Trainer), ``ZeroFabricStrategy`` (Fabric), their
+precision plugins and the strategy names.
 
 Importing this package registers ``zero0``, ``zero1``, ``zero1_offload``, ``zero2``, ``zero2_offload``,
-``zero3`` and ``zero3_offload`` with Lightning's ``StrategyRegistry`` (idempotent), so
-``Trainer(strategy="zero2")`` works. See docs/lightning.md.
+``zero3``, ``zero3_offload`` and ``zero3_offload_nvme`` with the Trainer's ``StrategyRegistry`` and with
+Fabric's ``STRATEGY_REGISTRY`` (idempotent), so ``Trainer(strategy="zero2")`` and
+``Fabric(strategy="zero3")`` work. See docs/lightning.md and docs/fabric.md.
 """
 
 from __future__ import annotations
 
+from .fabric_optimizer import EngineOptimizer
+from .fabric_precision import ZeroFabricPrecision
+from .fabric_strategy import ZeroFabricStrategy
 from .precision import ZeroPrecision
-from .registry import STRATEGY_NAMES, register_strategies
+from .registry import STRATEGY_NAMES, register_fabric_strategies, register_strategies
 from .strategy import ZeroStrategy
 
 register_strategies()
+register_fabric_strategies()
 
 __all__ = [
     "STRATEGY_NAMES",
+    "EngineOptimizer",
+    "ZeroFabricPrecision",
+    "ZeroFabricStrategy",
     "ZeroPrecision",
     "ZeroStrategy",
+    "register_fabric_strategies",
     "register_strategies",
 ]

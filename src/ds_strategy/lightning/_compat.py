@@ -13,6 +13,11 @@ import lightning.pytorch as pl
 # Precision plugin: casting a batch's floating tensors; the default dtype while a "-true" module is built.
 from lightning.fabric.plugins.precision.utils import _convert_fp_tensor, _DtypeContextManager
 
+# The Fabric face: Fabric's launchers, and the strategy mixins Fabric checks for (no_backward_sync, init_module).
+from lightning.fabric.strategies.launchers import _MultiProcessingLauncher as _FabricMultiProcessingLauncher
+from lightning.fabric.strategies.launchers import _SubprocessScriptLauncher as _FabricSubprocessScriptLauncher
+from lightning.fabric.strategies.strategy import _BackwardSyncControl, _Sharded
+
 # Collectives and process-group defaults, as Lightning's DDP strategy uses them.
 from lightning.fabric.utilities.distributed import (
     _distributed_is_initialized,
@@ -37,9 +42,13 @@ from lightning.pytorch.strategies.launchers.subprocess_script import _launch_pro
 __all__ = [
     "_IS_INTERACTIVE",
     "_PATH",
+    "_BackwardSyncControl",
     "_DtypeContextManager",
+    "_FabricMultiProcessingLauncher",
+    "_FabricSubprocessScriptLauncher",
     "_MockOptimizer",
     "_MultiProcessingLauncher",
+    "_Sharded",
     "_SubprocessScriptLauncher",
     "_WorkerOutput",
     "_convert_fp_tensor",

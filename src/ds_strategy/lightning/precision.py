@@ -4,76 +4,37 @@ The engine owns loss scaling (fp16, DeepSpeed's dynamic scaler configured in the
 master weights and gradient clipping, so this plugin never stacks Lightning's AMP ``GradScaler`` or autocast
 on top: backward and the optimizer step are handed to the engine, clipping is a no-op here.
 
-``"16-mixed"`` and ``"16-true"`` both select the engine's fp16 mode, ``"bf16-mixed"`` and ``"bf16-true"``
-its bf16 mode (16-bit parameters and activations, fp32 masters), as DeepSpeed does. ``"-true"`` additionally
-creates the module's tensors in the 16-bit dtype (``tensor_init_context``), so the fp32 masters then start
-from 16-bit values.
+Which flag selects which engine mode: ``shared.EngineDtypes``.
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any, Literal, cast, get_args
+from typing import TYPE_CHECKING, Any
 
-import torch
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
-from lightning_utilities import apply_to_collection
 from torch import Tensor
-from torch.nn import Module
 from torch.optim import LBFGS, Optimizer
 from typing_extensions import override
 
 from ds_strategy.runtime import ZeroEngine
 
-from ._compat import _convert_fp_tensor, _DtypeContextManager
+from .shared import EngineDtypes, PrecisionFlag
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
 
-PrecisionFlag = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
 
-_DTYPE: dict[str, torch.dtype] = {
-    "32-true": torch.float32,
-    "16-mixed": torch.float16,
-    "16-true": torch.float16,
-    "bf16-mixed": torch.bfloat16,
-    "bf16-true": torch.bfloat16,
-}
-
-
-class ZeroPrecision(Precision):
+class ZeroPrecision(EngineDtypes, Precision):
     """Precision for ``ZeroStrategy``: ``precision`` is one of "32-true", "16-mixed", "bf16-mixed",
-    "16-true", "bf16-true"."""
+    "16-true", "bf16-true". The dtype handling (``convert_module``, ``convert_input``, the init contexts)
+    is ``shared.EngineDtypes``, the same as Fabric's ``ZeroFabricPrecision``."""
 
     def __init__(self, precision: PrecisionFlag = "32-true") -> None:
-        precision = cast(PrecisionFlag, str(precision))
-        if precision not in get_args(PrecisionFlag):
-            raise ValueError(
-                f"ZeroStrategy does not support precision={precision!r}; choose one of "
-                f"{', '.join(repr(p) for p in get_args(PrecisionFlag))}"
-            )
-        self.precision = precision
-        self.dtype = _DTYPE[precision]
-
-    # ------------------------------------------------------------------ dtypes
-    @override
-    def convert_module(self, module: Module) -> Module:
-        return module.to(dtype=self.dtype) if self.precision.endswith("-true") else module
-
-    @override
-    def convert_input(self, data: Any) -> Any:
-        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.dtype)
-
-    @override
-    def tensor_init_context(self) -> AbstractContextManager:
-        return _DtypeContextManager(self.dtype) if self.precision.endswith("-true") else nullcontext()
-
-    @override
-    def module_init_context(self) -> AbstractContextManager:
-        return self.tensor_init_context()
+        self._set_flag(precision, "ZeroStrategy")
 
     # ------------------------------------------------------------------ the engine does the rest
     # [Note: who decides the accumulation boundary] (strategy.py): Lightning does. Inside a window the

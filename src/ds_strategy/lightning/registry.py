@@ -1,4 +1,4 @@
-"""The lowercase strategy names: ``Trainer(strategy="zero3")``.
+"""The lowercase strategy names: ``Trainer(strategy="zero3")`` and ``Fabric(strategy="zero3")``.
 
 ``register_strategies`` is idempotent: registering again (a second import, a module reload) replaces our
 own entries, but a name some other library registered first is never taken over silently.
@@ -42,14 +42,31 @@ def register_strategies(registry: Any = None) -> list[str]:
         from lightning.pytorch.strategies import StrategyRegistry
 
         registry = StrategyRegistry
-    ours = f"{ZeroStrategy.__module__}.{ZeroStrategy.__qualname__}"
+    _register(registry, ZeroStrategy, "pass ZeroStrategy(...) to the Trainer instead")
+    return list(STRATEGY_NAMES)
+
+
+def register_fabric_strategies(registry: Any = None) -> list[str]:
+    """The same names in Fabric's registry (``lightning.fabric.strategies.STRATEGY_REGISTRY`` by default):
+    ``Fabric(strategy="zero3")`` builds a ``ZeroFabricStrategy``."""
+    from .fabric_strategy import ZeroFabricStrategy
+
+    if registry is None:
+        from lightning.fabric.strategies import STRATEGY_REGISTRY
+
+        registry = STRATEGY_REGISTRY
+    _register(registry, ZeroFabricStrategy, "pass ZeroFabricStrategy(...) to Fabric instead")
+    return list(STRATEGY_NAMES)
+
+
+def _register(registry: Any, strategy: type, instead: str) -> None:
+    ours = f"{strategy.__module__}.{strategy.__qualname__}"
     for name, (description, kwargs) in STRATEGY_NAMES.items():
         if name in registry:
             existing = registry[name]["strategy"]
             if f"{existing.__module__}.{existing.__qualname__}" != ours:
                 raise ValueError(
                     f"strategy name {name!r} is already registered by {existing.__module__}.{existing.__qualname__}; "
-                    "ds_strategy will not replace it (pass ZeroStrategy(...) to the Trainer instead)"
+                    f"ds_strategy will not replace it ({instead})"
                 )
-        registry.register(name, ZeroStrategy, description=description, override=True, **kwargs)
-    return list(STRATEGY_NAMES)
+        registry.register(name, strategy, description=description, override=True, **kwargs)

@@ -43,7 +43,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.plugins.precision import DoublePrecision, HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
@@ -58,19 +58,14 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ds_strategy.accelerator import get_accelerator
-from ds_strategy.comm import init_distributed
 from ds_strategy.config import OnConflict, check_config
-from ds_strategy.runtime.activation_checkpointing import Policy, apply_activation_checkpointing
+from ds_strategy.runtime.activation_checkpointing import Policy
 
 from . import checkpoint as lckpt
-from . import stage3
+from . import shared, stage3
 from ._compat import (
     _IS_INTERACTIVE,
     _PATH,
-    _distributed_is_initialized,
-    _get_default_process_group_backend_for_device,
-    _group,
     _init_optimizers_and_lr_schedulers,
     _launch_process_observer,
     _MockOptimizer,
@@ -84,7 +79,6 @@ from .config import (
     apply_keywords,
     configured_stage,
     read_config,
-    resolve,
     states_micro_batch,
 )
 from .launcher import ZeroMultiProcessingLauncher
@@ -227,9 +221,7 @@ class ZeroStrategy(ParallelStrategy):
     @override
     def root_device(self) -> torch.device:
         assert self.parallel_devices is not None
-        device = self.parallel_devices[self.local_rank]
-        # Lightning's CPU devices are plain "cpu"; the device-strict mode computes on "cpu:0" (strict.py).
-        return get_accelerator("cpu").device() if device.type == "cpu" else device
+        return shared.compute_device(self.parallel_devices[self.local_rank])
 
     @property
     def num_nodes(self) -> int:
@@ -271,14 +263,13 @@ class ZeroStrategy(ParallelStrategy):
         if plugin is None or isinstance(plugin, ZeroPrecision):
             self._precision_plugin = plugin
             return
-        flag = getattr(plugin, "precision", None)
-        plain = type(plugin) in (Precision, MixedPrecision, HalfPrecision)
-        if not plain or flag not in ("32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"):
-            what = "64-bit" if isinstance(plugin, DoublePrecision) else f"{type(plugin).__name__}(precision={flag!r})"
-            raise TypeError(
-                f"ZeroStrategy does not support {what}; use Trainer(precision=...) with '32-true', '16-mixed', "
-                "'bf16-mixed', '16-true' or 'bf16-true', or pass plugins=[ds_strategy.lightning.ZeroPrecision(...)]"
-            )
+        flag = shared.precision_flag(
+            plugin,
+            (Precision, MixedPrecision, HalfPrecision),
+            owner="ZeroStrategy",
+            where="Trainer(precision=...)",
+            how_to_pick="pass plugins=[ds_strategy.lightning.ZeroPrecision(...)]",
+        )
         self._precision_plugin = ZeroPrecision(flag)
 
     @override
@@ -301,26 +292,9 @@ class ZeroStrategy(ParallelStrategy):
     def setup_distributed(self) -> None:
         reset_seed()
         self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or _get_default_process_group_backend_for_device(
-            self.root_device
-        )
-        env = self.cluster_environment
-        assert env is not None
-        # Lightning's cluster environment (torchelastic, SLURM, LSF, MPI, plain) names the rendezvous; the
-        # one process-group setup of the package reuses a group the user already made.
-        # env:// (not tcp://) so that under torchrun the workers join the elastic agent's store.
-        os.environ["MASTER_ADDR"] = env.main_address
-        os.environ["MASTER_PORT"] = str(env.main_port)
-        # A group from an earlier fit in this process is reused: only a timeout the user chose is worth a
-        # warning that it cannot apply any more.
-        reused_default = torch.distributed.is_initialized() and self._timeout == default_pg_timeout
-        init_distributed(
-            dist_backend=self._process_group_backend,
-            rank=env.global_rank(),
-            world_size=env.world_size(),
-            timeout=None if reused_default else self._timeout,
-            set_device=False,  # Lightning placed this rank on root_device (devices=[2, 3] is not LOCAL_RANK)
-        )
+        self._process_group_backend = self._process_group_backend or shared.default_backend(self.root_device)
+        assert self.cluster_environment is not None
+        shared.init_process_group(self.cluster_environment, self._process_group_backend, self._timeout)
 
     def set_world_ranks(self) -> None:
         if self.cluster_environment is not None:
@@ -401,9 +375,7 @@ class ZeroStrategy(ParallelStrategy):
             _check_clipping(trainer)
             optimizer, self.lr_scheduler_configs = self._client_optimizer(module)
         self.engine_config = self._resolve_config(trainer, fitting)
-        if self._activation_checkpointing_policy is not None:
-            picked = apply_activation_checkpointing(module, self._activation_checkpointing_policy)
-            rank_zero_info(f"activation checkpointing: {len(picked)} modules recompute their activations in backward")
+        shared.checkpoint_activations(module, self._activation_checkpointing_policy)
         self.engine = self._build_engine(module, self.engine_config, optimizer)
         if fitting:
             if self.engine.optimizer is None:
@@ -423,10 +395,7 @@ class ZeroStrategy(ParallelStrategy):
         self.barrier()
 
     def _build_engine(self, module: Module, config: DeepSpeedConfig, optimizer: Optimizer | None) -> ZeroEngine:
-        from ds_strategy.runtime import ZeroEngine
-
-        # The stage-3 engine is selected by the config's stage inside ZeroEngine (runtime.zero.STAGES).
-        return ZeroEngine(module, config, optimizer=optimizer, device=self.root_device)
+        return shared.build_engine(module, config, optimizer, self.root_device)
 
     def _client_optimizer(self, module: pl.LightningModule) -> tuple[Optimizer | None, list[LRSchedulerConfig]]:
         """The one optimizer (and its schedulers) from configure_optimizers; None when the config has one."""
@@ -466,7 +435,7 @@ class ZeroStrategy(ParallelStrategy):
         micro = None
         if not states_micro_batch(self.raw_config):
             micro = (_train_batch_size(trainer) if fitting else None) or 1  # 1: evaluation, bookkeeping only
-        return resolve(
+        return shared.engine_config(
             self.raw_config,
             world_size=self.world_size,
             precision=self.precision_plugin.precision,
@@ -504,20 +473,11 @@ class ZeroStrategy(ParallelStrategy):
 
     @override
     def barrier(self, *args: Any, **kwargs: Any) -> None:
-        if not _distributed_is_initialized():
-            return
-        if torch.distributed.get_backend() == "nccl" and self.root_device.type == "cuda":
-            torch.distributed.barrier(device_ids=[self.root_device.index])
-        else:
-            torch.distributed.barrier()
+        shared.barrier(self.root_device)
 
     @override
     def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        if not _distributed_is_initialized():
-            return obj
-        box = [obj]
-        torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
-        return box[0]
+        return shared.broadcast_object(obj, src)
 
     # ------------------------------------------------------------------ state
     @override
@@ -575,10 +535,10 @@ class ZeroStrategy(ParallelStrategy):
             if self.is_global_zero:
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath)
             return
-        engine.save_checkpoint(
+        shared.save_engine(
+            engine,
             filepath,
-            tag=lckpt.TAG,
-            client_state=lckpt.client_state(checkpoint),
+            checkpoint,
             exclude_frozen_parameters=self.exclude_frozen_parameters,
             # ModelCheckpoint(save_weights_only=True): Lightning leaves the optimizer states out of the dict.
             exclude_optimizer_states="optimizer_states" not in checkpoint,
@@ -604,15 +564,8 @@ class ZeroStrategy(ParallelStrategy):
         if self._single_file_checkpoint:
             return self._load_single_file(checkpoint_path, weights_only)
         fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
-        load_dir, tag = lckpt.locate(checkpoint_path)
-        _, state = engine.load_checkpoint(
-            load_dir,
-            tag=tag,
-            load_optimizer_states=fitting,
-            load_lr_scheduler_states=False,  # Lightning's schedulers: restored by Lightning from the state
-            load_module_only=not fitting,
-        )
-        return state
+        # Lightning's schedulers are restored by Lightning from the returned state, not by the engine.
+        return shared.load_engine(engine, checkpoint_path, load_optimizer_states=fitting, load_module_only=not fitting)
 
     def _load_single_file(self, path: _PATH, weights_only: bool | None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(path, weights_only=weights_only)

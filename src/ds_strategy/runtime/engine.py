@@ -373,6 +373,15 @@ class ZeroEngine(nn.Module):
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer is not None else []
 
+    def current_grad_norm(self) -> float:
+        """L2 norm of the averaged, unscaled gradients of the current window, before ``step`` (what
+        ``clip_grad_norm_`` returns; inf when fp16 overflowed). A collective: call on every rank. The
+        window's reduction completes here, so the step that follows does not reduce again."""
+        self.stage.prepare_step()
+        raw_norm, overflow = self.stage.grad_norm()
+        norm = raw_norm * self.stage.options.post_scale / self.loss_scaler.loss_scale
+        return float("inf") if overflow else norm
+
     def get_global_grad_norm(self) -> float | None:
         """L2 norm of the averaged, unscaled gradients at the last boundary (before clipping)."""
         return self._global_grad_norm

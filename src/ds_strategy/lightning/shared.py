@@ -1,0 +1,249 @@
+"""What both Lightning faces do with the engine, written once.
+
+``ZeroStrategy`` (the Trainer's) and ``ZeroFabricStrategy`` (Fabric's) differ in who calls them and when;
+below that they do the same things, and those live here:
+
+- the compute device of a rank and the process group (from a Lightning cluster environment);
+- Lightning's precision flags mapped onto the engine's fp16 / bf16 / fp32 (``precision_flag``);
+- building a ``ZeroEngine`` from the raw config and the face's context (``build_engine``);
+- the sharded checkpoint of one engine (``save_engine`` / ``load_engine``, the tag of checkpoint.py);
+- the object collectives (barrier, broadcast of a picklable object).
+
+Nothing here imports ``lightning.pytorch``: the Fabric face must not need the Trainer's modules.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Mapping
+from contextlib import AbstractContextManager, nullcontext
+from datetime import timedelta
+from pathlib import Path
+from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast, get_args
+
+import torch
+from lightning.fabric.plugins import ClusterEnvironment
+from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning_utilities import apply_to_collection
+from torch import Tensor
+from torch.nn import Module
+from torch.optim import Optimizer
+
+from ds_strategy.accelerator import get_accelerator
+from ds_strategy.comm import init_distributed
+from ds_strategy.config import OnConflict
+
+from . import checkpoint as lckpt
+from ._compat import (
+    _convert_fp_tensor,
+    _distributed_is_initialized,
+    _DtypeContextManager,
+    _get_default_process_group_backend_for_device,
+    _group,
+)
+from .config import resolve
+
+if TYPE_CHECKING:
+    from ds_strategy.config import DeepSpeedConfig
+    from ds_strategy.runtime import ZeroEngine
+    from ds_strategy.runtime.activation_checkpointing import Policy
+
+T = TypeVar("T")
+
+PrecisionFlag = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
+PRECISION_FLAGS: tuple[str, ...] = get_args(PrecisionFlag)
+PRECISION_DTYPE: dict[str, torch.dtype] = {
+    "32-true": torch.float32,
+    "16-mixed": torch.float16,
+    "16-true": torch.float16,
+    "bf16-mixed": torch.bfloat16,
+    "bf16-true": torch.bfloat16,
+}
+
+
+# ---------------------------------------------------------------------- device and process group
+def compute_device(device: torch.device) -> torch.device:
+    """The device a rank computes on: Lightning's CPU devices are plain "cpu"; the device-strict mode
+    computes on "cpu:0" (strict.py), so the CPU is asked of the accelerator."""
+    return get_accelerator("cpu").device() if device.type == "cpu" else device
+
+
+def default_backend(device: torch.device) -> str:
+    """The torch.distributed backend when the user chose none: nccl on CUDA, gloo on CPU."""
+    return _get_default_process_group_backend_for_device(device)
+
+
+def init_process_group(env: ClusterEnvironment, backend: str, timeout: timedelta | None) -> None:
+    """torch.distributed's default group from Lightning's cluster environment (torchelastic, SLURM, LSF,
+    MPI, plain); a group that already exists (an earlier fit, a user's own) is reused."""
+    # env:// (not tcp://) so that under torchrun the workers join the elastic agent's store.
+    os.environ["MASTER_ADDR"] = env.main_address
+    os.environ["MASTER_PORT"] = str(env.main_port)
+    # Reusing a group: only a timeout the user chose is worth a warning that it cannot apply any more.
+    reused_default = torch.distributed.is_initialized() and timeout == default_pg_timeout
+    init_distributed(
+        dist_backend=backend,
+        rank=env.global_rank(),
+        world_size=env.world_size(),
+        timeout=None if reused_default else timeout,
+        set_device=False,  # Lightning placed this rank on its device (devices=[2, 3] is not LOCAL_RANK)
+    )
+
+
+# ---------------------------------------------------------------------- precision
+def precision_flag(
+    plugin: Any, plain_types: tuple[type, ...], *, owner: str, where: str, how_to_pick: str
+) -> PrecisionFlag:
+    """The engine's precision for a precision plugin Lightning built from its ``precision`` flag. Only the
+    plain plugins (``plain_types``) carry a flag the engine can take over; AMP's autocast and GradScaler
+    are then never used (the engine owns casting and loss scaling)."""
+    flag = getattr(plugin, "precision", None)
+    if type(plugin) not in plain_types or flag not in PRECISION_FLAGS:
+        what = "64-bit" if flag == "64-true" else f"{type(plugin).__name__}(precision={flag!r})"
+        raise TypeError(
+            f"{owner} does not support {what}; use {where} with "
+            f"{', '.join(repr(p) for p in PRECISION_FLAGS[:-1])} or {PRECISION_FLAGS[-1]!r}, or {how_to_pick}"
+        )
+    return cast(PrecisionFlag, flag)
+
+
+def check_precision_flag(precision: Any, owner: str) -> PrecisionFlag:
+    precision = str(precision)
+    if precision not in PRECISION_FLAGS:
+        raise ValueError(
+            f"{owner} does not support precision={precision!r}; choose one of "
+            f"{', '.join(repr(p) for p in PRECISION_FLAGS)}"
+        )
+    return cast(PrecisionFlag, precision)
+
+
+class EngineDtypes:
+    """The dtype half of both precision plugins (mixed into ``ZeroPrecision`` and ``ZeroFabricPrecision``).
+
+    ``"16-mixed"`` / ``"16-true"`` select the engine's fp16 mode, ``"bf16-mixed"`` / ``"bf16-true"`` its
+    bf16 mode (16-bit parameters and activations, fp32 masters), as DeepSpeed does. ``"-true"``
+    additionally creates the module's tensors in the 16-bit dtype, so the fp32 masters then start from
+    16-bit values. No autocast, no GradScaler: the engine casts and scales the loss itself.
+    """
+
+    precision: Any  # a PrecisionFlag; Any to agree with Lightning's own annotation of the attribute
+    dtype: torch.dtype
+
+    def _set_flag(self, precision: Any, owner: str) -> None:
+        self.precision = check_precision_flag(precision, owner)
+        self.dtype = PRECISION_DTYPE[self.precision]
+
+    def convert_module(self, module: Module) -> Module:
+        return module.to(dtype=self.dtype) if self.precision.endswith("-true") else module
+
+    def convert_input(self, data: Any) -> Any:
+        return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.dtype)
+
+    def tensor_init_context(self) -> AbstractContextManager:
+        return _DtypeContextManager(self.dtype) if self.precision.endswith("-true") else nullcontext()
+
+    def module_init_context(self) -> AbstractContextManager:
+        return self.tensor_init_context()
+
+
+# ---------------------------------------------------------------------- the engine
+def engine_config(
+    raw_config: Mapping[str, Any],
+    *,
+    world_size: int,
+    precision: str,
+    micro_batch_size: int | None,
+    accumulate_grad_batches: int,
+    gradient_clip_val: float | None,
+    on_conflict: OnConflict,
+) -> DeepSpeedConfig:
+    """The raw config resolved with the face's values (see config.py)."""
+    return resolve(
+        raw_config,
+        world_size=world_size,
+        precision=precision,
+        micro_batch_size=micro_batch_size,
+        accumulate_grad_batches=accumulate_grad_batches,
+        gradient_clip_val=gradient_clip_val,
+        on_conflict=on_conflict,
+    )
+
+
+def checkpoint_activations(module: Module, policy: Policy | None) -> None:
+    """``activation_checkpointing_policy``: the picked submodules recompute their activations in backward
+    (applied before the engine is built; parameter names do not change)."""
+    if policy is None:
+        return
+    from lightning.fabric.utilities.rank_zero import rank_zero_info
+
+    from ds_strategy.runtime.activation_checkpointing import apply_activation_checkpointing
+
+    picked = apply_activation_checkpointing(module, policy)
+    rank_zero_info(f"activation checkpointing: {len(picked)} modules recompute their activations in backward")
+
+
+def build_engine(
+    module: Module, config: DeepSpeedConfig, optimizer: Optimizer | None, device: torch.device
+) -> ZeroEngine:
+    from ds_strategy.runtime import ZeroEngine
+
+    # The stage-3 engine is selected by the config's stage inside ZeroEngine (runtime.zero.STAGES).
+    return ZeroEngine(module, config, optimizer=optimizer, device=device)
+
+
+def save_engine(
+    engine: ZeroEngine,
+    path: str | os.PathLike[str],
+    client_state: Mapping[str, Any],
+    *,
+    exclude_frozen_parameters: bool = False,
+    exclude_optimizer_states: bool = False,
+) -> None:
+    """Every rank writes its shards under ``path/<TAG>`` (engine format, docs/checkpointing.md)."""
+    engine.save_checkpoint(
+        path,
+        tag=lckpt.TAG,
+        client_state=lckpt.client_state(client_state),
+        exclude_frozen_parameters=exclude_frozen_parameters,
+        exclude_optimizer_states=exclude_optimizer_states,
+    )
+
+
+def load_engine(
+    engine: ZeroEngine, path: str | os.PathLike[str], *, load_optimizer_states: bool, load_module_only: bool
+) -> dict[str, Any]:
+    """Load what ``save_engine`` wrote (at any world size and stage: the engine reshards); return the
+    client state. ``path`` is the directory or the tag directory inside it."""
+    load_dir, tag = lckpt.locate(path)
+    _, state = engine.load_checkpoint(
+        load_dir,
+        tag=tag,
+        load_optimizer_states=load_optimizer_states,
+        load_lr_scheduler_states=False,  # schedulers belong to the Lightning side, restored from the state
+        load_module_only=load_module_only,
+    )
+    return state
+
+
+def is_engine_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a directory ``save_engine`` wrote (or its tag directory)."""
+    root = Path(path)
+    return (root / "latest").is_file() or (root / "meta.pt").is_file()
+
+
+# ---------------------------------------------------------------------- collectives
+def barrier(device: torch.device) -> None:
+    if not _distributed_is_initialized():
+        return
+    if torch.distributed.get_backend() == "nccl" and device.type == "cuda":
+        torch.distributed.barrier(device_ids=[device.index])
+    else:
+        torch.distributed.barrier()
+
+
+def broadcast_object(obj: T, src: int = 0) -> T:
+    if not _distributed_is_initialized():
+        return obj
+    box = [obj]
+    torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)
+    return box[0]
