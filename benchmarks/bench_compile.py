@@ -144,7 +144,9 @@ def run(quick: bool, rounds: int | None = None) -> dict[str, Any]:
         derived["stage2_compiled_over_ddp_compiled"] = statistics.median(a / b for a, b in zip(s2, ddp, strict=True))
         for stage in (0, 2, 3):
             eager, comp = per_round[f"ds_strategy stage {stage}"], per_round[f"ds_strategy stage {stage} compiled"]
-            derived[f"stage{stage}_compiled_speedup"] = statistics.median(a / b for a, b in zip(eager, comp, strict=True))
+            derived[f"stage{stage}_compiled_speedup"] = statistics.median(
+                a / b for a, b in zip(eager, comp, strict=True)
+            )
         derived["ddp_compiled_speedup"] = statistics.median(
             a / b for a, b in zip(per_round["torch DDP"], ddp, strict=True)
         )

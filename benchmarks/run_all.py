@@ -21,7 +21,18 @@ import time
 import traceback
 from typing import Any
 
-BENCHMARKS = ("optim", "comm", "e2e", "checkpoint", "activation_checkpointing", "lora", "aio", "nvme", "hybrid", "compile")
+BENCHMARKS = (
+    "optim",
+    "comm",
+    "e2e",
+    "checkpoint",
+    "activation_checkpointing",
+    "lora",
+    "aio",
+    "nvme",
+    "hybrid",
+    "compile",
+)
 ALIASES = {"engine": "e2e", "zero3": "e2e"}
 PEERS = {
     "optim": "torch.optim.AdamW (foreach, fused), DeepSpeedCPUAdam, a memory-traffic ceiling",

@@ -29,10 +29,10 @@ SHAPE = {"layers": 2, "d": 32, "seq": 8, "micro": 2}
 def _train(stage: int, compile_block: dict[str, Any] | None, shape: dict[str, int], rank: int) -> dict[str, Any]:
     """STEPS steps of the e2e GPT; losses, and dynamo's graph and break counts after the first and last step."""
     import torch._dynamo
+    from benchmarks.training import STAGE3, model_and_batches
     from torch._dynamo.utils import counters
 
     import ds_strategy
-    from benchmarks.training import STAGE3, model_and_batches
 
     torch._dynamo.reset()
     counters.clear()
@@ -112,8 +112,9 @@ def test_graph_breaks_and_compiles_do_not_grow(stage: int) -> None:
 
 
 def _errors(rank: int, world: int) -> dict[str, str]:
-    import ds_strategy
     from benchmarks.training import model_and_batches
+
+    import ds_strategy
 
     out = {}
     for name, block in {
@@ -141,10 +142,14 @@ def test_compile_block_is_typed_and_deepcompile_refused() -> None:
 
     base = {"train_micro_batch_size_per_gpu": 1}
     cfg = load_config({**base, "compile": {"enabled": True, "backend": "aot_eager", "kwargs": {"dynamic": False}}})
-    assert (cfg.compile.enabled, cfg.compile.backend, dict(cfg.compile.kwargs)) == (True, "aot_eager", {"dynamic": False})
+    assert (cfg.compile.enabled, cfg.compile.backend, dict(cfg.compile.kwargs)) == (
+        True,
+        "aot_eager",
+        {"dynamic": False},
+    )
     assert load_config(base).compile.enabled is False
     for refused in ({"deepcompile": True}, {"passes": ["z3"]}, {"offload_activation": True}):
-        with pytest.raises(ConfigError, match=f"compile.{next(iter(refused))}"):
+        with pytest.raises(ConfigError, match=rf"compile\.{next(iter(refused))}"):
             load_config({**base, "compile": refused})
 
 
@@ -154,7 +159,7 @@ def test_lightning_keyword_writes_the_block() -> None:
     assert ZeroStrategy(stage=3, compile=True).raw_config["compile"] == {"enabled": True}
     strategy = ZeroStrategy(compile={"backend": "aot_eager"}, config={"compile": {"kwargs": {"dynamic": False}}})
     assert strategy.raw_config["compile"] == {"enabled": True, "backend": "aot_eager", "kwargs": {"dynamic": False}}
-    with pytest.raises(ValueError, match="compile.backend"):
+    with pytest.raises(ValueError, match=r"compile\.backend"):
         ZeroStrategy(compile={"backend": "eager"}, config={"compile": {"backend": "inductor"}})
     with pytest.raises(ValueError, match="compile="):
         ZeroStrategy(compile="yes")  # type: ignore[arg-type]

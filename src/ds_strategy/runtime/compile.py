@@ -67,7 +67,11 @@ def check_kwargs(kwargs: Mapping[str, Any], key: str = "compile.kwargs") -> dict
     if unknown:
         hint = " (the backend has its own key: compile.backend / backend=)" if "backend" in unknown else ""
         raise ConfigError(
-            [ConfigProblem(key, f"{', '.join(unknown)} not torch.compile keywords; valid: {', '.join(COMPILE_KWARGS)}{hint}")]
+            [
+                ConfigProblem(
+                    key, f"{', '.join(unknown)} not torch.compile keywords; valid: {', '.join(COMPILE_KWARGS)}{hint}"
+                )
+            ]
         )
     return dict(kwargs)
 
@@ -136,7 +140,7 @@ class CompiledForwards:
         def forward(*args: Any, **kwargs: Any) -> Any:
             return (original if switch._eager_depth else compiled)(*args, **kwargs)
 
-        region.forward = forward  # type: ignore[method-assign]
+        region.forward = forward
         setattr(region, _FORWARD_ATTR, original)
 
     @contextmanager
@@ -154,5 +158,5 @@ class CompiledForwards:
             original = region.__dict__.pop(_FORWARD_ATTR, None)
             region.__dict__.pop("forward", None)
             if original is not None and getattr(original, "__self__", None) is not region:
-                region.forward = original  # type: ignore[method-assign]
+                region.forward = original
         self.regions = []

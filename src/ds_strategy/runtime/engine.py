@@ -211,7 +211,7 @@ class ZeroEngine(nn.Module):
         with self.compiled.eager():  # decoding would compile a graph per sequence length: see runtime/compile.py
             return self.hybrid.generate(self.module, generate_fn, args, kwargs)
 
-    def compile(  # type: ignore[override]  # DeepSpeed's signature, not nn.Module.compile's
+    def compile(  # DeepSpeed's signature, not nn.Module.compile's
         self, backend: Backend | None = None, compile_kwargs: dict[str, Any] | None = None
     ) -> None:
         """torch.compile the module inside the engine (DeepSpeed's ``engine.compile``): stages 0-2 its
