@@ -26,7 +26,9 @@ STEPS = 4
 SHAPE = {"layers": 2, "d": 32, "seq": 8, "micro": 2}
 
 
-def _train(stage: int, compile_block: dict[str, Any] | None, shape: dict[str, int], rank: int) -> dict[str, Any]:
+def _train(
+    stage: int, compile_block: dict[str, Any] | None, shape: dict[str, int], rank: int, checkpointed: bool = False
+) -> dict[str, Any]:
     """STEPS steps of the e2e GPT; losses, and dynamo's graph and break counts after the first and last step."""
     import torch._dynamo
     from benchmarks.training import STAGE3, model_and_batches
@@ -37,6 +39,11 @@ def _train(stage: int, compile_block: dict[str, Any] | None, shape: dict[str, in
     torch._dynamo.reset()
     counters.clear()
     model, data = model_and_batches(shape, STEPS, rank)
+    if checkpointed:  # Lightning's activation_checkpointing_policy={Block}
+        from ds_strategy.demo.model import Block
+        from ds_strategy.runtime.activation_checkpointing import apply_activation_checkpointing
+
+        apply_activation_checkpointing(model, {Block})
     zero: dict[str, Any] = {"stage": stage, **(STAGE3 if stage == 3 else {})}
     if stage == 3:
         zero["stage3_param_persistence_threshold"] = 0  # every parameter partitioned: every block gathers
@@ -163,3 +170,56 @@ def test_lightning_keyword_writes_the_block() -> None:
         ZeroStrategy(compile={"backend": "eager"}, config={"compile": {"backend": "inductor"}})
     with pytest.raises(ValueError, match="compile="):
         ZeroStrategy(compile="yes")  # type: ignore[arg-type]
+
+
+def _generate(rank: int, world: int) -> dict[str, Any]:
+    import torch._dynamo
+    from torch._dynamo.utils import counters
+
+    import ds_strategy
+    from ds_strategy.demo.model import GPT, GPTConfig
+
+    out: dict[str, Any] = {}
+    prompt = torch.randint(0, 64, (2, 4), generator=torch.Generator().manual_seed(rank))
+    for name, block in {"eager": None, "compiled": {"enabled": True, "backend": "aot_eager"}}.items():
+        torch._dynamo.reset()
+        counters.clear()
+        torch.manual_seed(0)
+        model = GPT(GPTConfig(vocab_size=64, block_size=16, n_layer=2, n_head=2, n_embd=32))
+        config: dict[str, Any] = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 3}}
+        if block is not None:
+            config["compile"] = block
+        engine, *_ = ds_strategy.initialize(model=model, config=config)
+        engine.eval()
+        out[name] = engine.generate(prompt, 6, do_sample=False).tolist()
+        out[f"{name}_graphs"] = counters["stats"]["unique_graphs"]
+        logits = engine(prompt)  # an eval forward afterwards runs the compiled blocks again
+        out[f"{name}_logits"] = logits.detach()
+        engine.destroy()
+        out[f"{name}_restored"] = "forward" not in model.blocks[0].__dict__
+    return out
+
+
+def test_generate_runs_the_eager_forwards() -> None:
+    """engine.generate under compile: the original forwards (no graph per decoding length), the same tokens."""
+    for got in run_distributed(_generate, 2, timeout=600):
+        assert got["compiled"] == got["eager"]
+        assert got["compiled_graphs"] == 0  # nothing compiled during generate
+        torch.testing.assert_close(got["compiled_logits"], got["eager_logits"], rtol=1e-5, atol=1e-6)
+        assert got["compiled_restored"] and got["eager_restored"]  # destroy() put the original forwards back
+
+
+def _checkpointed(rank: int, world: int, stages: tuple[int, ...]) -> list[tuple[Any, Any]]:
+    block = {"enabled": True, "backend": "aot_eager"}
+    return [(_train(s, None, SHAPE, rank, True), _train(s, block, SHAPE, rank, True)) for s in stages]
+
+
+def test_checkpointed_blocks_compile_inside_their_checkpoint() -> None:
+    """activation_checkpointing_policy + compile: the checkpoint runs eagerly around each compiled block
+    (its stash and RNG replay are not traced), at stage 2 (which would otherwise compile the whole module)
+    and stage 3."""
+    stages = (2, 3)
+    runs = run_distributed(_checkpointed, 2, args=(stages,), timeout=600)
+    _assert_parity(runs, stages, rtol=1e-5)
+    for rank_runs in runs:
+        assert [compiled["regions"] for _, compiled in rank_runs] == [SHAPE["layers"]] * len(stages)

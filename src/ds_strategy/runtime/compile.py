@@ -14,6 +14,10 @@ one, as an instance attribute, so ``module(...)`` still runs that module's own h
   their hooks (see [Note: compiled regions] in zero/param_gather.py). Compiling the whole module instead
   would trace the gather hooks of every submodule: a graph break (or an error) per layer.
 
+Modules checkpointed by ``activation_checkpointing_policy`` run their checkpoint (a stash and an RNG replay:
+Python state) eagerly: a region that contains some is replaced by the outermost of them, each compiled
+inside its checkpoint.
+
 Every region shares its class's ``forward`` code, so the blocks of a model share one graph: the number of
 graphs does not grow with the number of layers, and later steps compile nothing (tests/runtime/
 test_compile.py counts both). ``eager()`` switches back to the original forwards for a while (the hybrid
@@ -33,6 +37,7 @@ from torch import nn
 from ds_strategy.config.errors import ConfigError, ConfigProblem
 from ds_strategy.log import get_logger
 
+from .activation_checkpointing import is_checkpointed
 from .zero.leaf import set_z3_leaf_module
 
 log = get_logger("ds_strategy.runtime")
@@ -77,7 +82,31 @@ def check_kwargs(kwargs: Mapping[str, Any], key: str = "compile.kwargs") -> dict
 
 
 def compile_regions(module: nn.Module, *, per_block: bool) -> list[nn.Module]:
-    """The modules whose forward is compiled (see [Note: what is compiled])."""
+    """The modules whose forward is compiled (see [Note: what is compiled]), each moved inward to the
+    checkpointed modules it contains, if any (see ``_outside_checkpoints``)."""
+    return [r for region in _regions(module, per_block=per_block) for r in _outside_checkpoints(region)]
+
+
+def _outside_checkpoints(region: nn.Module) -> list[nn.Module]:
+    """``region``, or, when modules strictly inside it are checkpointed by ``activation_checkpointing_policy``,
+    the outermost of those: the checkpoint (its stash and RNG replay: Python state dynamo cannot trace) runs
+    eagerly around each compiled forward instead of inside a graph."""
+    if is_checkpointed(region):
+        return [region]
+    inner: list[nn.Module] = []
+
+    def visit(m: nn.Module) -> None:
+        for child in m.children():
+            if is_checkpointed(child):
+                inner.append(child)
+            else:
+                visit(child)
+
+    visit(region)
+    return inner or [region]
+
+
+def _regions(module: nn.Module, *, per_block: bool) -> list[nn.Module]:
     if not per_block:
         return [module]
     blocks: list[nn.Module] = []
