@@ -16,7 +16,7 @@ Two phases:
 Writes benchmarks/results/compile.{json,md,png}. ``--quick``: QUICK_SHAPE, backend aot_eager (no C++ code
 generation: a smoke run of the plumbing, not a figure), 3 rounds.
 
-    python -m benchmarks.bench_compile [--quick] [--rounds N]
+    python -m benchmarks.bench_compile [--quick] [--rounds N] [--steady-only]
 """
 
 from __future__ import annotations
@@ -108,12 +108,12 @@ def _rounds(rank: int, world: int, _item: str, quick: bool, backend: str, rounds
     return times
 
 
-def run(quick: bool, rounds: int | None = None) -> dict[str, Any]:
+def run(quick: bool, rounds: int | None = None, steady_only: bool = False) -> dict[str, Any]:
     backend = "aot_eager" if quick else "inductor"
     rounds = rounds or (QUICK_ROUNDS if quick else ROUNDS)
     first: dict[str, dict[str, float]] = {}
     errors: dict[str, str] = {}
-    compiled_cases = [c for c in CASES if c.endswith("compiled")]
+    compiled_cases = [] if steady_only else [c for c in CASES if c.endswith("compiled")]
     for case, result in run_each(_first_steps, WORLD, compiled_cases, quick, backend, fresh=not quick):
         if isinstance(result, Exception):
             errors[case] = f"{type(result).__name__}: {result}"
@@ -153,6 +153,7 @@ def run(quick: bool, rounds: int | None = None) -> dict[str, Any]:
     return {
         "machine": machine(),
         "quick": quick,
+        "steady_only": steady_only,
         "backend": backend,
         "shape": QUICK_SHAPE if quick else SHAPE,
         "world_size": WORLD,
@@ -234,11 +235,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny GPT, backend aot_eager, one set of processes")
     parser.add_argument("--rounds", type=int, default=None, help=f"interleaved timed rounds (default {ROUNDS})")
+    parser.add_argument(
+        "--steady-only",
+        action="store_true",
+        help="skip the compile-time phase; write compile_steady.{json,md} (compile.* keeps its compile times)",
+    )
     args = parser.parse_args(argv)
-    payload = run(args.quick, args.rounds)
+    payload = run(args.quick, args.rounds, args.steady_only)
     text = table(payload)
-    write_results("compile", payload, text)
-    plot(payload)
+    write_results("compile_steady" if args.steady_only else "compile", payload, text)
+    if not args.steady_only:
+        plot(payload)
     print(text)
 
 
