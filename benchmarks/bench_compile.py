@@ -186,8 +186,12 @@ def table(payload: dict[str, Any]) -> str:
     lines = [
         f"Training step, {payload['world_size']} CPU ranks, fp32 AdamW, GPT {payload['shape']}, backend "
         f"{payload['backend']}; median of {payload['rounds']} interleaved rounds after {payload['warmup']} warm-up "
-        "steps (slower rank). First step and compile time (first - second step) from fresh processes, "
-        "inductor caches off.",
+        "steps (slower rank)."
+        + (
+            ""
+            if payload.get("steady_only")
+            else " First step and compile time (first - second step) from fresh processes, inductor caches off."
+        ),
         "",
         markdown_table(COLUMNS, rows),
     ]
