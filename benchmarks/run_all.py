@@ -21,7 +21,18 @@ import time
 import traceback
 from typing import Any
 
-BENCHMARKS = ("optim", "comm", "e2e", "checkpoint", "activation_checkpointing", "lora", "aio", "nvme", "hybrid")
+BENCHMARKS = (
+    "optim",
+    "comm",
+    "e2e",
+    "checkpoint",
+    "activation_checkpointing",
+    "lora",
+    "aio",
+    "nvme",
+    "hybrid",
+    "compile",
+)
 ALIASES = {"engine": "e2e", "zero3": "e2e"}
 PEERS = {
     "optim": "torch.optim.AdamW (foreach, fused), DeepSpeedCPUAdam, a memory-traffic ceiling",
@@ -33,6 +44,7 @@ PEERS = {
     "aio": "a plain sequential read / write of the same bytes on the same file system",
     "nvme": "ds_strategy CPU offload, DeepSpeed NVMe offload (ZeRO-3, a GPT and one 4x larger)",
     "hybrid": "torch DDP, ds_strategy stage 3 through the per-module hooks (greedy generation)",
+    "compile": "torch DDP eager and torch.compile(DDP), ds_strategy stages 0, 2, 3 eager (inductor)",
 }
 
 

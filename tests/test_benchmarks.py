@@ -32,7 +32,7 @@ def test_run_all_quick_writes_every_result(tmp_path: Path, cpu_kernels: bool) ->
     start = time.monotonic()
     proc = subprocess.run(
         [sys.executable, "-m", "benchmarks.run_all", "--quick", "--results", str(tmp_path)],
-        cwd=ROOT, env=env, capture_output=True, text=True, timeout=480, check=False,
+        cwd=ROOT, env=env, capture_output=True, text=True, timeout=600, check=False,
     )  # fmt: skip
     wall = time.monotonic() - start
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
@@ -73,6 +73,11 @@ def test_run_all_quick_writes_every_result(tmp_path: Path, cpu_kernels: bool) ->
     assert len(ours) == 6 and all("error" not in c for c in ours.values()), ours
     assert all(c["swap_bytes_per_rank"] > 0 for k, c in ours.items() if "nvme" in k)
     assert {"ds_strategy nvme", "ds_strategy cpu"} <= set(nvme["derived"])
+
+    compiled = json.loads((tmp_path / "compile.json").read_text())
+    assert [r for r in compiled["cases"] if "error" in r] == []
+    assert compiled["backend"] == "aot_eager" and compiled["derived"]["stage2_compiled_over_ddp_compiled"] > 0
+    assert all("compile_s" in r for r in compiled["cases"] if r["case"].endswith("compiled"))
 
     after = {p: p.stat().st_mtime_ns for p in (ROOT / "benchmarks" / "results").glob("*")}
     assert after == committed, "the smoke run touched the committed results"

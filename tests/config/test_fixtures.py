@@ -25,7 +25,8 @@ ALL = fixture_files("seeds") + fixture_files("deepspeed_docs") + fixture_files("
 # tensor/expert parallelism ...): loading them is a ConfigError naming exactly these keys (config/support.py).
 REFUSED = {
     "deepspeed_docs/bf16": ["bf16.bf16_master_weights_and_grads", "bf16.bf16_optimizer_states"],
-    "deepspeed_docs/compile_autotp": ["tensor_parallel"],
+    "deepspeed_docs/compile_autosp": ["compile.deepcompile", "compile.passes"],
+    "deepspeed_docs/compile_autotp": ["tensor_parallel", "compile.deepcompile", "compile.passes"],
     "deepspeed_docs/data_efficiency": ["data_efficiency"],
     "deepspeed_docs/expert_parallel": ["expert_parallel"],
     "deepspeed_docs/expert_parallel_custom_model": ["expert_parallel"],

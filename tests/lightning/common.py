@@ -182,6 +182,7 @@ class EngineProbe(Callback):
             "optimizer": type(engine.optimizer).__name__,
             "grad_norms": self.grad_norms,
             "micro_steps": engine.micro_steps,
+            "is_compiled": engine.is_compiled,
             "last_loss": None if engine.last_loss is None else float(engine.last_loss),
             "scheduler_iterations": [
                 getattr(c.scheduler, "last_batch_iteration", getattr(c.scheduler, "last_epoch", None))

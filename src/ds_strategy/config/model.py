@@ -289,6 +289,15 @@ class HybridEngineConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class CompileConfig:
+    """``compile``: torch.compile through the engine (runtime/compile.py, docs/compile.md)."""
+
+    enabled: bool = False
+    backend: str = "inductor"
+    kwargs: FrozenDict = field(default_factory=FrozenDict)
+
+
+@dataclass(frozen=True, kw_only=True)
 class DataTypesConfig:
     """``data_types``."""
 
@@ -329,6 +338,7 @@ class DeepSpeedConfig:
     aio: AioConfig = field(default_factory=AioConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
+    compile: CompileConfig = field(default_factory=CompileConfig)
     # Accepted-but-ignored DeepSpeed settings by dotted path, kept so ``to_dict`` round-trips.
     ignored: FrozenDict = field(default_factory=FrozenDict, metadata=_NOT_JSON)
     # The validated input before "auto" resolution, and the context used: what re-resolution starts from.

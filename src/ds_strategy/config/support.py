@@ -61,6 +61,12 @@ def _truthy(v: Any) -> bool:
 _MONITOR = "monitors are not built in ds_strategy (use Lightning's loggers or your own); nothing else changes"
 _PERF_ONLY = "a performance switch of DeepSpeed's implementation; ds_strategy's results and memory do not depend on it"
 
+_NO_DEEPCOMPILE = (
+    "DeepCompile (ZeRO passes inserted into the compiled graph) is not built; compile.enabled compiles the "
+    "module with the engine's own gathers and reductions outside the graphs (docs/compile.md)"
+)
+_DEEPCOMPILE_ONLY = "a DeepCompile option, and DeepCompile is not built (compile.deepcompile is refused)"
+
 
 SUPPORT: dict[str, Support] = {
     # ---------------------------------------------------------------- top level
@@ -345,7 +351,28 @@ SUPPORT: dict[str, Support] = {
     "hybrid_engine.enable_cuda_graph": _warned(_PERF_ONLY + " (CUDA graphs of the decoding steps)"),
     "tensor_parallel": _refused("AutoTP tensor parallelism is not built"),
     "expert_parallel": _refused("AutoEP expert parallelism is not built"),
-    "compile": _warned("torch.compile through the engine is not built; compile the module yourself"),
+    "compile": _acted("torch.compile through the engine (docs/compile.md)"),
+    "compile.enabled": _acted("compile when the engine is built: stages 0-2 the module's forward, stage 3 each block"),
+    "compile.backend": _acted("the torch.compile backend; an unknown name is a ConfigError listing the valid ones"),
+    "compile.kwargs": _acted("passed to torch.compile (fullgraph, dynamic, mode, options)"),
+    "compile.deepcompile": _refused(_NO_DEEPCOMPILE),
+    "compile.passes": _refused(_NO_DEEPCOMPILE, when=lambda v: bool(v)),
+    "compile.autoep_non_moe": _refused("AutoEP expert parallelism is not built, so there are no AutoEP layers"),
+    "compile.free_activation": _warned(_DEEPCOMPILE_ONLY),
+    "compile.free_activation_threshold": _warned(_DEEPCOMPILE_ONLY),
+    "compile.offload_activation": _refused(_DEEPCOMPILE_ONLY + "; ignoring an offload would change memory"),
+    "compile.offload_activation_pin_memory": _warned(_DEEPCOMPILE_ONLY),
+    "compile.offload_opt_states": _refused(_DEEPCOMPILE_ONLY + "; ignoring an offload would change memory"),
+    "compile.offload_parameters": _refused(_DEEPCOMPILE_ONLY + "; ignoring an offload would change memory"),
+    "compile.double_buffer": _warned(_DEEPCOMPILE_ONLY),
+    "compile.symmetric_memory": _warned(_DEEPCOMPILE_ONLY),
+    "compile.debug_log": _warned(_DEEPCOMPILE_ONLY + " (TORCH_LOGS=graph_code shows the graphs)"),
+    "compile.sync_before_reduce": _warned(_DEEPCOMPILE_ONLY),
+    "compile.sync_after_reduce": _warned(_DEEPCOMPILE_ONLY),
+    "compile.sync_before_allgather": _warned(_DEEPCOMPILE_ONLY),
+    "compile.sync_after_allgather": _warned(_DEEPCOMPILE_ONLY),
+    "compile.keep_int_input_tensors": _warned(_DEEPCOMPILE_ONLY),
+    "compile.keep_all_input_tensors": _warned(_DEEPCOMPILE_ONLY),
     "nebula": _warned("the Nebula checkpoint service is not built; checkpoints are written by ds_strategy"),
     "datastates": _warned("the DataStates checkpoint engine is not built; checkpoints are written by ds_strategy"),
     "weight_quantization": _refused("weight quantisation is not built"),

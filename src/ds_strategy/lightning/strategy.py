@@ -73,6 +73,7 @@ from ._compat import (
     _sync_ddp_if_available,
     train_dataloader_of,
 )
+from .compile import CompileArg, apply_compile
 from .config import (
     ConfigArg,
     StrategyKeywords,
@@ -125,6 +126,9 @@ class ZeroStrategy(ParallelStrategy):
             fp16/bf16 blocks vs ``precision``): "error" (default) raises a ``ConfigError`` naming both,
             "prefer_config" / "prefer_context" keep the config's / the Trainer's value with a
             ``ConfigConflictWarning``.
+        compile: torch.compile the model inside the engine (the ``compile`` config block): True (inductor),
+            or a dict of the block's keys, e.g. ``{"backend": "aot_eager", "kwargs": {"dynamic": False}}``.
+            Stages 0-2 compile the LightningModule's forward, stage 3 each repeated block (docs/compile.md).
         exclude_frozen_parameters: checkpoints leave out parameters with ``requires_grad=False`` (a LoRA
             run's frozen base: adapters-only checkpoints, as DeepSpeed's ``save_checkpoint`` argument).
             Loading such a checkpoint keeps the model's own frozen values (docs/finetuning.md).
@@ -160,6 +164,7 @@ class ZeroStrategy(ParallelStrategy):
         activation_checkpointing_policy: Policy | None = None,
         on_conflict: OnConflict = "error",
         exclude_frozen_parameters: bool = False,
+        compile: CompileArg = None,
     ) -> None:
         if stage is not None and stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeroStrategy(stage={stage!r}): the ZeRO stage is 0, 1, 2 or 3")
@@ -192,7 +197,7 @@ class ZeroStrategy(ParallelStrategy):
         self.config = config
         # Read, merged and checked now: a missing file, a contradiction or a bad key fails at construction,
         # once, before any process is launched ("auto" entries wait for the Trainer's values at setup).
-        self.raw_config: dict[str, Any] = apply_keywords(read_config(config), keywords)
+        self.raw_config: dict[str, Any] = apply_compile(apply_keywords(read_config(config), keywords), compile)
         check_config(self.raw_config)
         self._num_nodes = 1
         self._process_group_backend = process_group_backend

@@ -29,6 +29,7 @@ from ds_strategy.log import get_logger
 from ds_strategy.runtime import activation_checkpointing
 from ds_strategy.runtime.activation_checkpointing import ModelParallelUnit
 
+from .compile import Backend, CompiledForwards, check_backend, check_kwargs, compile_regions, mark_leaves
 from .counters import StepCounters
 from .hybrid import GenerateFn, HybridEngine
 from .params import (
@@ -85,6 +86,12 @@ class ZeroEngine(nn.Module):
             raise ValueError(f"ZeRO stage {config.zero_stage} is not implemented by this engine (stages 0-3)")
         self.offload = Offload.from_config(config.zero_optimization, config.aio)
         apply_leaf_module_config(module, config.zero_optimization.leaf_module)  # before stage 3 lays out buckets
+        self.compiled = CompiledForwards()
+        if config.compile.enabled:  # a bad backend fails before anything is built
+            check_backend(config.compile.backend)
+            check_kwargs(config.compile.kwargs)
+            if stage_cls.places_its_parameters:  # compiled blocks become leaves: each block's buckets together
+                mark_leaves(compile_regions(module, per_block=True))
         if isinstance(optimizer, Optimizer):  # fail before the parameters are moved into flat buffers
             check_client_optimizer(optimizer, stage=config.zero_stage, offload=self.offload.optimizer, config=config)
         groups = param_groups(module, optimizer, model_parameters)
@@ -152,6 +159,8 @@ class ZeroEngine(nn.Module):
             rank=self.coll.rank,
             report=config.wall_clock_breakdown,
         )
+        if config.compile.enabled:
+            self.compile(backend=config.compile.backend, compile_kwargs=dict(config.compile.kwargs))
 
     # ------------------------------------------------------------------ set-up helpers
     @torch.no_grad()
@@ -199,7 +208,28 @@ class ZeroEngine(nn.Module):
     def generate(self, *args: Any, generate_fn: GenerateFn | None = None, **kwargs: Any) -> Any:
         """``module.generate(*args, **kwargs)``, or ``generate_fn(*args, **kwargs)``; with
         ``hybrid_engine.enabled`` stage 3 gathers the parameters once for the call (docs/hybrid_engine.md)."""
-        return self.hybrid.generate(self.module, generate_fn, args, kwargs)
+        with self.compiled.eager():  # decoding would compile a graph per sequence length: see runtime/compile.py
+            return self.hybrid.generate(self.module, generate_fn, args, kwargs)
+
+    def compile(  # DeepSpeed's signature, not nn.Module.compile's
+        self, backend: Backend | None = None, compile_kwargs: dict[str, Any] | None = None
+    ) -> None:
+        """torch.compile the module inside the engine (DeepSpeed's ``engine.compile``): stages 0-2 its
+        forward, stage 3 each repeated block's forward with the gathers eagerly at the block boundaries
+        (see runtime/compile.py). ``backend`` defaults to ``compile.backend``; ``compile_kwargs`` go to
+        torch.compile. A second call does nothing."""
+        if self.compiled.is_compiled:
+            return
+        backend = self.config.compile.backend if backend is None else backend
+        stage3 = self.config.zero_stage == 3
+        regions = compile_regions(self.module, per_block=stage3)
+        self.compiled.compile(regions, backend, compile_kwargs or {}, leaves=stage3)
+        self.stage.unhook_inside(regions)
+
+    @property
+    def is_compiled(self) -> bool:
+        """Whether ``compile()`` (or ``compile.enabled``) compiled the module."""
+        return self.compiled.is_compiled
 
     def train(self, mode: bool = True) -> ZeroEngine:
         """Set the module's training mode (``eval()`` is ``train(False)``), as DeepSpeed's engine; with the
@@ -579,6 +609,7 @@ class ZeroEngine(nn.Module):
         bucket at a time): call destroy on every rank, or pass ``release_params=False`` after a failure,
         when the peers may be gone (the stage-3 parameters are then left unusable)."""
         self.state_access.detach()
+        self.compiled.restore()
         if release_params:
             self.hybrid.release()
             self.stage.release_params()

@@ -257,6 +257,9 @@ class ZeroStage:
     def holding(self) -> bool:
         return False
 
+    def unhook_inside(self, regions: Sequence[nn.Module]) -> None:
+        """Compiled regions (runtime/compile.py): stages 0-2 hook no module, so there is nothing to remove."""
+
     def release_caches(self) -> None:
         """Return cached buffers of gathered parameters (stage 3's host pool)."""
 

@@ -41,6 +41,14 @@ under a pinned hold (``pin_parameters``) read the held copy and its post-accumul
 ``unhold`` ends it (after generate, or before the optimizer step updates the partitions the held copy
 was gathered from) and frees the buckets.
 
+[Note: compiled regions]
+Under ``compile`` (runtime/compile.py) stage 3 compiles each repeated block's forward and marks the block
+a leaf: its unit is its whole subtree, gathered by the block's own hooks, which run eagerly around the
+compiled forward. Its descendants have no unit, so their hooks would do nothing, but inside a compiled
+forward dynamo would trace them and guard on each module's identity (one recompile per block). So the
+modules inside a compiled region get no hooks at all (``unhook_inside``): nothing inside a graph gathers,
+releases or communicates, and one graph serves every block.
+
 Divergence detection (ranks running different modules) lives in divergence.py.
 """
 
@@ -118,6 +126,7 @@ class ParamGatherer:
         self._recording: list[int] | None = None
         self._cursor: int | None = None
         self._hooks: list[RemovableHandle] = []
+        self.unhooked: set[int] = set()  # modules inside compiled regions: see [Note: compiled regions]
         self.held: set[BucketKey] = set()  # see [Note: held buckets]
         self.suspended = False
         self.gathers = 0  # bucket all-gathers issued (for tests and reports) ...
@@ -163,9 +172,19 @@ class ParamGatherer:
     def attach(self) -> None:
         self._hooks.append(self.root.register_forward_pre_hook(self._on_root_start))
         for m in self.root.modules():
+            if id(m) in self.unhooked:
+                continue
             self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
             self._hooks.append(m.register_forward_hook(self._post_forward, with_kwargs=True))
         self._hooks.append(self.root.register_forward_hook(self._on_root_end))
+
+    def unhook_inside(self, regions: Iterable[nn.Module]) -> None:
+        """Hook no module strictly inside ``regions``, leaf modules compiled as a whole (see [Note: compiled
+        regions]); takes effect now if attached."""
+        self.unhooked |= {id(m) for region in regions for m in region.modules() if m is not region}
+        if self._hooks:
+            self.detach()
+            self.attach()
 
     def detach(self) -> None:
         for h in self._hooks:

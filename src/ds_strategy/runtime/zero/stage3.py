@@ -372,6 +372,10 @@ class Stage3(Stage2):
     def holding(self) -> bool:
         return self.gatherer.suspended
 
+    def unhook_inside(self, regions: Sequence[nn.Module]) -> None:
+        """See [Note: compiled regions] in param_gather.py."""
+        self.gatherer.unhook_inside(regions)
+
     def release_caches(self) -> None:
         host_memory.trim()
 
