@@ -105,10 +105,12 @@ def _gpt_runs(rank: int, world: int) -> dict[str, Any]:
 
     batches = token_batches(steps=3, micro=2, rank=rank, world=world)
     out: dict[str, Any] = {}
-    for name in ("ddp", "zero1", "zero2", "zero3", "zero3-recompute"):
+    for name in ("ddp", "zero1", "zero2", "zero3", "zero3-recompute", "zero3-compiled"):
         strategy: Any = name
         if name == "zero3-recompute":  # activation checkpointing of every Block: recomputation is exact
             strategy = ZeroFabricStrategy(stage=3, activation_checkpointing_policy={Block})
+        if name == "zero3-compiled":  # aot_eager: the traced graphs run as eager ops (inductor adds codegen only)
+            strategy = ZeroFabricStrategy(stage=3, compile={"backend": "aot_eager"})
         fabric = make_fabric(strategy, world)
         torch.manual_seed(0)
         with fabric.init_module():
@@ -122,6 +124,7 @@ def _gpt_runs(rank: int, world: int) -> dict[str, Any]:
         model, optimizer = fabric.setup(model, optimizer)
         out[name] = gpt_loop(fabric, model, optimizer, batches, max_norm=0.3)
         out[name]["recomputed"] = sum(is_checkpointed(m) for m in model.modules())
+        out[name]["compiled"] = sum(hasattr(m, "_ds_compiled_forward") for m in model.modules())
         if name == "zero3":
             t = fabric.all_reduce(torch.tensor(float(rank + 1)), reduce_op="sum")
             out["all_reduce"] = float(t)
@@ -135,10 +138,11 @@ def _gpt_runs(rank: int, world: int) -> dict[str, Any]:
 def test_gpt_loop_matches_ddp_at_every_stage() -> None:
     results = run_distributed(_gpt_runs, 2, **KW)
     for rank, r in enumerate(results):
-        for name in ("zero1", "zero2", "zero3", "zero3-recompute"):
+        for name in ("zero1", "zero2", "zero3", "zero3-recompute", "zero3-compiled"):
             assert_close_lists(r[name]["losses"], r["ddp"]["losses"], RTOL, f"rank {rank} {name} losses")
             assert_close_lists(r[name]["norms"], r["ddp"]["norms"], RTOL, f"rank {rank} {name} grad norms")
         assert r["zero3-recompute"]["recomputed"] == 2 and r["zero3"]["recomputed"] == 0  # the two Blocks
+        assert r["zero3-compiled"]["compiled"] == 2 and r["zero3"]["compiled"] == 0  # each Block's forward
         assert min(r["ddp"]["norms"]) > 0.3  # the clipping was active
         assert r["ddp"]["losses"][-1] < r["ddp"]["losses"][0]
         # init_module at stage 3: every parameter a shard, each rank holding half (padded) of the model

@@ -12,7 +12,7 @@ from typing import Any
 CompileArg = bool | Mapping[str, Any] | None
 
 
-def apply_compile(raw_config: dict[str, Any], compile: CompileArg) -> dict[str, Any]:
+def apply_compile(raw_config: dict[str, Any], compile: CompileArg, owner: str = "ZeroStrategy") -> dict[str, Any]:
     """``raw_config`` with the ``compile`` block the keyword asks for: True (defaults: inductor), a dict of
     the block's keys (backend, kwargs, ...; enabled unless it says otherwise) or False. A key the config
     states with another value is a ``ValueError`` naming both."""
@@ -24,14 +24,12 @@ def apply_compile(raw_config: dict[str, Any], compile: CompileArg) -> dict[str, 
         wanted = {"enabled": True, **compile}
     else:
         raise ValueError(
-            f"ZeroStrategy(compile={compile!r}): use True, False or a dict of the compile block's keys "
+            f"{owner}(compile={compile!r}): use True, False or a dict of the compile block's keys "
             "(backend, kwargs; docs/compile.md)"
         )
     block = dict(raw_config.get("compile") or {})
     for key, value in wanted.items():
         if key in block and block[key] != value:
-            raise ValueError(
-                f"ZeroStrategy(compile=...) sets compile.{key}={value!r} but the config states {block[key]!r}"
-            )
+            raise ValueError(f"{owner}(compile=...) sets compile.{key}={value!r} but the config states {block[key]!r}")
         block[key] = value
     return {**raw_config, "compile": block}

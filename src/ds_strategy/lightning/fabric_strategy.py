@@ -61,6 +61,7 @@ from ._compat import (
     _Sharded,
     _sync_ddp_if_available,
 )
+from .compile import CompileArg, apply_compile
 from .config import ConfigArg, StrategyKeywords, apply_keywords, configured_stage, read_config, states_micro_batch
 from .fabric_optimizer import EngineOptimizer
 from .fabric_precision import ZeroFabricPrecision
@@ -78,7 +79,8 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
     (applied to each model at ``fabric.setup``); ``config`` is a DeepSpeed config (dict or JSON path).
     The micro batch size is the config's ``train_micro_batch_size_per_gpu``, else ``micro_batch_size``,
     else 1 (bookkeeping only: Fabric hands the engine no dataloader). Gradient clipping is the config's
-    ``gradient_clipping`` or ``fabric.clip_gradients(..., max_norm=...)``.
+    ``gradient_clipping`` or ``fabric.clip_gradients(..., max_norm=...)``. ``compile`` (True or the
+    ``compile`` block's keys) compiles each model inside its engine at ``fabric.setup`` (docs/compile.md).
     """
 
     strategy_name = "zero"
@@ -109,6 +111,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         activation_checkpointing_policy: Policy | None = None,
         on_conflict: OnConflict = "error",
         exclude_frozen_parameters: bool = False,
+        compile: CompileArg = None,
     ) -> None:
         if stage is not None and stage not in (0, 1, 2, 3):
             raise ValueError(f"ZeroFabricStrategy(stage={stage!r}): the ZeRO stage is 0, 1, 2 or 3")
@@ -140,7 +143,9 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
             offload_params_device=offload_params_device,
             nvme_path=nvme_path,
         )
-        self.raw_config: dict[str, Any] = apply_keywords(read_config(config), keywords)
+        self.raw_config: dict[str, Any] = apply_compile(
+            apply_keywords(read_config(config), keywords), compile, "ZeroFabricStrategy"
+        )
         check_config(self.raw_config)
         if self.raw_config.get("optimizer") is not None:
             raise ValueError(
