@@ -351,7 +351,11 @@ def main(argv: list[str] | None = None) -> None:
         "--quick", action="store_true", help="tiny model, 2 steps, every case in one set of processes (smoke run)"
     )
     parser.add_argument("--only", default="", help="comma-separated case labels to run")
+    parser.add_argument(
+        "--paired-steps", type=int, default=PAIRED_STEPS, help=f"interleaved timed steps (default {PAIRED_STEPS})"
+    )
     args = parser.parse_args(argv)
+    paired_steps = QUICK_STEPS if args.quick else args.paired_steps
     name = "activation_checkpointing"
     shape, steps = (QUICK_SHAPE, QUICK_STEPS) if args.quick else (SHAPE, STEPS)
     cases = all_cases(importlib.util.find_spec("deepspeed") is not None)
@@ -362,7 +366,7 @@ def main(argv: list[str] | None = None) -> None:
     started = time.monotonic()
     records = run_cases([c for c in cases if not only or c[0] in only], shape, steps, fresh=not args.quick)
     groups = [] if only else sorted({(peer, stage) for _, peer, stage, _ in cases})
-    paired = run_paired(groups, shape, PAIRED_STEPS if not args.quick else QUICK_STEPS, fresh=not args.quick)
+    paired = run_paired(groups, shape, paired_steps, fresh=not args.quick)
     figures = derived(records, paired)
     text = (
         table(records, figures)
@@ -385,7 +389,7 @@ def main(argv: list[str] | None = None) -> None:
         "note": "timings on a shared 2-core machine unless said otherwise",
         "wall_s": time.monotonic() - started,
         "cases": records,
-        "paired_steps": PAIRED_STEPS if not args.quick else QUICK_STEPS,
+        "paired_steps": paired_steps,
         "paired": paired,
         "derived": figures,
         "targets": {"overhead_max": OVERHEAD_MAX, "rss_saved": ">= DeepSpeed's", "overhead": "<= DeepSpeed's"},
