@@ -39,10 +39,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision
 from lightning.fabric.strategies import ParallelStrategy
-from lightning.fabric.strategies.strategy import TBroadcast
-from lightning.fabric.utilities.rank_zero import rank_zero_only
 from lightning.fabric.utilities.types import ReduceOp
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -62,7 +59,7 @@ from ._compat import (
     _sync_ddp_if_available,
 )
 from .compile import CompileArg, apply_compile
-from .config import ConfigArg, StrategyKeywords, apply_keywords, configured_stage, read_config, states_micro_batch
+from .config import ConfigArg, StrategyKeywords, apply_keywords, read_config, states_micro_batch
 from .fabric_optimizer import EngineOptimizer
 from .fabric_precision import ZeroFabricPrecision
 
@@ -72,7 +69,7 @@ if TYPE_CHECKING:
 StartMethod = Literal["auto", "popen", "fork", "spawn"]
 
 
-class ZeroFabricStrategy(ParallelStrategy, _Sharded):
+class ZeroFabricStrategy(shared.ProcessLayout, ParallelStrategy, _Sharded):
     """ZeRO data parallelism (stages 0-3, CPU/NVMe offload, fp16/bf16) for Lightning Fabric.
 
     The keywords are ``ZeroStrategy``'s (docs/lightning.md), ``activation_checkpointing_policy`` included
@@ -165,37 +162,6 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
 
     # ------------------------------------------------------------------ what Fabric asks of a strategy
     @property
-    def stage(self) -> int:
-        return configured_stage(self.raw_config)
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return shared.compute_device(self.parallel_devices[self.local_rank])
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
-
-    @property
     @override
     def precision(self) -> Precision:
         plugin = self._precision
@@ -235,16 +201,7 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
     @override
     def setup_environment(self) -> None:
         super().setup_environment()
-        self._set_world_ranks()
-        self._process_group_backend = self._process_group_backend or shared.default_backend(self.root_device)
-        assert self.cluster_environment is not None
-        shared.init_process_group(self.cluster_environment, self._process_group_backend, self._timeout)
-
-    def _set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        self.start_process_group()
 
     # ------------------------------------------------------------------ building models
     @override
@@ -407,14 +364,6 @@ class ZeroFabricStrategy(ParallelStrategy, _Sharded):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        shared.barrier(self.root_device)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return shared.broadcast_object(obj, src)
 
     # ------------------------------------------------------------------ checkpoints (fabric_checkpoint.py)
     @override

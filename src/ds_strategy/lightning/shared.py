@@ -91,6 +91,74 @@ def init_process_group(env: ClusterEnvironment, backend: str, timeout: timedelta
 
 
 # ---------------------------------------------------------------------- precision
+class ProcessLayout:
+    """What the Trainer and Fabric faces answer alike about this process's place in the job (put before
+    Lightning's ParallelStrategy in the bases): devices, ranks, the sampler, the process group, collectives."""
+
+    if TYPE_CHECKING:  # provided by Lightning's ParallelStrategy
+        parallel_devices: list[torch.device] | None
+        cluster_environment: ClusterEnvironment | None
+        local_rank: int
+        global_rank: int
+        node_rank: int
+        raw_config: dict[str, Any]
+        _num_nodes: int
+        _process_group_backend: str | None
+        _timeout: timedelta | None
+
+    @property
+    def stage(self) -> int:
+        from .config import configured_stage
+
+        return configured_stage(self.raw_config)
+
+    @property
+    def root_device(self) -> torch.device:
+        assert self.parallel_devices is not None
+        return compute_device(self.parallel_devices[self.local_rank])
+
+    @property
+    def num_nodes(self) -> int:
+        return self._num_nodes
+
+    @num_nodes.setter
+    def num_nodes(self, num_nodes: int) -> None:
+        self._num_nodes = num_nodes
+
+    @property
+    def num_processes(self) -> int:
+        return len(self.parallel_devices) if self.parallel_devices is not None else 0
+
+    @property
+    def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+
+    @property
+    def process_group_backend(self) -> str | None:
+        return self._process_group_backend
+
+    def set_world_ranks(self) -> None:
+        from lightning_utilities.core.rank_zero import rank_zero_only
+
+        if self.cluster_environment is not None:
+            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
+            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
+        rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+
+    def start_process_group(self) -> None:
+        """Ranks, then the default process group (the backend the device takes unless one was named)."""
+        self.set_world_ranks()
+        self._process_group_backend = self._process_group_backend or default_backend(self.root_device)
+        assert self.cluster_environment is not None
+        init_process_group(self.cluster_environment, self._process_group_backend, self._timeout)
+
+    def barrier(self, *args: Any, **kwargs: Any) -> None:
+        barrier(self.root_device)
+
+    def broadcast(self, obj: T, src: int = 0) -> T:
+        return broadcast_object(obj, src)
+
+
 def precision_flag(
     plugin: Any, plain_types: tuple[type, ...], *, owner: str, where: str, how_to_pick: str
 ) -> PrecisionFlag:

@@ -45,14 +45,12 @@ from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
-from lightning.pytorch.strategies.strategy import TBroadcast
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_only, rank_zero_warn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
-from lightning_utilities.core.rank_zero import rank_zero_only as utils_rank_zero_only
 from torch import Tensor
 from torch.nn import Module
 from torch.optim import Optimizer
@@ -78,7 +76,6 @@ from .config import (
     ConfigArg,
     StrategyKeywords,
     apply_keywords,
-    configured_stage,
     read_config,
     states_micro_batch,
 )
@@ -95,7 +92,7 @@ log = logging.getLogger(__name__)
 StartMethod = Literal["auto", "popen", "fork", "spawn"]
 
 
-class ZeroStrategy(ParallelStrategy):
+class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
     """ZeRO data parallelism (stages 0-3, CPU offload, fp16/bf16) for the Lightning Trainer.
 
     Args:
@@ -214,40 +211,9 @@ class ZeroStrategy(ParallelStrategy):
 
     # ------------------------------------------------------------------ what Lightning asks of a strategy
     @property
-    def stage(self) -> int:
-        return configured_stage(self.raw_config)
-
-    @property
     def is_distributed(self) -> bool:
         """Always: ``self.log(sync_dist=True)`` reduces and the dataloaders get a DistributedSampler."""
         return True
-
-    @property
-    @override
-    def root_device(self) -> torch.device:
-        assert self.parallel_devices is not None
-        return shared.compute_device(self.parallel_devices[self.local_rank])
-
-    @property
-    def num_nodes(self) -> int:
-        return self._num_nodes
-
-    @num_nodes.setter
-    def num_nodes(self, num_nodes: int) -> None:
-        self._num_nodes = num_nodes
-
-    @property
-    def num_processes(self) -> int:
-        return len(self.parallel_devices) if self.parallel_devices is not None else 0
-
-    @property
-    @override
-    def distributed_sampler_kwargs(self) -> dict[str, Any]:
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
-
-    @property
-    def process_group_backend(self) -> str | None:
-        return self._process_group_backend
 
     @property
     @override
@@ -296,16 +262,7 @@ class ZeroStrategy(ParallelStrategy):
 
     def setup_distributed(self) -> None:
         reset_seed()
-        self.set_world_ranks()
-        self._process_group_backend = self._process_group_backend or shared.default_backend(self.root_device)
-        assert self.cluster_environment is not None
-        shared.init_process_group(self.cluster_environment, self._process_group_backend, self._timeout)
-
-    def set_world_ranks(self) -> None:
-        if self.cluster_environment is not None:
-            self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
-            self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
-        rank_zero_only.rank = utils_rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
+        self.start_process_group()
 
     # ------------------------------------------------------------------ model and engine
     @contextmanager
@@ -475,14 +432,6 @@ class ZeroStrategy(ParallelStrategy):
         if isinstance(tensor, Tensor):
             return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
         return tensor
-
-    @override
-    def barrier(self, *args: Any, **kwargs: Any) -> None:
-        shared.barrier(self.root_device)
-
-    @override
-    def broadcast(self, obj: TBroadcast, src: int = 0) -> TBroadcast:
-        return shared.broadcast_object(obj, src)
 
     # ------------------------------------------------------------------ state
     @override
