@@ -19,7 +19,6 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 import ds_strategy.lightning as zl
 from ds_strategy.config import ConfigConflictWarning, ConfigError
 from ds_strategy.lightning import shared as shared_module  # the process-group setup both faces share
-from ds_strategy.lightning import strategy as strategy_module
 from ds_strategy.lightning.config import apply_keywords, read_config, resolve
 from ds_strategy.lightning.launcher import ZeroMultiProcessingLauncher
 
@@ -218,7 +217,7 @@ def test_no_amp_scaler_and_unsupported_precision() -> None:
 # ---------------------------------------------------------------------- launching
 def test_script_launches_with_popen_notebooks_fork(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(_trainer(strategy="zero2").strategy.launcher, _SubprocessScriptLauncher)
-    monkeypatch.setattr(strategy_module, "_IS_INTERACTIVE", True)
+    monkeypatch.setattr(shared_module, "_IS_INTERACTIVE", True)  # where "auto" is decided for both faces
     launcher = _trainer(strategy="zero2").strategy.launcher
     assert isinstance(launcher, ZeroMultiProcessingLauncher) and launcher.is_interactive_compatible
 

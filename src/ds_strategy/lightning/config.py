@@ -18,9 +18,11 @@ import os
 from collections.abc import Mapping
 from dataclasses import dataclass, fields
 from pathlib import Path
-from typing import Any
+from typing import Any, Literal, get_args
 
-from ds_strategy.config import ConfigContext, DeepSpeedConfig, OnConflict, load_config
+from ds_strategy.config import ConfigContext, DeepSpeedConfig, OnConflict, check_config, load_config
+
+from .compile import CompileArg, apply_compile
 
 ConfigArg = str | Path | dict[str, Any] | None
 DEFAULT_STAGE = 2
@@ -44,6 +46,41 @@ class StrategyKeywords:
 
     def given(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
+
+    @classmethod
+    def pick(cls, arguments: Mapping[str, Any]) -> StrategyKeywords:
+        """The keywords out of a strategy constructor's arguments (its ``locals()``): both faces take the
+        same names, so the list lives here once."""
+        return cls(**{f.name: arguments[f.name] for f in fields(cls)})
+
+
+StartMethod = Literal["auto", "popen", "fork", "spawn"]
+START_METHODS: tuple[str, ...] = get_args(StartMethod)
+ON_CONFLICT = ("error", "prefer_config", "prefer_context")
+
+
+def strategy_config(
+    owner: str,
+    config: ConfigArg,
+    keywords: StrategyKeywords,
+    compile: CompileArg,
+    *,
+    start_method: str,
+    on_conflict: str,
+) -> dict[str, Any]:
+    """The raw config of a strategy (``owner`` names it in errors): its arguments checked, the config read,
+    the keywords and ``compile`` written into it and the result checked against the schema. Done at
+    construction, once, before any process is launched, so a missing file, a contradiction or a bad key
+    fails there ("auto" entries wait for the Trainer's values at setup)."""
+    if keywords.stage is not None and keywords.stage not in (0, 1, 2, 3):
+        raise ValueError(f"{owner}(stage={keywords.stage!r}): the ZeRO stage is 0, 1, 2 or 3")
+    if on_conflict not in ON_CONFLICT:
+        raise ValueError(f"{owner}(on_conflict={on_conflict!r}): use 'error', 'prefer_config' or 'prefer_context'")
+    if start_method not in START_METHODS:
+        raise ValueError(f"{owner}(start_method={start_method!r}): use 'auto', 'popen', 'fork' or 'spawn'")
+    raw = apply_compile(apply_keywords(read_config(config), keywords), compile, owner)
+    check_config(raw)
+    return raw
 
 
 # keyword -> (config path, value written for the keyword's value)

@@ -45,12 +45,11 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ds_strategy.config import OnConflict, check_config
+from ds_strategy.config import OnConflict
 from ds_strategy.runtime.activation_checkpointing import Policy
 
 from . import fabric_checkpoint, shared, stage3
 from ._compat import (
-    _IS_INTERACTIVE,
     _PATH,
     _BackwardSyncControl,
     _FabricMultiProcessingLauncher,
@@ -58,15 +57,13 @@ from ._compat import (
     _Sharded,
     _sync_ddp_if_available,
 )
-from .compile import CompileArg, apply_compile
-from .config import ConfigArg, StrategyKeywords, apply_keywords, read_config, states_micro_batch
+from .compile import CompileArg
+from .config import ConfigArg, StartMethod, StrategyKeywords, states_micro_batch, strategy_config
 from .fabric_optimizer import EngineOptimizer
 from .fabric_precision import ZeroFabricPrecision
 
 if TYPE_CHECKING:
     from ds_strategy.runtime import ZeroEngine
-
-StartMethod = Literal["auto", "popen", "fork", "spawn"]
 
 
 class ZeroFabricStrategy(shared.ProcessLayout, ParallelStrategy, _Sharded):
@@ -110,16 +107,14 @@ class ZeroFabricStrategy(shared.ProcessLayout, ParallelStrategy, _Sharded):
         exclude_frozen_parameters: bool = False,
         compile: CompileArg = None,
     ) -> None:
-        if stage is not None and stage not in (0, 1, 2, 3):
-            raise ValueError(f"ZeroFabricStrategy(stage={stage!r}): the ZeRO stage is 0, 1, 2 or 3")
-        if start_method not in ("auto", "popen", "fork", "spawn"):
-            raise ValueError(
-                f"ZeroFabricStrategy(start_method={start_method!r}): use 'auto', 'popen', 'fork' or 'spawn'"
-            )
-        if on_conflict not in ("error", "prefer_config", "prefer_context"):
-            raise ValueError(
-                f"ZeroFabricStrategy(on_conflict={on_conflict!r}): use 'error', 'prefer_config' or 'prefer_context'"
-            )
+        self.raw_config: dict[str, Any] = strategy_config(
+            "ZeroFabricStrategy",
+            config,
+            StrategyKeywords.pick(locals()),
+            compile,
+            start_method=start_method,
+            on_conflict=on_conflict,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -127,23 +122,6 @@ class ZeroFabricStrategy(shared.ProcessLayout, ParallelStrategy, _Sharded):
             checkpoint_io=checkpoint_io,
             precision=precision,
         )
-        keywords = StrategyKeywords(
-            stage=stage,
-            offload_optimizer=offload_optimizer,
-            offload_parameters=offload_parameters,
-            reduce_bucket_size=reduce_bucket_size,
-            allgather_bucket_size=allgather_bucket_size,
-            loss_scale=loss_scale,
-            initial_scale_power=initial_scale_power,
-            micro_batch_size=micro_batch_size,
-            offload_optimizer_device=offload_optimizer_device,
-            offload_params_device=offload_params_device,
-            nvme_path=nvme_path,
-        )
-        self.raw_config: dict[str, Any] = apply_compile(
-            apply_keywords(read_config(config), keywords), compile, "ZeroFabricStrategy"
-        )
-        check_config(self.raw_config)
         if self.raw_config.get("optimizer") is not None:
             raise ValueError(
                 'ZeroFabricStrategy: the DeepSpeed config has an "optimizer" block, but Fabric hands the optimizer '
@@ -170,26 +148,18 @@ class ZeroFabricStrategy(shared.ProcessLayout, ParallelStrategy, _Sharded):
     @precision.setter
     @override
     def precision(self, precision: Precision | None) -> None:
-        # Fabric builds a plugin from its `precision` flag; ours replaces it, so that Fabric's AMP
-        # (autocast + GradScaler) never wraps the engine's own casting and loss scaling.
-        if precision is None or isinstance(precision, ZeroFabricPrecision):
-            self._precision = precision
-            return
-        flag = shared.precision_flag(
+        self._precision = shared.own_precision(
             precision,
+            ZeroFabricPrecision,
             (Precision, MixedPrecision, HalfPrecision),
             owner="ZeroFabricStrategy",
             where="Fabric(precision=...)",
-            how_to_pick="pass plugins=[ds_strategy.lightning.ZeroFabricPrecision(...)]",
         )
-        self._precision = ZeroFabricPrecision(flag)
 
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        method = self._start_method
-        if method == "auto":
-            method = "fork" if _IS_INTERACTIVE else "popen"
+        method = shared.start_method_here(self._start_method)
         if method == "popen":
             self._launcher = _FabricSubprocessScriptLauncher(
                 self.cluster_environment, self.num_processes, self.num_nodes

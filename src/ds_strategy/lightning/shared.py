@@ -35,6 +35,7 @@ from ds_strategy.config import OnConflict
 
 from . import checkpoint as lckpt
 from ._compat import (
+    _IS_INTERACTIVE,
     _convert_fp_tensor,
     _distributed_is_initialized,
     _DtypeContextManager,
@@ -49,6 +50,7 @@ if TYPE_CHECKING:
     from ds_strategy.runtime.activation_checkpointing import Policy
 
 T = TypeVar("T")
+P = TypeVar("P")
 
 PrecisionFlag = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
 PRECISION_FLAGS: tuple[str, ...] = get_args(PrecisionFlag)
@@ -62,6 +64,14 @@ PRECISION_DTYPE: dict[str, torch.dtype] = {
 
 
 # ---------------------------------------------------------------------- device and process group
+def start_method_here(start_method: str) -> Literal["popen", "fork", "spawn"]:
+    """The launch method a strategy's ``start_method`` means here: "auto" forks in a notebook (there is no
+    script to re-run) and starts each rank as a fresh script process otherwise."""
+    if start_method == "auto":
+        return "fork" if _IS_INTERACTIVE else "popen"
+    return cast(Literal["popen", "fork", "spawn"], start_method)  # checked at construction (strategy_config)
+
+
 def compute_device(device: torch.device) -> torch.device:
     """The device a rank computes on: Lightning's CPU devices are plain "cpu"; the device-strict mode
     computes on "cpu:0" (strict.py), so the CPU is asked of the accelerator."""
@@ -159,20 +169,21 @@ class ProcessLayout:
         return broadcast_object(obj, src)
 
 
-def precision_flag(
-    plugin: Any, plain_types: tuple[type, ...], *, owner: str, where: str, how_to_pick: str
-) -> PrecisionFlag:
-    """The engine's precision for a precision plugin Lightning built from its ``precision`` flag. Only the
-    plain plugins (``plain_types``) carry a flag the engine can take over; AMP's autocast and GradScaler
-    are then never used (the engine owns casting and loss scaling)."""
+def own_precision(plugin: Any, ours: type[P], plain_types: tuple[type, ...], *, owner: str, where: str) -> P | None:
+    """The face's own precision plugin (``ours``) in place of the one Lightning built from its ``precision``
+    flag, so that Lightning's AMP (autocast + GradScaler) never wraps the engine's own casting and loss
+    scaling. Only the plain plugins (``plain_types``) carry a flag the engine can take over."""
+    if plugin is None or isinstance(plugin, ours):
+        return plugin
     flag = getattr(plugin, "precision", None)
     if type(plugin) not in plain_types or flag not in PRECISION_FLAGS:
         what = "64-bit" if flag == "64-true" else f"{type(plugin).__name__}(precision={flag!r})"
         raise TypeError(
             f"{owner} does not support {what}; use {where} with "
-            f"{', '.join(repr(p) for p in PRECISION_FLAGS[:-1])} or {PRECISION_FLAGS[-1]!r}, or {how_to_pick}"
+            f"{', '.join(repr(p) for p in PRECISION_FLAGS[:-1])} or {PRECISION_FLAGS[-1]!r}, or pass "
+            f"plugins=[ds_strategy.lightning.{ours.__name__}(...)]"
         )
-    return cast(PrecisionFlag, flag)
+    return ours(flag)  # type: ignore[call-arg]
 
 
 def check_precision_flag(precision: Any, owner: str) -> PrecisionFlag:

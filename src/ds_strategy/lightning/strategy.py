@@ -56,13 +56,12 @@ from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
-from ds_strategy.config import OnConflict, check_config
+from ds_strategy.config import OnConflict
 from ds_strategy.runtime.activation_checkpointing import Policy
 
 from . import checkpoint as lckpt
 from . import shared, stage3
 from ._compat import (
-    _IS_INTERACTIVE,
     _PATH,
     _init_optimizers_and_lr_schedulers,
     _launch_process_observer,
@@ -71,14 +70,8 @@ from ._compat import (
     _sync_ddp_if_available,
     train_dataloader_of,
 )
-from .compile import CompileArg, apply_compile
-from .config import (
-    ConfigArg,
-    StrategyKeywords,
-    apply_keywords,
-    read_config,
-    states_micro_batch,
-)
+from .compile import CompileArg
+from .config import ConfigArg, StartMethod, StrategyKeywords, states_micro_batch, strategy_config
 from .launcher import ZeroMultiProcessingLauncher
 from .precision import ZeroPrecision
 from .throughput import ThroughputProgress
@@ -88,8 +81,6 @@ if TYPE_CHECKING:
     from ds_strategy.runtime import ZeroEngine
 
 log = logging.getLogger(__name__)
-
-StartMethod = Literal["auto", "popen", "fork", "spawn"]
 
 
 class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
@@ -163,14 +154,15 @@ class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
         exclude_frozen_parameters: bool = False,
         compile: CompileArg = None,
     ) -> None:
-        if stage is not None and stage not in (0, 1, 2, 3):
-            raise ValueError(f"ZeroStrategy(stage={stage!r}): the ZeRO stage is 0, 1, 2 or 3")
-        if on_conflict not in ("error", "prefer_config", "prefer_context"):
-            raise ValueError(
-                f"ZeroStrategy(on_conflict={on_conflict!r}): use 'error', 'prefer_config' or 'prefer_context'"
-            )
-        if start_method not in ("auto", "popen", "fork", "spawn"):
-            raise ValueError(f"ZeroStrategy(start_method={start_method!r}): use 'auto', 'popen', 'fork' or 'spawn'")
+        self.config = config
+        self.raw_config: dict[str, Any] = strategy_config(
+            "ZeroStrategy",
+            config,
+            StrategyKeywords.pick(locals()),
+            compile,
+            start_method=start_method,
+            on_conflict=on_conflict,
+        )
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -178,24 +170,6 @@ class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        keywords = StrategyKeywords(
-            stage=stage,
-            offload_optimizer=offload_optimizer,
-            offload_parameters=offload_parameters,
-            reduce_bucket_size=reduce_bucket_size,
-            allgather_bucket_size=allgather_bucket_size,
-            loss_scale=loss_scale,
-            initial_scale_power=initial_scale_power,
-            micro_batch_size=micro_batch_size,
-            offload_optimizer_device=offload_optimizer_device,
-            offload_params_device=offload_params_device,
-            nvme_path=nvme_path,
-        )
-        self.config = config
-        # Read, merged and checked now: a missing file, a contradiction or a bad key fails at construction,
-        # once, before any process is launched ("auto" entries wait for the Trainer's values at setup).
-        self.raw_config: dict[str, Any] = apply_compile(apply_keywords(read_config(config), keywords), compile)
-        check_config(self.raw_config)
         self._num_nodes = 1
         self._process_group_backend = process_group_backend
         self._timeout = timeout
@@ -229,26 +203,18 @@ class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
-        # The Trainer builds a plugin from its `precision` flag; ours replaces it so that Lightning's AMP
-        # (autocast + GradScaler) never wraps the engine's own loss scaling.
-        if plugin is None or isinstance(plugin, ZeroPrecision):
-            self._precision_plugin = plugin
-            return
-        flag = shared.precision_flag(
+        self._precision_plugin = shared.own_precision(
             plugin,
+            ZeroPrecision,
             (Precision, MixedPrecision, HalfPrecision),
             owner="ZeroStrategy",
             where="Trainer(precision=...)",
-            how_to_pick="pass plugins=[ds_strategy.lightning.ZeroPrecision(...)]",
         )
-        self._precision_plugin = ZeroPrecision(flag)
 
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
-        method = self._start_method
-        if method == "auto":
-            method = "fork" if _IS_INTERACTIVE else "popen"
+        method = shared.start_method_here(self._start_method)
         if method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
         else:
