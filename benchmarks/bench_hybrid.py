@@ -13,7 +13,12 @@ timing one call of every case in turn (so a change in the machine's load hits ev
 call per case (and the median); tokens/s is per rank (batch x 64 / seconds of the slower rank). The generated tokens are
 compared with DDP's. Writes benchmarks/results/hybrid.{json,md,png}. ``--quick``: QUICK_SHAPE, 8 tokens (smoke run).
 
-    python -m benchmarks.bench_hybrid [--quick]
+``--device cuda``: the same cases on one GPU (world size 1 over NCCL, the GPU synchronised around each
+call), written as hybrid_cuda.{json,md,png}. At world size 1 a gather moves nothing between ranks: the
+figures measure what the per-module hooks cost each decoding step against one gather per call, which on a
+GPU (kernels short, launches and Python per module long) is where plain stage 3 loses most.
+
+    python -m benchmarks.bench_hybrid [--quick] [--device cuda]
 """
 
 from __future__ import annotations
@@ -29,7 +34,7 @@ import torch
 from benchmarks.common import machine, markdown_table, results_dir, run_each, write_results
 from benchmarks.training import QUICK_SHAPE, SHAPE, STAGE3, model_and_batches
 
-WORLD = 2
+WORLD = 2  # CPU ranks; --device cuda runs one
 NEW, QUICK_NEW = 64, 8
 PROMPT, BATCH, REPEATS = 32, 4, 5
 COLUMNS = (
@@ -61,6 +66,7 @@ def _caller(case: str, gpt: torch.nn.Module, prompt: torch.Tensor) -> tuple[Call
     import ds_strategy
 
     if case == "torch DDP":
+        gpt.to(prompt.device)
         ddp = torch.nn.parallel.DistributedDataParallel(gpt)
         ddp.eval()
         return (lambda n: ddp.module.generate(prompt, n, do_sample=False)), None
@@ -69,12 +75,18 @@ def _caller(case: str, gpt: torch.nn.Module, prompt: torch.Tensor) -> tuple[Call
     return (lambda n: engine.generate(prompt, n, do_sample=False)), engine
 
 
-def _generate(rank: int, world: int, _item: str, quick: bool) -> dict[str, Any]:
+def _synchronize(device: str) -> None:
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def _generate(rank: int, world: int, _item: str, quick: bool, device: str) -> dict[str, Any]:
     """Every case in these processes, timed round-robin (DDP, plain, hybrid, DDP, ...): a machine whose load
     changes during the run slows every case alike."""
     shape = QUICK_SHAPE if quick else SHAPE
     new = QUICK_NEW if quick else NEW
     prompt = torch.randint(0, 256, (BATCH, PROMPT), generator=torch.Generator().manual_seed(100 + rank))
+    prompt = prompt.to(device)  # the engines place the model where they run (the current CUDA device)
     callers = {}
     for case in CASES:
         model, _ = model_and_batches(shape, 0, rank)  # seed 0: the same weights in every case
@@ -87,8 +99,10 @@ def _generate(rank: int, world: int, _item: str, quick: bool) -> dict[str, Any]:
         for case, (call, engine) in callers.items():
             before = engine.stage.gatherer.gathers if engine is not None else 0
             torch.distributed.barrier()
+            _synchronize(device)
             start = time.perf_counter()
             out = call(new)
+            _synchronize(device)
             times[case].append(time.perf_counter() - start)
             if engine is not None:
                 gathers[case] = engine.stage.gatherer.gathers - before
@@ -103,10 +117,13 @@ def _generate(rank: int, world: int, _item: str, quick: bool) -> dict[str, Any]:
     }  # fmt: skip
 
 
-def run(quick: bool) -> dict[str, Any]:
+def run(quick: bool, device: str = "cpu", world: int | None = None) -> dict[str, Any]:
+    """Every case on ``world`` ranks (default: 2 on the CPU over gloo, 1 on the GPU over NCCL)."""
     new = QUICK_NEW if quick else NEW
+    world = world if world is not None else (1 if device == "cuda" else WORLD)
+    backend = "nccl" if device == "cuda" else "gloo"
     records = []
-    for _, result in run_each(_generate, WORLD, ["all cases"], quick):
+    for _, result in run_each(_generate, world, ["all cases"], quick, device, backend=backend):
         for case in CASES:
             if isinstance(result, Exception):
                 records.append({"case": case, "error": f"{type(result).__name__}: {result}"})
@@ -147,7 +164,8 @@ def run(quick: bool) -> dict[str, Any]:
         "machine": machine(),
         "quick": quick,
         "shape": QUICK_SHAPE if quick else SHAPE,
-        "world_size": WORLD,
+        "device": device if device == "cpu" else torch.cuda.get_device_name(0),
+        "world_size": world,
         "prompt": PROMPT,
         "batch": BATCH,
         "new_tokens": new,
@@ -171,7 +189,7 @@ def table(payload: dict[str, Any]) -> str:
     d = payload["derived"]
     lines = [
         f"Greedy generation of {payload['new_tokens']} tokens after {payload['prompt']}-token prompts, batch "
-        f"{payload['batch']} per rank, {payload['world_size']} CPU ranks, fp32, GPT {payload['shape']}; best and "
+        f"{payload['batch']} per rank, {_ranks(payload)}, fp32, GPT {payload['shape']}; best and "
         f"median of {payload['repeats']} calls.",
         "",
         markdown_table(COLUMNS, rows),
@@ -185,7 +203,13 @@ def table(payload: dict[str, Any]) -> str:
     return "\n".join(lines)
 
 
-def plot(payload: dict[str, Any]) -> None:
+def _ranks(payload: dict[str, Any]) -> str:
+    device = payload.get("device", "cpu")
+    where = "CPU" if device == "cpu" else device
+    return f"{payload['world_size']} {where} rank{'s' if payload['world_size'] > 1 else ''}"
+
+
+def plot(payload: dict[str, Any], name: str = "hybrid") -> None:
     import matplotlib
 
     matplotlib.use("Agg")
@@ -195,10 +219,10 @@ def plot(payload: dict[str, Any]) -> None:
     fig, ax = plt.subplots(figsize=(7, 3.2))
     ax.barh([r["case"] for r in ok], [r["tokens_per_s_per_rank"] for r in ok], color="tab:blue")
     ax.set_xlabel("tokens/s per rank (greedy, higher is better)")
-    ax.set_title(f"Generation of {payload['new_tokens']} tokens under ZeRO stage 3, 2 CPU ranks")
+    ax.set_title(f"Generation of {payload['new_tokens']} tokens under ZeRO stage 3, {_ranks(payload)}")
     ax.invert_yaxis()
     fig.tight_layout()
-    fig.savefig(results_dir() / "hybrid.png", dpi=120)
+    fig.savefig(results_dir() / f"{name}.png", dpi=120)
     plt.close(fig)
 
 
@@ -221,11 +245,17 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument(
         "--quick", action="store_true", help="a tiny GPT and 8 tokens, every case in one set of processes"
     )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cuda: one GPU, written as hybrid_cuda.*"
+    )
     args = parser.parse_args(argv)
-    payload = run(args.quick)
+    if args.device == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device cuda: no CUDA device here (torch {torch.__version__}); run it on a GPU machine")
+    name = "hybrid" if args.device == "cpu" else "hybrid_cuda"
+    payload = run(args.quick, args.device)
     text = table(payload)
-    write_results("hybrid", payload, text)
-    plot(payload)
+    write_results(name, payload, text)
+    plot(payload, name)
     print(text)
 
 

@@ -160,3 +160,30 @@ def test_deepspeed_gets_an_arch_list_it_can_parse() -> None:
     assert arch_list_for_deepspeed("8.0 9.0+PTX", (9, 0)) is None
     assert arch_list_for_deepspeed("9.0", (9, 0)) is None
     assert arch_list_for_deepspeed(None, (9, 0)) is None
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_hybrid_one_rank_pipeline_on_the_cpu(tmp_path: Path) -> None:
+    """bench_hybrid --device cuda's plumbing (one rank, the device's synchronisation, the device in the
+    records and table) with the CPU in place of the GPU; and --device cuda refuses at once without a GPU."""
+    script = (
+        "from benchmarks import bench_hybrid\n"
+        "if __name__ == '__main__':\n"
+        "    p = bench_hybrid.run(True, 'cpu', world=1)\n"
+        "    print(bench_hybrid.table(p))\n"
+    )
+    proc = subprocess.run(
+        [sys.executable, "-c", script],
+        cwd=ROOT, env=_bench_env(tmp_path), capture_output=True, text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    assert "1 CPU rank," in proc.stdout and "| torch DDP |" in proc.stdout, proc.stdout[-2000:]
+    assert "failed" not in proc.stdout and "| NO |" not in proc.stdout, proc.stdout[-2000:]  # tokens equal DDP's
+    if not torch.cuda.is_available():
+        refused = subprocess.run(
+            [sys.executable, "-m", "benchmarks.bench_hybrid", "--device", "cuda"],
+            cwd=ROOT, env=_bench_env(tmp_path), capture_output=True, text=True, timeout=120, check=False,
+        )  # fmt: skip
+        assert refused.returncode == 2 and "no CUDA device here" in refused.stderr, refused.stderr
+        assert not list(tmp_path.glob("hybrid_cuda*"))

@@ -10,7 +10,8 @@
 # Environment: PYTHON (default python3), WHEELS (default .whl/), DEPS (default .gpu-deps/, rebuilt each run),
 # FORCE_WHEELS=1 (install every wheel brought, even where the environment has the package),
 # BENCH=0 (skip the benchmark), PYTEST_ARGS (extra pytest arguments).
-# Writes into OUTPUT_DIR: run.log, environment.txt, cuda-suite.log/.xml, e2e_cuda.{json,md,png}, bench.log.
+# Writes into OUTPUT_DIR: run.log, environment.txt, cuda-suite.log/.xml, e2e_cuda.{json,md,png}, bench.log,
+# hybrid_cuda.{json,md,png}, bench_hybrid.log.
 # Exit status: 0 when the suite and the benchmark both succeeded.
 set -uo pipefail
 
@@ -119,6 +120,12 @@ if [[ "${BENCH:-1}" != "0" ]]; then
         "$PYTHON" -m benchmarks.bench_e2e --device cuda --name e2e_cuda 2>&1 | tee "$OUT_DIR/bench.log"
     bench_rc=${PIPESTATUS[0]}
     log "GPU benchmark: rc $bench_rc"
+    log "GPU generation benchmark (benchmarks/bench_hybrid.py --device cuda)"
+    DS_ACCELERATOR=cuda DS_STRATEGY_BENCH_RESULTS="$OUT_DIR" \
+        "$PYTHON" -m benchmarks.bench_hybrid --device cuda 2>&1 | tee "$OUT_DIR/bench_hybrid.log"
+    hybrid_rc=${PIPESTATUS[0]}
+    log "GPU generation benchmark: rc $hybrid_rc"
+    ((hybrid_rc == 0)) || bench_rc=$hybrid_rc
 fi
 log "results in $OUT_DIR"
 ((suite_rc == 0 && bench_rc == 0))
