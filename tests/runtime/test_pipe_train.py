@@ -76,3 +76,104 @@ def test_pipeline_matches_one_process(world: int, gas: int, clip: float, zero: i
     if clip > 0:  # clipping was engaged: the global norm (every stage, tied weight once) exceeded it
         assert all(r["norm"] > clip for r in results)
         assert len({round(r["norm"], 9) for r in results}) == 1
+
+
+class Boom(nn.Module):
+    """Raises on its ``at``-th forward on the rank ``where`` (a global rank)."""
+
+    def __init__(self, at: int, where: int) -> None:
+        super().__init__()
+        self.calls, self.at, self.where = 0, at, where
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        import torch.distributed as dist
+
+        self.calls += 1
+        if self.calls == self.at and dist.get_rank() == self.where:
+            raise ValueError("boom in a layer")
+        return x
+
+
+def _failing(rank: int, world: int, boom_layer: int, where: int) -> str:
+    import ds_strategy
+    from ds_strategy.pipe import LayerSpec, PipelineModule, PipelineStageError
+
+    layers = [LayerSpec(nn.Linear, 8, 8), Boom(6, where) if boom_layer == 1 else nn.Identity()]
+    layers += [LayerSpec(nn.Linear, 8, 8), Boom(6, where) if boom_layer == 3 else nn.Identity(), LayerSpec(nn.Linear, 8, 4)]
+    module = PipelineModule(layers, num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform")
+    engine, _, _, _ = ds_strategy.initialize(model=module, config=pipe_config(micro=2, gas=4, lr=LR, clip=0.0))
+    d = module.topology().get_coord(rank).data
+    batches = data(3, world // 2, 4, 2)
+    try:
+        for step in batches:  # the 6th forward of the Boom layer is in the second batch
+            engine.train_batch(iter(step[d]))
+    except PipelineStageError as e:
+        return str(e)
+    return "no error"
+
+
+@pytest.mark.parametrize(
+    ("world", "boom_layer", "where", "stage"),
+    [(2, 3, 1, 1), (4, 1, 0, 0)],
+    ids=["pipe2-last-stage-raises", "pipe2xdata2-one-first-stage-rank-raises"],
+)
+def test_failing_stage_fails_every_rank(world: int, boom_layer: int, where: int, stage: int) -> None:
+    """Every rank raises PipelineStageError naming the stage and rank at fault; none hangs (the harness
+    would report a hang as a timeout). In the 4-rank case only rank 0 raises: its data-parallel peer
+    (rank 1) finishes its schedule, and stage 1's ranks are left waiting on receives."""
+    messages = run_distributed(_failing, world_size=world, args=(boom_layer, where), timeout=120)
+    for rank, msg in enumerate(messages):
+        assert f"stage {stage} (rank {where}) raised ValueError: boom in a layer" in msg, msg
+        assert f"this is rank {rank}," in msg
+
+
+def _bf16_and_eval(rank: int, world: int) -> dict[str, Any]:
+    import ds_strategy
+    from ds_strategy.pipe import PipelineModule
+
+    out: dict[str, Any] = {}
+    for precision in ("fp32", "bf16"):
+        module = PipelineModule(specs(), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True, partition_method="uniform")
+        extra: dict[str, Any] = {"bf16": {"enabled": True}} if precision == "bf16" else {}
+        cfg = pipe_config(micro=MICRO, gas=4, lr=LR, clip=0.05, **extra)
+        engine, _, _, _ = ds_strategy.initialize(model=module, config=cfg)
+        batches = data(STEPS, 1, 4, MICRO)
+        losses = [float(engine.train_batch(iter(step[0]))) for step in batches]
+        held_out = data(1, 1, 4, MICRO)[0][0]
+        loss, logits = engine.eval_batch(iter(held_out), return_logits=True)
+        per_micro = engine.eval_batch(iter(held_out), reduce_output=None)
+        out[precision] = {
+            "losses": losses,
+            "eval": float(loss),
+            "per_micro": per_micro.tolist(),
+            "logits": None if logits is None else [t.float() for t in logits],
+            "dtype": str(next(module.parameters()).dtype),
+        }
+    return out
+
+
+def test_bf16_and_eval_batch() -> None:
+    """eval_batch equals the reference model's loss on a held-out batch (fp32: rtol 1e-5), per micro-batch
+    too; the last stage returns the logits. bf16 trains with bf16 weights and tracks the fp32 reference
+    within bf16 rounding (losses rtol 2e-2: 8 mantissa bits through 7 layers)."""
+    results = run_distributed(_bf16_and_eval, world_size=2, timeout=180)
+    ref_losses, ref_weights = reference_run(data(STEPS, 1, 4, MICRO), lr=LR, clip=0.05)
+    from tests.runtime.pipe_common import Reference
+
+    model = Reference()
+    model.load_state_dict(ref_weights)
+    held_out = data(1, 1, 4, MICRO)[0][0]
+    with torch.no_grad():
+        ref_eval = [float(nn.functional.mse_loss(model(x), y)) for x, y in held_out]
+        ref_logits = [model(x) for x, _ in held_out]
+    for rank, r in enumerate(results):
+        torch.testing.assert_close(torch.tensor(r["fp32"]["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+        assert r["fp32"]["eval"] == pytest.approx(sum(ref_eval) / 4, rel=1e-5)
+        assert r["fp32"]["per_micro"] == pytest.approx(ref_eval, rel=1e-5)
+        torch.testing.assert_close(torch.tensor(r["bf16"]["losses"]), torch.tensor(ref_losses), rtol=2e-2, atol=0)
+        assert r["bf16"]["dtype"] == "torch.bfloat16"
+        if rank == 1:
+            for got, want in zip(r["fp32"]["logits"], ref_logits):
+                torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
+        else:
+            assert r["fp32"]["logits"] is None
