@@ -22,6 +22,7 @@ so no rank is left inside a collective with a failed peer.
 from __future__ import annotations
 
 import math
+import os
 import time
 import uuid
 from collections.abc import Callable, Iterable, Iterator
@@ -341,6 +342,35 @@ class PipelineEngine:
         sq, inf = both.tolist()
         finite = math.isfinite(sq)
         return (math.sqrt(max(sq, 0.0)) if finite else math.inf), inf > 0 or not finite
+
+    # ------------------------------------------------------------------ checkpoints (checkpoint.py)
+    def save_checkpoint(
+        self, save_dir: str | os.PathLike[str], tag: Any = None, client_state: dict[str, Any] | None = None, **_: Any
+    ) -> str:
+        """Write ``save_dir/<tag>`` with one file per layer (every rank calls it); see checkpoint.py."""
+        from .checkpoint import save_pipe_checkpoint
+
+        return str(save_pipe_checkpoint(self, save_dir, tag, client_state))
+
+    def load_checkpoint(
+        self,
+        load_dir: str | os.PathLike[str],
+        tag: Any = None,
+        load_optimizer_states: bool = True,
+        load_lr_scheduler_states: bool = True,
+        load_module_only: bool = False,
+    ) -> tuple[str, dict[str, Any]]:
+        """Load a pipeline checkpoint written at any depth / data-parallel degree; (tag dir, client state)."""
+        from .checkpoint import load_pipe_checkpoint
+
+        return load_pipe_checkpoint(
+            self,
+            load_dir,
+            tag,
+            load_optimizer_states=load_optimizer_states,
+            load_lr_scheduler_states=load_lr_scheduler_states,
+            load_module_only=load_module_only,
+        )
 
     # ------------------------------------------------------------------ the rest is the stage's engine
     def __getattr__(self, name: str) -> Any:
