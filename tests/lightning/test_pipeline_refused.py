@@ -37,8 +37,14 @@ def _fit(rank: int, world: int, face: str) -> str:
     try:
         if face == "trainer":
             trainer = pl.Trainer(
-                strategy=ZeroStrategy(stage=1), accelerator="cpu", devices=1, max_steps=1, logger=False,
-                enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
+                strategy=ZeroStrategy(stage=1),
+                accelerator="cpu",
+                devices=1,
+                max_steps=1,
+                logger=False,
+                enable_checkpointing=False,
+                enable_progress_bar=False,
+                enable_model_summary=False,
             )
             data = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, 4)), batch_size=2)
             trainer.fit(model, data)

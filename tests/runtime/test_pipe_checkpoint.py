@@ -32,7 +32,9 @@ def _save_then_load(rank: int, world: int, root: str) -> dict[str, Any]:
     out["first"] = [float(engine.train_batch(iter(step[0]))) for step in batches[:2]]
     engine.save_checkpoint(root, client_state={"note": "half"})
     for stages in (4, 1):
-        module = PipelineModule(specs(), num_stages=stages, loss_fn=nn.MSELoss(), seed_layers=False, partition_method="uniform")
+        module = PipelineModule(
+            specs(), num_stages=stages, loss_fn=nn.MSELoss(), seed_layers=False, partition_method="uniform"
+        )
         engine, _, _, _ = ds_strategy.initialize(model=module, config=cfg)
         tag_dir, client = engine.load_checkpoint(root)
         assert client == {"note": "half"} and Path(tag_dir).name == "global_step2"
@@ -64,7 +66,9 @@ def test_checkpoint_loads_at_other_depths(tmp_path: Path) -> None:
     for r in results:
         torch.testing.assert_close(torch.tensor(r["first"]), torch.tensor(ref_losses[:2]), rtol=1e-5, atol=0)
         for stages in (4, 1):
-            torch.testing.assert_close(torch.tensor(r[f"resumed{stages}"]), torch.tensor(ref_losses[2:]), rtol=1e-5, atol=0)
+            torch.testing.assert_close(
+                torch.tensor(r[f"resumed{stages}"]), torch.tensor(ref_losses[2:]), rtol=1e-5, atol=0
+            )
             for name, value in r[f"weights{stages}"].items():
                 torch.testing.assert_close(value, ref_weights[name], rtol=0, atol=1e-6, msg=name)
         for name, value in r["plain"].items():

@@ -29,7 +29,9 @@ def _train(rank: int, world: int, stages: int, gas: int, clip: float, precision:
     from ds_strategy.pipe import PipelineEngine, PipelineModule
 
     dp = world // stages
-    module = PipelineModule(specs(), num_stages=stages, loss_fn=nn.MSELoss(), seed_layers=True, partition_method="uniform")
+    module = PipelineModule(
+        specs(), num_stages=stages, loss_fn=nn.MSELoss(), seed_layers=True, partition_method="uniform"
+    )
     extra: dict[str, Any] = {"bf16": {"enabled": True}} if precision == "bf16" else {}
     cfg = pipe_config(micro=MICRO, gas=gas, lr=LR, clip=clip, stage=zero, **extra)
     engine, _, _, _ = ds_strategy.initialize(model=module, config=cfg)
@@ -99,7 +101,11 @@ def _failing(rank: int, world: int, boom_layer: int, where: int) -> str:
     from ds_strategy.pipe import LayerSpec, PipelineModule, PipelineStageError
 
     layers = [LayerSpec(nn.Linear, 8, 8), Boom(6, where) if boom_layer == 1 else nn.Identity()]
-    layers += [LayerSpec(nn.Linear, 8, 8), Boom(6, where) if boom_layer == 3 else nn.Identity(), LayerSpec(nn.Linear, 8, 4)]
+    layers += [
+        LayerSpec(nn.Linear, 8, 8),
+        Boom(6, where) if boom_layer == 3 else nn.Identity(),
+        LayerSpec(nn.Linear, 8, 4),
+    ]
     module = PipelineModule(layers, num_stages=2, loss_fn=nn.MSELoss(), partition_method="uniform")
     engine, _, _, _ = ds_strategy.initialize(model=module, config=pipe_config(micro=2, gas=4, lr=LR, clip=0.0))
     d = module.topology().get_coord(rank).data
@@ -133,7 +139,9 @@ def _bf16_and_eval(rank: int, world: int) -> dict[str, Any]:
 
     out: dict[str, Any] = {}
     for precision in ("fp32", "bf16"):
-        module = PipelineModule(specs(), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True, partition_method="uniform")
+        module = PipelineModule(
+            specs(), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True, partition_method="uniform"
+        )
         extra: dict[str, Any] = {"bf16": {"enabled": True}} if precision == "bf16" else {}
         cfg = pipe_config(micro=MICRO, gas=4, lr=LR, clip=0.05, **extra)
         engine, _, _, _ = ds_strategy.initialize(model=module, config=cfg)
@@ -173,7 +181,7 @@ def test_bf16_and_eval_batch() -> None:
         torch.testing.assert_close(torch.tensor(r["bf16"]["losses"]), torch.tensor(ref_losses), rtol=2e-2, atol=0)
         assert r["bf16"]["dtype"] == "torch.bfloat16"
         if rank == 1:
-            for got, want in zip(r["fp32"]["logits"], ref_logits):
+            for got, want in zip(r["fp32"]["logits"], ref_logits, strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         else:
             assert r["fp32"]["logits"] is None

@@ -41,10 +41,10 @@ from .model import (
     FlopsProfilerConfig,
     FP16Config,
     HybridEngineConfig,
-    PipelineConfig,
     LeafModuleConfig,
     OffloadConfig,
     OptimizerConfig,
+    PipelineConfig,
     SchedulerConfig,
     ZeroConfig,
 )

@@ -281,7 +281,9 @@ SUPPORT: dict[str, Support] = {
         "node's directory); loading needs every node's files in one directory, and a missing shard is an error "
         "naming it"
     ),
-    "checkpoint.parallel_write": _warned("pipeline-parallel checkpoint writing: each stage writes its own layer files anyway"),
+    "checkpoint.parallel_write": _warned(
+        "pipeline-parallel checkpoint writing: each stage writes its own layer files anyway"
+    ),
     "checkpoint.writer": _warned(_PERF_ONLY + " (the checkpoint writer backend)"),
     # ---------------------------------------------------------------- accepted-but-ignored DeepSpeed keys
     "dump_state": _warned("prints DeepSpeed's engine state; nothing else changes"),

@@ -20,10 +20,10 @@ from ds_strategy.config import DeepSpeedConfig, load_config
 from ds_strategy.config.loader import ConfigInput
 
 from .engine import SchedulerArg, ZeroEngine
+from .params import OptimizerArg, ParamsArg
 from .pipe.config import apply_pipeline_config
 from .pipe.engine import PipelineEngine
 from .pipe.module import PipelineModule
-from .params import OptimizerArg, ParamsArg
 
 
 def _ensure_distributed(dist_init_required: bool | None) -> None:

@@ -82,7 +82,10 @@ def _state_keys(engine: PipelineEngine) -> list[str]:
 
 
 def save_pipe_checkpoint(
-    engine: PipelineEngine, save_dir: str | os.PathLike[str], tag: Any = None, client_state: dict[str, Any] | None = None
+    engine: PipelineEngine,
+    save_dir: str | os.PathLike[str],
+    tag: Any = None,
+    client_state: dict[str, Any] | None = None,
 ) -> Path:
     """Every rank calls it (the full values are gathered across each data-parallel group)."""
     inner = engine.engine

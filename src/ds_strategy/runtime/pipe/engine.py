@@ -43,9 +43,7 @@ def _as_list(x: Any) -> list[torch.Tensor]:
         return [x]
     if isinstance(x, (tuple, list)) and all(isinstance(t, torch.Tensor) for t in x):
         return list(x)
-    raise TypeError(
-        f"a pipeline stage must take and return a tensor or a tuple of tensors, got {type(x).__name__}"
-    )
+    raise TypeError(f"a pipeline stage must take and return a tensor or a tuple of tensors, got {type(x).__name__}")
 
 
 def _to(x: Any, device: torch.device) -> Any:
@@ -161,9 +159,7 @@ class PipelineEngine:
         if self._data_iter is None and self.training_dataloader is not None:
             self._data_iter = _repeat(self.training_dataloader)
         if self._data_iter is None and (self.is_first_stage() or self.is_last_stage()):
-            raise ValueError(
-                f"stage {self.stage_id} needs data: pass data_iter= or initialize(training_data=...)"
-            )
+            raise ValueError(f"stage {self.stage_id} needs data: pass data_iter= or initialize(training_data=...)")
         return self._data_iter
 
     def _load(self, it: Iterator[Any] | None) -> tuple[Any, Any]:
@@ -185,7 +181,7 @@ class PipelineEngine:
         key = ("act", self.prev_rank, mode)
         received = self.link.recv(self.prev_rank, key)
         if mode == "train":
-            for t, grad in zip(received, self.link.requires_grad(key)):
+            for t, grad in zip(received, self.link.requires_grad(key), strict=True):
                 t.requires_grad_(grad and t.is_floating_point())
         return (received[0] if len(received) == 1 else tuple(received)), received
 
@@ -249,11 +245,7 @@ class PipelineEngine:
             self.timing["busy_s"] += time.perf_counter() - t0
             if not self.is_first_stage():
                 assert self.prev_rank is not None
-                back = [
-                    t.grad if t.grad is not None else torch.zeros_like(t)
-                    for t in received
-                    if t.requires_grad
-                ]
+                back = [t.grad if t.grad is not None else torch.zeros_like(t) for t in received if t.requires_grad]
                 self.link.send(back, self.prev_rank, ("grad", self.global_rank, "train"))
         return losses
 
@@ -280,7 +272,7 @@ class PipelineEngine:
             self.link.drain()
         except PeerFailed as e:
             code, cause = 2, e
-        except Exception as e:  # noqa: BLE001 - reported on every rank below
+        except Exception as e:
             code, cause = 1, e
             self.link.post_failure(
                 self.global_rank, f"stage {self.stage_id} (rank {self.global_rank}) raised {type(e).__name__}: {e}"
@@ -335,7 +327,9 @@ class PipelineEngine:
     def _grad_norm(self) -> tuple[float, bool]:
         extra = self._tied_sum()
         raw, overflow = self.engine.stage.grad_norm()
-        both = torch.tensor([raw * raw - extra if math.isfinite(raw) else math.inf, float(overflow)], device=self.device)
+        both = torch.tensor(
+            [raw * raw - extra if math.isfinite(raw) else math.inf, float(overflow)], device=self.device
+        )
         groups = self.module.groups
         if groups.pipe_group is not None and self.num_stages > 1:
             dist.all_reduce(both, group=groups.pipe_group)

@@ -96,9 +96,7 @@ def partition_layers(layers: Sequence[Any], num_stages: int, method: str) -> lis
         return partition_balanced([_trainable_numel(layer) for layer in layers], num_stages)
     if low.startswith("type:"):
         return partition_balanced(type_weights([_layer_name(x) for x in layers], method.split(":", 1)[1]), num_stages)
-    raise ValueError(
-        f"partition_method {method!r} is not supported; valid: 'parameters', 'uniform', 'type:<regex>'"
-    )
+    raise ValueError(f"partition_method {method!r} is not supported; valid: 'parameters', 'uniform', 'type:<regex>'")
 
 
 def _recursive_getattr(module: nn.Module, name: str) -> Any:
@@ -153,7 +151,9 @@ class PipelineModule(nn.Module):
         if topology.world_size() != world:
             raise ValueError(f"topology covers {topology.world_size()} ranks but the world size is {world}")
         if num_stages is not None and num_stages != topology.get_dim("pipe"):
-            raise ValueError(f"num_stages={num_stages} disagrees with the topology's pipe dim {topology.get_dim('pipe')}")
+            raise ValueError(
+                f"num_stages={num_stages} disagrees with the topology's pipe dim {topology.get_dim('pipe')}"
+            )
         if activation_checkpoint_interval < 0:
             raise ValueError(f"activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}")
         self._topo = topology

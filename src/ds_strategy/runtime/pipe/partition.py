@@ -66,7 +66,5 @@ def type_weights(names: Sequence[str | None], pattern: str) -> list[int]:
     weights = [1 if name is not None and regex.search(name) else 0 for name in names]
     if not any(weights):
         known = sorted({n for n in names if n is not None})
-        raise ValueError(
-            f"partition_method 'type:{pattern}' matches no layer; the layer class names are {known}"
-        )
+        raise ValueError(f"partition_method 'type:{pattern}' matches no layer; the layer class names are {known}")
     return weights

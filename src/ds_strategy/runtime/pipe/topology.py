@@ -19,10 +19,10 @@ class ProcessTopology:
         if len(axes) != len(dims):
             raise ValueError(f"ProcessTopology: {len(axes)} axes {axes} but {len(dims)} dims {dims}")
         if any(int(d) < 1 for d in dims):
-            raise ValueError(f"ProcessTopology: every dim must be >= 1, got {dict(zip(axes, dims))}")
+            raise ValueError(f"ProcessTopology: every dim must be >= 1, got {dict(zip(axes, dims, strict=False))}")
         self.axes = list(axes)
         self.dims = [int(d) for d in dims]
-        self.ProcessCoord = namedtuple("ProcessCoord", self.axes)  # type: ignore[misc]
+        self.ProcessCoord: Any = namedtuple("ProcessCoord", self.axes)  # type: ignore[misc]
         self.mapping: dict[Any, int] = {}
         ranges = [range(d) for d in self.dims]
         for rank, coord in enumerate(itertools.product(*ranges)):
@@ -34,7 +34,8 @@ class ProcessTopology:
             raise ValueError(f"get_rank needs every axis {self.axes}, got {sorted(coord_kwargs)}")
         key = self.ProcessCoord(**coord_kwargs)
         if key not in self.mapping:
-            raise ValueError(f"coordinate {coord_kwargs} is outside the topology {dict(zip(self.axes, self.dims))}")
+            dims = dict(zip(self.axes, self.dims, strict=True))
+            raise ValueError(f"coordinate {coord_kwargs} is outside the topology {dims}")
         return self.mapping[key]
 
     def get_axis_names(self) -> list[str]:
@@ -65,14 +66,15 @@ class ProcessTopology:
         others = [a for a in self.axes if a != axis]
         lists = []
         for other in itertools.product(*[range(self.get_dim(a)) for a in others]):
-            fixed = dict(zip(others, other))
+            fixed = dict(zip(others, other, strict=True))
             lists.append([self.get_rank(**fixed, **{axis: i}) for i in range(self.get_dim(axis))])
         return lists
 
     def filter_match(self, **filter_kwargs: int) -> list[int]:
         """Ranks whose coordinate matches every given ``axis=value``."""
         return [
-            r for c, r in sorted(self.mapping.items(), key=lambda kv: kv[1])
+            r
+            for c, r in sorted(self.mapping.items(), key=lambda kv: kv[1])
             if all(getattr(c, k) == v for k, v in filter_kwargs.items())
         ]
 
