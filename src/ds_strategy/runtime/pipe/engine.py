@@ -265,7 +265,8 @@ class PipelineEngine:
     def _guarded(self, fn: Callable[[], Any]) -> Any:
         self._calls += 1
         self.link.prefix = f"ds_pipe/{self._uid}/{self._calls}"
-        code, cause = 0, None
+        code: int = 0
+        cause: Exception | None = None
         result = None
         try:
             result = fn()

@@ -9,7 +9,7 @@ from __future__ import annotations
 
 import itertools
 from collections import namedtuple
-from typing import Any
+from typing import Any, cast
 
 
 class ProcessTopology:
@@ -22,7 +22,7 @@ class ProcessTopology:
             raise ValueError(f"ProcessTopology: every dim must be >= 1, got {dict(zip(axes, dims, strict=False))}")
         self.axes = list(axes)
         self.dims = [int(d) for d in dims]
-        self.ProcessCoord: Any = namedtuple("ProcessCoord", self.axes)  # type: ignore[misc]
+        self.ProcessCoord: Any = cast(Any, namedtuple)("ProcessCoord", self.axes)
         self.mapping: dict[Any, int] = {}
         ranges = [range(d) for d in self.dims]
         for rank, coord in enumerate(itertools.product(*ranges)):
