@@ -38,7 +38,7 @@ def _layers(spec_cls: Any, layers: int, width: int) -> list[Any]:
     out: list[Any] = []
     for _ in range(layers):
         out += [spec_cls(nn.Linear, width, width), nn.GELU()]
-    return out + [spec_cls(nn.Linear, width, width)]
+    return [*out, spec_cls(nn.Linear, width, width)]
 
 
 def _config(m: int) -> dict[str, Any]:
@@ -53,7 +53,10 @@ def _config(m: int) -> dict[str, Any]:
 
 def _batches(m: int, width: int, count: int) -> list[list[tuple[torch.Tensor, torch.Tensor]]]:
     g = torch.Generator().manual_seed(0)
-    return [[(torch.randn(MICRO, width, generator=g), torch.randn(MICRO, width, generator=g)) for _ in range(m)] for _ in range(count)]
+    return [
+        [(torch.randn(MICRO, width, generator=g), torch.randn(MICRO, width, generator=g)) for _ in range(m)]
+        for _ in range(count)
+    ]
 
 
 def _ours(rank: int, world: int, m: int, quick: bool) -> dict[str, Any]:
@@ -122,13 +125,19 @@ def run(quick: bool) -> dict[str, Any]:
     derived: dict[str, Any] = {}
     for row in rows:
         if row["engine"] == "DeepSpeed" and "step_s" in row:
-            ours = next((r for r in rows if r["engine"] == "ds_strategy" and r["p"] == row["p"] and r["m"] == row["m"]), None)
+            ours = next(
+                (r for r in rows if r["engine"] == "ds_strategy" and r["p"] == row["p"] and r["m"] == row["m"]), None
+            )
             if ours is not None and "step_s" in ours:
                 derived[f"deepspeed_over_ours_p{row['p']}_m{row['m']}"] = row["step_s"] / ours["step_s"]
     return {
         "machine": machine(),
         "quick": quick,
-        "model": {"layers": QUICK["layers"] if quick else LAYERS, "width": QUICK["width"] if quick else WIDTH, "micro": MICRO},
+        "model": {
+            "layers": QUICK["layers"] if quick else LAYERS,
+            "width": QUICK["width"] if quick else WIDTH,
+            "micro": MICRO,
+        },
         "rows": rows,
         "derived": derived,
     }
@@ -141,8 +150,12 @@ def table(payload: dict[str, Any]) -> str:
             rows.append((r["engine"], r["p"], r["m"], f"{r['theory_bubble']:.3f}", "-", "-", r["error"]))
             continue
         measured = f"{r['measured_bubble']:.3f}" if "measured_bubble" in r else "-"
-        rows.append((r["engine"], r["p"], r["m"], f"{r['theory_bubble']:.3f}", measured, f"{r['step_s'] * 1e3:.1f}", ""))
-    return markdown_table(("engine", "p", "m", "theory (p-1)/(m+p-1)", "measured bubble", "step ms (median)", "note"), rows)
+        rows.append(
+            (r["engine"], r["p"], r["m"], f"{r['theory_bubble']:.3f}", measured, f"{r['step_s'] * 1e3:.1f}", "")
+        )
+    return markdown_table(
+        ("engine", "p", "m", "theory (p-1)/(m+p-1)", "measured bubble", "step ms (median)", "note"), rows
+    )
 
 
 def plot(payload: dict[str, Any]) -> None:
@@ -173,7 +186,9 @@ def headlines(payload: dict[str, Any]) -> list[tuple[str, str]]:
     out = []
     for r in payload.get("rows", []):
         if r["engine"] == "ds_strategy" and "measured_bubble" in r and r["m"] in (4, 8):
-            out.append((f"bubble p={r['p']} m={r['m']} (theory {r['theory_bubble']:.2f})", f"{r['measured_bubble']:.2f}"))
+            out.append(
+                (f"bubble p={r['p']} m={r['m']} (theory {r['theory_bubble']:.2f})", f"{r['measured_bubble']:.2f}")
+            )
     for k, v in payload.get("derived", {}).items():
         out.append((f"DeepSpeed / ds_strategy step time ({k.split('_', 3)[-1]})", f"{v:.2f}x"))
     return out

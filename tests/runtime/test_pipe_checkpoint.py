@@ -42,7 +42,7 @@ def _save_then_load(rank: int, world: int, root: str) -> dict[str, Any]:
         out[f"resumed{stages}"] = [float(engine.train_batch(iter(step[0]))) for step in batches[2:]]
         out[f"weights{stages}"] = {n: safe_get_full_fp32_param(p).clone() for n, p in module.named_parameters()}
     # a plain ZeroEngine over a one-stage model takes the consolidated weights
-    from ds_strategy.runtime.pipe.checkpoint import pipe_state_dict
+    from ds_strategy.runtime.pipe.files import pipe_state_dict
 
     plain = PipelineModule(specs(), num_stages=1, loss_fn=nn.MSELoss(), partition_method="uniform")
     zero = ds_strategy.ZeroEngine(plain, ds_strategy.config.load_config(cfg, world_size=world))

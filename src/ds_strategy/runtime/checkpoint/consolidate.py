@@ -78,7 +78,7 @@ def consolidate_fp32_state_dict(
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's weights as a plain fp32 state dict (``module.load_state_dict`` takes it); a
     pipeline checkpoint's layer files merge into the names of a one-stage PipelineModule."""
-    from ..pipe.checkpoint import is_pipe_checkpoint, pipe_state_dict
+    from ..pipe.files import is_pipe_checkpoint, pipe_state_dict
 
     if is_pipe_checkpoint(checkpoint_dir, tag):
         return pipe_state_dict(checkpoint_dir, tag)
@@ -168,7 +168,7 @@ def write_fp32(
         out.parent.mkdir(parents=True, exist_ok=True)
         save_file(plain, str(out), metadata={"format": "pt"})
         return out
-    from ..pipe.checkpoint import is_pipe_checkpoint
+    from ..pipe.files import is_pipe_checkpoint
 
     if is_pipe_checkpoint(checkpoint_dir, tag):
         if lightning:

@@ -16,27 +16,17 @@ from __future__ import annotations
 
 import os
 from pathlib import Path
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 import torch.distributed as dist
 
 from ..checkpoint.format import LATEST, CheckpointError
 from ..zero.access import find
+from .files import FORMAT, PIPE_META, layer_file, resolve_pipe, tied_file
 
-if TYPE_CHECKING:
-    from .engine import PipelineEngine
-
-PIPE_META = "pipe_meta.pt"
-FORMAT = "ds_strategy-pipe-1"
-
-
-def layer_file(idx: int) -> str:
-    return f"layer_{idx:02d}-model_states.pt"
-
-
-def tied_file(key: str) -> str:
-    return f"tied_{key}-model_states.pt"
+# The engine is typed structurally (Any): importing PipelineEngine here would close an import cycle.
+PipelineEngine = Any
 
 
 def _owned(engine: PipelineEngine) -> list[tuple[str, str, torch.nn.Module]]:
@@ -133,30 +123,6 @@ def save_pipe_checkpoint(
     return tag_dir
 
 
-def resolve_pipe(load_dir: str | os.PathLike[str], tag: str | None) -> Path:
-    root = Path(load_dir)
-    if tag is None:
-        latest = root / LATEST
-        if not latest.is_file():
-            raise CheckpointError(f"{root} has no {LATEST!r} file; pass tag=")
-        tag = latest.read_text().strip()
-    tag_dir = root / str(tag)
-    if not (tag_dir / PIPE_META).is_file():
-        raise CheckpointError(
-            f"{tag_dir} is not a pipeline checkpoint (no {PIPE_META}); a ZeroEngine checkpoint loads with "
-            "ZeroEngine.load_checkpoint"
-        )
-    return tag_dir
-
-
-def is_pipe_checkpoint(load_dir: str | os.PathLike[str], tag: str | None) -> bool:
-    try:
-        resolve_pipe(load_dir, tag)
-    except CheckpointError:
-        return False
-    return True
-
-
 def load_pipe_checkpoint(
     engine: PipelineEngine,
     load_dir: str | os.PathLike[str],
@@ -226,14 +192,3 @@ def _ensure_scalars(engine: PipelineEngine, scalars: dict[str, Any]) -> None:
         for master in group["params"]:
             for k, v in scalars.items():
                 opt.state[master][k] = v.clone() if isinstance(v, torch.Tensor) else v
-
-
-def pipe_state_dict(load_dir: str | os.PathLike[str], tag: str | None = None) -> dict[str, torch.Tensor]:
-    """The fp32 weights of a pipeline checkpoint as one state dict with a one-stage PipelineModule's names."""
-    tag_dir = resolve_pipe(load_dir, tag)
-    out: dict[str, torch.Tensor] = {}
-    for path in sorted(tag_dir.glob("*-model_states.pt")):
-        saved = torch.load(path, weights_only=False)
-        for name, value in saved["module"].items():
-            out[saved["prefix"] + name] = value
-    return out
