@@ -71,12 +71,20 @@ class Reference(nn.Module):
 
 
 def reference_run(
-    batches: list[list[list[tuple[torch.Tensor, torch.Tensor]]]], *, lr: float, clip: float
+    batches: list[list[list[tuple[torch.Tensor, torch.Tensor]]]],
+    *,
+    lr: float,
+    clip: float,
+    lrs: list[float] | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
+    """``lrs``: the learning rate of each step (a scheduler's), else ``lr`` throughout."""
     model = Reference()
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses = []
-    for step in batches:
+    for i, step in enumerate(batches):
+        if lrs is not None:
+            for group in opt.param_groups:
+                group["lr"] = lrs[i]
         opt.zero_grad()
         pieces = [nn.functional.mse_loss(model(x), y) for per_rank in step for x, y in per_rank]
         loss = torch.stack(pieces).mean()

@@ -138,11 +138,15 @@ def _bf16_and_eval(rank: int, world: int) -> dict[str, Any]:
     from ds_strategy.pipe import PipelineModule
 
     out: dict[str, Any] = {}
-    for precision in ("fp32", "bf16"):
+    for precision in ("fp32", "bf16", "fp16"):
         module = PipelineModule(
             specs(), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True, partition_method="uniform"
         )
-        extra: dict[str, Any] = {"bf16": {"enabled": True}} if precision == "bf16" else {}
+        extra: dict[str, Any] = {
+            "fp32": {},
+            "bf16": {"bf16": {"enabled": True}},
+            "fp16": {"fp16": {"enabled": True, "initial_scale_power": 8, "auto_cast": True}},
+        }[precision]
         cfg = pipe_config(micro=MICRO, gas=4, lr=LR, clip=0.05, **extra)
         engine, _, _, _ = ds_strategy.initialize(model=module, config=cfg)
         batches = data(STEPS, 1, 4, MICRO)
@@ -160,10 +164,10 @@ def _bf16_and_eval(rank: int, world: int) -> dict[str, Any]:
     return out
 
 
-def test_bf16_and_eval_batch() -> None:
+def test_bf16_fp16_and_eval_batch() -> None:
     """eval_batch equals the reference model's loss on a held-out batch (fp32: rtol 1e-5), per micro-batch
-    too; the last stage returns the logits. bf16 trains with bf16 weights and tracks the fp32 reference
-    within bf16 rounding (losses rtol 2e-2: 8 mantissa bits through 7 layers)."""
+    too; the last stage returns the logits. bf16 and fp16 train with 16-bit weights and track the fp32
+    reference within their rounding (losses rtol 2e-2 for bf16's 8 mantissa bits, 5e-3 for fp16's 11)."""
     results = run_distributed(_bf16_and_eval, world_size=2, timeout=180)
     ref_losses, ref_weights = reference_run(data(STEPS, 1, 4, MICRO), lr=LR, clip=0.05)
     from tests.runtime.pipe_common import Reference
@@ -180,8 +184,38 @@ def test_bf16_and_eval_batch() -> None:
         assert r["fp32"]["per_micro"] == pytest.approx(ref_eval, rel=1e-5)
         torch.testing.assert_close(torch.tensor(r["bf16"]["losses"]), torch.tensor(ref_losses), rtol=2e-2, atol=0)
         assert r["bf16"]["dtype"] == "torch.bfloat16"
+        # fp16: loss scale 2**8, 11 mantissa bits; no overflow here, so every step applies
+        torch.testing.assert_close(torch.tensor(r["fp16"]["losses"]), torch.tensor(ref_losses), rtol=5e-3, atol=0)
+        assert r["fp16"]["dtype"] == "torch.float16"
         if rank == 1:
             for got, want in zip(r["fp32"]["logits"], ref_logits, strict=True):
                 torch.testing.assert_close(got, want, rtol=1e-5, atol=1e-6)
         else:
             assert r["fp32"]["logits"] is None
+
+
+def _scheduled(rank: int, world: int) -> dict[str, Any]:
+    import ds_strategy
+    from ds_strategy.pipe import PipelineModule
+
+    module = PipelineModule(specs(), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True, partition_method="uniform")
+    scheduler = {"type": "WarmupLR", "params": {"warmup_min_lr": 0.0, "warmup_max_lr": LR, "warmup_num_steps": 3}}
+    cfg = pipe_config(micro=MICRO, gas=2, lr=LR, clip=0.0, scheduler=scheduler)
+    engine, _, _, sched = ds_strategy.initialize(model=module, config=cfg)
+    assert sched is not None
+    lrs, losses = [], []
+    for step in data(4, 1, 2, MICRO):
+        lrs.append(engine.get_lr()[0])
+        losses.append(float(engine.train_batch(iter(step[0]))))
+    return {"lrs": lrs, "losses": losses}
+
+
+def test_lr_scheduler_drives_every_stage() -> None:
+    """The config's scheduler steps once per train_batch on every stage: the losses equal a reference that
+    uses the same per-step learning rates (fp32, rtol 1e-5)."""
+    results = run_distributed(_scheduled, world_size=2, timeout=120)
+    lrs = results[0]["lrs"]
+    assert results[1]["lrs"] == lrs and lrs[0] < lrs[1] < lrs[2]  # warming up, identically on both stages
+    ref_losses, _ = reference_run(data(4, 1, 2, MICRO), lr=LR, clip=0.0, lrs=lrs)
+    for r in results:
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
