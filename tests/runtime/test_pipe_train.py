@@ -219,3 +219,25 @@ def test_lr_scheduler_drives_every_stage() -> None:
     ref_losses, _ = reference_run(data(4, 1, 2, MICRO), lr=LR, clip=0.0, lrs=lrs)
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
+
+
+def test_failing_stage_ends_the_launched_processes(tmp_path: Any) -> None:
+    """Outside the harness too: under ds-launch the raising stage and its peer both exit with
+    PipelineStageError (and the waiter thread of the peer does not keep its process alive)."""
+    import os
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = Path(__file__).parent / "scripts" / "pipe_stage_raises.py"
+    env = dict(os.environ, PYTHONPATH=str(Path(__file__).parents[2] / "src"), DS_ACCELERATOR="cpu")
+    proc = subprocess.run(
+        [sys.executable, "-m", "ds_strategy.launcher", "--num_procs", "2", str(script)],
+        cwd=tmp_path, env=env, capture_output=True, text=True, timeout=180,
+    )  # fmt: skip
+    out = proc.stdout + proc.stderr
+    assert proc.returncode != 0
+    for rank, stage in ((0, 0), (1, 1)):
+        assert (
+            f"stage 1 (rank 1) raised ValueError: boom - every rank stops (this is rank {rank}, stage {stage})" in out
+        )

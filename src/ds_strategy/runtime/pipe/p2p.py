@@ -12,9 +12,9 @@ later micro-batch sends only the payload into buffers of the negotiated shape.
 
 from __future__ import annotations
 
+import queue
+import threading
 from collections.abc import Sequence
-from concurrent.futures import ThreadPoolExecutor
-from concurrent.futures import TimeoutError as FutureTimeout
 from typing import Any
 
 import torch
@@ -65,6 +65,35 @@ def _unpack_header(header: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dt
     return out
 
 
+class _Done(threading.Event):
+    error: BaseException | None = None
+
+
+class _Waiter:
+    """A daemon thread that calls ``Work.wait()`` for each submitted work, in order."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, _Done]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, work: Any) -> _Done:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ds-pipe-p2p", daemon=True)
+            self._thread.start()
+        done = _Done()
+        self._queue.put((work, done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            work, done = self._queue.get()
+            try:
+                work.wait()
+            except BaseException as e:
+                done.error = e
+            done.set()
+
+
 class Link:
     """This rank's sends and receives on the default group, aware of the failure notices under ``prefix``."""
 
@@ -75,8 +104,9 @@ class Link:
         self.pending: list[Any] = []
         self.meta: dict[tuple[str, int, str], list[tuple[tuple[int, ...], torch.dtype, bool]]] = {}
         self.negotiations = 0  # headers exchanged (a test checks it stays at one per link and mode)
-        # One daemon thread blocks in Work.wait; after a peer failed it may stay blocked: the group is dead.
-        self._waiter = ThreadPoolExecutor(max_workers=1, thread_name_prefix="ds-pipe-p2p")
+        # One daemon thread blocks in Work.wait; after a peer failed it may stay blocked (the group is dead),
+        # and being a daemon it does not keep the process from exiting.
+        self._waiter = _Waiter()
 
     # ------------------------------------------------------------------ failure notices
     def failed_flag(self) -> str:
@@ -92,14 +122,12 @@ class Link:
     def _wait(self, work: Any, what: str) -> None:
         """Wait for ``work`` on the waiter thread (gloo's ``is_completed`` only turns true in ``wait``), while
         watching for a failure notice every 20 ms."""
-        done = self._waiter.submit(work.wait)
-        while True:
-            try:
-                done.result(timeout=0.02)
-                return
-            except FutureTimeout:
-                if self.store.check([self.failed_flag()]):
-                    raise PeerFailed(what) from None
+        done = self._waiter.submit(work)
+        while not done.wait(timeout=0.02):
+            if self.store.check([self.failed_flag()]):
+                raise PeerFailed(what)
+        if done.error is not None:
+            raise done.error
 
     # ------------------------------------------------------------------ tensors
     def send(self, tensors: Sequence[torch.Tensor], dst: int, key: tuple[str, int, str]) -> None:
