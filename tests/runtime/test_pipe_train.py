@@ -241,3 +241,45 @@ def test_failing_stage_ends_the_launched_processes(tmp_path: Any) -> None:
         assert (
             f"stage 1 (rank 1) raised ValueError: boom - every rank stops (this is rank {rank}, stage {stage})" in out
         )
+
+
+def _config_block(rank: int, world: int) -> dict[str, Any]:
+    import ds_strategy
+    from ds_strategy.config import ConfigError
+    from ds_strategy.pipe import PipelineModule
+
+    module = PipelineModule(specs(), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True, partition_method="uniform")
+    try:
+        ds_strategy.initialize(
+            model=module, config=pipe_config(micro=MICRO, gas=2, lr=LR, clip=0.0, pipeline={"stages": 4})
+        )
+        refused = "no error"
+    except ConfigError as e:
+        refused = str(e)
+    module = PipelineModule(specs(), num_stages=2, loss_fn=nn.MSELoss(), seed_layers=True, partition_method="uniform")
+    block = {"stages": 2, "activation_checkpoint_interval": 2}
+    cfg = pipe_config(micro=MICRO, gas=2, lr=LR, clip=0.0, pipeline=block)
+    engine, _, _, _ = ds_strategy.initialize(model=module, config=cfg)
+    recomputed = 0
+    inner = module.activation_checkpoint_func
+
+    def counting(fn: Any, *args: Any) -> Any:
+        nonlocal recomputed
+        recomputed += 1
+        return inner(fn, *args)
+
+    module.activation_checkpoint_func = counting
+    losses = [float(engine.train_batch(iter(step[0]))) for step in data(STEPS, 1, 2, MICRO)]
+    return {"refused": refused, "interval": module.activation_checkpoint_interval, "losses": losses, "ckpt": recomputed}
+
+
+def test_pipeline_config_block() -> None:
+    """pipeline.stages must match the module (ConfigError naming the key otherwise);
+    pipeline.activation_checkpoint_interval checkpoints runs of layers, and training still equals the
+    reference exactly (recomputation changes nothing in fp32: rtol 1e-5)."""
+    results = run_distributed(_config_block, world_size=2, timeout=120)
+    ref_losses, _ = reference_run(data(STEPS, 1, 2, MICRO), lr=LR, clip=0.0)
+    for r in results:
+        assert "pipeline.stages=4 but the PipelineModule has num_stages=2" in r["refused"], r["refused"]
+        assert r["interval"] == 2 and r["ckpt"] > 0
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)

@@ -46,6 +46,14 @@ def _as_list(x: Any) -> list[torch.Tensor]:
     raise TypeError(f"a pipeline stage must take and return a tensor or a tuple of tensors, got {type(x).__name__}")
 
 
+def _float_requires_grad(x: Any) -> Any:
+    if isinstance(x, torch.Tensor):
+        return x.detach().requires_grad_() if x.is_floating_point() else x
+    if isinstance(x, (tuple, list)):
+        return type(x)(_float_requires_grad(t) for t in x)
+    return x
+
+
 def _to(x: Any, device: torch.device) -> Any:
     if isinstance(x, torch.Tensor):
         return x.to(device)
@@ -176,6 +184,10 @@ class PipelineEngine:
 
     def _stage_input(self, inputs: Any, mode: str) -> tuple[Any, list[torch.Tensor]]:
         if self.is_first_stage():
+            if mode == "train" and self.module.activation_checkpoint_interval > 0:
+                # As DeepSpeed: a reentrant checkpoint around the first layers needs an input that requires
+                # grad, or the parameters inside it get no gradient.
+                inputs = _float_requires_grad(inputs)
             return inputs, []
         assert self.prev_rank is not None
         key = ("act", self.prev_rank, mode)
