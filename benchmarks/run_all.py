@@ -32,6 +32,7 @@ BENCHMARKS = (
     "nvme",
     "hybrid",
     "compile",
+    "pipeline",
 )
 ALIASES = {"engine": "e2e", "zero3": "e2e"}
 PEERS = {
@@ -44,6 +45,7 @@ PEERS = {
     "aio": "a plain sequential read / write of the same bytes on the same file system",
     "nvme": "ds_strategy CPU offload, DeepSpeed NVMe offload (ZeRO-3, a GPT and one 4x larger)",
     "hybrid": "torch DDP, ds_strategy stage 3 through the per-module hooks (greedy generation)",
+    "pipeline": "the 1F1B theory (p-1)/(m+p-1), DeepSpeed's PipelineEngine (same layers and config)",
     "compile": "torch DDP eager and torch.compile(DDP), ds_strategy stages 0, 2, 3 eager (inductor)",
 }
 

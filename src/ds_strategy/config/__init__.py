@@ -36,6 +36,7 @@ from .model import (
     LeafModuleConfig,
     OffloadConfig,
     OptimizerConfig,
+    PipelineConfig,
     SchedulerConfig,
     ZeroConfig,
 )
@@ -67,6 +68,7 @@ __all__ = [
     "OffloadConfig",
     "OnConflict",
     "OptimizerConfig",
+    "PipelineConfig",
     "SchedulerConfig",
     "ZeroConfig",
     "check_config",

@@ -44,6 +44,7 @@ from .model import (
     LeafModuleConfig,
     OffloadConfig,
     OptimizerConfig,
+    PipelineConfig,
     SchedulerConfig,
     ZeroConfig,
 )
@@ -293,6 +294,7 @@ def _build(
         aio=_make(AioConfig, cfg["aio"]),
         checkpoint=_make(CheckpointConfig, cfg["checkpoint"]),
         hybrid_engine=_make(HybridEngineConfig, cfg["hybrid_engine"]),
+        pipeline=_make(PipelineConfig, cfg["pipeline"]),
         compile=_make(CompileConfig, cfg["compile"], kwargs=freeze(cfg["compile"]["kwargs"])),
         ignored=ignored,
         input_config=input_config,

@@ -276,6 +276,19 @@ class CheckpointConfig:
 
 
 @dataclass(frozen=True, kw_only=True)
+class PipelineConfig:
+    """``pipeline``: read by the PipelineEngine (runtime/pipe, docs/pipeline.md)."""
+
+    stages: int | str = "auto"
+    partition: str = "best"
+    seed_layers: bool = False
+    activation_checkpoint_interval: int = 0
+    pipe_partitioned: bool = True
+    grad_partitioned: bool = True
+    use_reentrant: bool = True
+
+
+@dataclass(frozen=True, kw_only=True)
 class HybridEngineConfig:
     """``hybrid_engine``: training and generation in one engine (runtime/hybrid.py, docs/hybrid_engine.md)."""
 
@@ -338,6 +351,7 @@ class DeepSpeedConfig:
     aio: AioConfig = field(default_factory=AioConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
+    pipeline: PipelineConfig = field(default_factory=PipelineConfig)
     compile: CompileConfig = field(default_factory=CompileConfig)
     # Accepted-but-ignored DeepSpeed settings by dotted path, kept so ``to_dict`` round-trips.
     ignored: FrozenDict = field(default_factory=FrozenDict, metadata=_NOT_JSON)

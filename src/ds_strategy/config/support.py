@@ -281,7 +281,9 @@ SUPPORT: dict[str, Support] = {
         "node's directory); loading needs every node's files in one directory, and a missing shard is an error "
         "naming it"
     ),
-    "checkpoint.parallel_write": _warned("pipeline-parallel checkpoint writing (there is no pipeline parallelism)"),
+    "checkpoint.parallel_write": _warned(
+        "pipeline-parallel checkpoint writing: each stage writes its own layer files anyway"
+    ),
     "checkpoint.writer": _warned(_PERF_ONLY + " (the checkpoint writer backend)"),
     # ---------------------------------------------------------------- accepted-but-ignored DeepSpeed keys
     "dump_state": _warned("prints DeepSpeed's engine state; nothing else changes"),
@@ -334,7 +336,20 @@ SUPPORT: dict[str, Support] = {
     "progressive_layer_drop": _refused("progressive layer dropping is not built"),
     "eigenvalue": _refused("the eigenvalue computation for MoQ is not built"),
     "quantize_training": _refused("quantisation-aware training (MoQ) is not built"),
-    "pipeline": _warned("pipeline parallelism is not built; the section only configures a PipelineModule"),
+    "pipeline": _acted("read by the PipelineEngine that initialize() builds for a PipelineModule (docs/pipeline.md)"),
+    "pipeline.stages": _acted("checked against the PipelineModule's num_stages (a mismatch raises)"),
+    "pipeline.partition": _warned("the partition is PipelineModule(partition_method=...)", when=lambda v: v != "best"),
+    "pipeline.seed_layers": _warned("layer seeding is PipelineModule(seed_layers=...)", when=_truthy),
+    "pipeline.activation_checkpoint_interval": _acted("above 0 it overrides the PipelineModule's interval"),
+    "pipeline.pipe_partitioned": _warned(
+        "partitions activations over a tensor-parallel group; there is none, stages send whole activations",
+        when=lambda v: v is False,
+    ),
+    "pipeline.grad_partitioned": _warned(
+        "partitions gradients over a tensor-parallel group; there is none, stages send whole gradients",
+        when=lambda v: v is False,
+    ),
+    "pipeline.use_reentrant": _acted("false: the pipeline layers use the non-reentrant activation checkpoint"),
     "hybrid_engine": _acted("engine.generate() (docs/hybrid_engine.md)"),
     "hybrid_engine.enabled": _acted("stage 3: gather every partitioned parameter once per engine.generate() call"),
     "hybrid_engine.max_out_tokens": _acted("prompt + new tokens above it make engine.generate() raise"),

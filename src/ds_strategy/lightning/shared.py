@@ -261,11 +261,29 @@ def checkpoint_activations(module: Module, policy: Policy | None) -> None:
     rank_zero_info(f"activation checkpointing: {len(picked)} modules recompute their activations in backward")
 
 
+def refuse_pipeline_module(module: Module) -> None:
+    """A PipelineModule cannot train through Lightning: say which path it can train on (docs/pipeline.md)."""
+    from ds_strategy.runtime.pipe import PipelineModule
+
+    for name, sub in module.named_modules():
+        if isinstance(sub, PipelineModule):
+            where = f"{type(module).__name__}.{name}" if name else type(module).__name__
+            raise ValueError(
+                f"{where} is a ds_strategy.pipe.PipelineModule: pipeline parallelism trains through "
+                "ds_strategy.initialize(model=pipeline_module, config=...) and engine.train_batch(data_iter), "
+                "launched with `ds-launch --num_procs N train.py` (or torchrun); Lightning's training_step runs "
+                "one forward and backward per batch on every rank and cannot drive the 1F1B schedule across "
+                "stages (docs/pipeline.md). Use ZeroStrategy with a plain nn.Module, or train the PipelineModule "
+                "with initialize()"
+            )
+
+
 def build_engine(
     module: Module, config: DeepSpeedConfig, optimizer: Optimizer | None, device: torch.device
 ) -> ZeroEngine:
     from ds_strategy.runtime import ZeroEngine
 
+    refuse_pipeline_module(module)
     # The stage-3 engine is selected by the config's stage inside ZeroEngine (runtime.zero.STAGES).
     return ZeroEngine(module, config, optimizer=optimizer, device=device)
 

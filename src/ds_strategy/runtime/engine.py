@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import os
 import weakref
-from collections.abc import Collection, Iterator, Mapping
+from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
 from typing import Any
 
@@ -135,6 +135,8 @@ class ZeroEngine(nn.Module):
         self._step_applied = False
         self._global_grad_norm: float | None = None
         self._boundary_override: bool | None = None
+        # The step's (norm, overflow) source: the stage's by default; the PipelineEngine widens it to every stage.
+        self.grad_norm_fn: Callable[[], tuple[float, bool]] | None = None
         self._no_sync = False
         self._loss_sum: torch.Tensor | None = None
         self.last_loss: torch.Tensor | None = None
@@ -274,7 +276,7 @@ class ZeroEngine(nn.Module):
         self.stage.prepare_step()
         if not self.config.zero_optimization.ignore_unused_parameters:
             self._refuse_unused_parameters()
-        raw_norm, overflow = self.stage.grad_norm()
+        raw_norm, overflow = (self.grad_norm_fn or self.stage.grad_norm)()
         scale = self.loss_scaler.loss_scale
         multiplier = self.stage.options.post_scale / scale
         self._global_grad_norm = raw_norm * multiplier
@@ -408,7 +410,7 @@ class ZeroEngine(nn.Module):
         ``clip_grad_norm_`` returns; inf when fp16 overflowed). A collective: call on every rank. The
         window's reduction completes here, so the step that follows does not reduce again."""
         self.stage.prepare_step()
-        raw_norm, overflow = self.stage.grad_norm()
+        raw_norm, overflow = (self.grad_norm_fn or self.stage.grad_norm)()
         norm = raw_norm * self.stage.options.post_scale / self.loss_scaler.loss_scale
         return float("inf") if overflow else norm
 

@@ -21,6 +21,9 @@ from ds_strategy.config.loader import ConfigInput
 
 from .engine import SchedulerArg, ZeroEngine
 from .params import OptimizerArg, ParamsArg
+from .pipe.config import apply_pipeline_config
+from .pipe.engine import PipelineEngine
+from .pipe.module import PipelineModule
 
 
 def _ensure_distributed(dist_init_required: bool | None) -> None:
@@ -76,8 +79,18 @@ def initialize(
     _ensure_distributed(dist_init_required)
     if mpu is not None and process_group is None:
         process_group = mpu.get_data_parallel_group()
+    pipeline = model if isinstance(model, PipelineModule) else None
+    if pipeline is not None:  # ZeRO runs over the data-parallel group of the model's topology
+        if process_group is not None or mpu is not None:
+            raise ValueError(
+                "initialize(model=PipelineModule, ...) takes its data-parallel group from the module's topology; "
+                "leave process_group= and mpu= unset"
+            )
+        process_group = pipeline.groups.data_group
     world = dist.get_world_size(process_group)
     resolved: DeepSpeedConfig = load_config(config, world_size=world)
+    if pipeline is not None:
+        resolved = apply_pipeline_config(pipeline, resolved)
     engine = ZeroEngine(
         model,
         resolved,
@@ -92,6 +105,10 @@ def initialize(
     if training_data is not None:
         loader = build_dataloader(training_data, engine, collate_fn=collate_fn)
         engine.training_dataloader = loader
+    if pipeline is not None:
+        pipe = PipelineEngine(pipeline, engine)
+        pipe.training_dataloader = loader
+        return pipe, engine.optimizer, loader, engine.lr_scheduler  # type: ignore[return-value]
     return engine, engine.optimizer, loader, engine.lr_scheduler
 
 

@@ -76,7 +76,12 @@ def iter_fp32_state(
 def consolidate_fp32_state_dict(
     checkpoint_dir: str | os.PathLike[str], tag: str | None = None
 ) -> dict[str, torch.Tensor]:
-    """The checkpoint's weights as a plain fp32 state dict (``module.load_state_dict`` takes it)."""
+    """The checkpoint's weights as a plain fp32 state dict (``module.load_state_dict`` takes it); a
+    pipeline checkpoint's layer files merge into the names of a one-stage PipelineModule."""
+    from ..pipe.files import is_pipe_checkpoint, pipe_state_dict
+
+    if is_pipe_checkpoint(checkpoint_dir, tag):
+        return pipe_state_dict(checkpoint_dir, tag)
     return dict(iter_fp32_state(checkpoint_dir, tag))
 
 
@@ -162,6 +167,14 @@ def write_fp32(
             seen.add(id(v))
         out.parent.mkdir(parents=True, exist_ok=True)
         save_file(plain, str(out), metadata={"format": "pt"})
+        return out
+    from ..pipe.files import is_pipe_checkpoint
+
+    if is_pipe_checkpoint(checkpoint_dir, tag):
+        if lightning:
+            raise CheckpointError("a pipeline checkpoint has no Lightning form (pipelines train through initialize())")
+        out.parent.mkdir(parents=True, exist_ok=True)
+        atomic_save({prefix + k: v for k, v in state.items()}, out)
         return out
     _, meta, _ = _open(checkpoint_dir, tag)
     payload: dict[str, Any] = (

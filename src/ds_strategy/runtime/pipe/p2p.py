@@ -1,0 +1,171 @@
+"""Point-to-point transport between neighbouring stages, and the failure channel that keeps it hang-free.
+
+Sends are asynchronous (``isend``; completed at the end of the batch), receives are posted (``irecv``) and
+then polled: while a receive is pending the rank also watches the store of the default process group for
+a failure notice, so a rank waiting on a stage that raised fails with that stage's name instead of
+waiting forever ([Note: a failing stage]).
+
+Shapes and dtypes cross the link once per direction and mode (train / eval): the first message on a
+link is a small int64 header (count, then dtype code, requires_grad, ndim and dims per tensor); every
+later micro-batch sends only the payload into buffers of the negotiated shape.
+"""
+
+from __future__ import annotations
+
+import queue
+import threading
+from collections.abc import Sequence
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+_DTYPES = [
+    torch.float32,
+    torch.float16,
+    torch.bfloat16,
+    torch.float64,
+    torch.int64,
+    torch.int32,
+    torch.int16,
+    torch.int8,
+    torch.uint8,
+    torch.bool,
+]
+_HEADER = 64
+
+
+class PipelineStageError(RuntimeError):
+    """A pipeline stage raised; raised on every rank of the pipeline grid, naming the stage(s) at fault."""
+
+
+class PeerFailed(Exception):
+    """Internal: another rank posted a failure notice while this one waited on a receive."""
+
+
+def _pack_header(tensors: Sequence[torch.Tensor]) -> torch.Tensor:
+    values = [len(tensors)]
+    for t in tensors:
+        if t.dtype not in _DTYPES:
+            raise TypeError(f"pipeline activations of dtype {t.dtype} cannot be sent; valid: {_DTYPES}")
+        values += [_DTYPES.index(t.dtype), int(t.requires_grad), t.dim(), *t.shape]
+    if len(values) > _HEADER:
+        raise ValueError(f"pipeline stage output has too many tensors/dims to describe in {_HEADER} integers")
+    return torch.tensor(values + [0] * (_HEADER - len(values)), dtype=torch.int64)
+
+
+def _unpack_header(header: torch.Tensor) -> list[tuple[tuple[int, ...], torch.dtype, bool]]:
+    v = header.tolist()
+    count, at, out = v[0], 1, []
+    for _ in range(count):
+        code, grad, ndim = v[at], v[at + 1], v[at + 2]
+        shape = tuple(v[at + 3 : at + 3 + ndim])
+        out.append((shape, _DTYPES[code], bool(grad)))
+        at += 3 + ndim
+    return out
+
+
+class _Done(threading.Event):
+    error: BaseException | None = None
+
+
+class _Waiter:
+    """A daemon thread that calls ``Work.wait()`` for each submitted work, in order."""
+
+    def __init__(self) -> None:
+        self._queue: queue.SimpleQueue[tuple[Any, _Done]] = queue.SimpleQueue()
+        self._thread: threading.Thread | None = None
+
+    def submit(self, work: Any) -> _Done:
+        if self._thread is None:
+            self._thread = threading.Thread(target=self._run, name="ds-pipe-p2p", daemon=True)
+            self._thread.start()
+        done = _Done()
+        self._queue.put((work, done))
+        return done
+
+    def _run(self) -> None:
+        while True:
+            work, done = self._queue.get()
+            try:
+                work.wait()
+            except BaseException as e:
+                done.error = e
+            done.set()
+
+
+class Link:
+    """This rank's sends and receives on the default group, aware of the failure notices under ``prefix``."""
+
+    def __init__(self, device: torch.device, store: Any) -> None:
+        self.device = device
+        self.store = store
+        self.prefix = ""
+        self.pending: list[Any] = []
+        self.meta: dict[tuple[str, int, str], list[tuple[tuple[int, ...], torch.dtype, bool]]] = {}
+        self.negotiations = 0  # headers exchanged (a test checks it stays at one per link and mode)
+        # One daemon thread blocks in Work.wait; after a peer failed it may stay blocked (the group is dead),
+        # and being a daemon it does not keep the process from exiting.
+        self._waiter = _Waiter()
+
+    # ------------------------------------------------------------------ failure notices
+    def failed_flag(self) -> str:
+        return f"{self.prefix}/failed"
+
+    def post_failure(self, rank: int, message: str) -> None:
+        self.store.set(f"{self.prefix}/error/{rank}", message)
+        self.store.set(self.failed_flag(), "1")
+
+    def failure_message(self, rank: int) -> str:
+        return self.store.get(f"{self.prefix}/error/{rank}").decode()
+
+    def _wait(self, work: Any, what: str) -> None:
+        """Wait for ``work`` on the waiter thread (gloo's ``is_completed`` only turns true in ``wait``), while
+        watching for a failure notice every 20 ms."""
+        done = self._waiter.submit(work)
+        while not done.wait(timeout=0.02):
+            if self.store.check([self.failed_flag()]):
+                raise PeerFailed(what)
+        if done.error is not None:
+            raise done.error
+
+    # ------------------------------------------------------------------ tensors
+    def send(self, tensors: Sequence[torch.Tensor], dst: int, key: tuple[str, int, str]) -> None:
+        if key not in self.meta:
+            header = _pack_header(tensors)
+            self.meta[key] = _unpack_header(header)
+            self.negotiations += 1
+            self.pending.append(dist.isend(header.to(self.device), dst=dst))
+        else:
+            want = self.meta[key]
+            got = [(tuple(t.shape), t.dtype) for t in tensors]
+            if got != [(s, d) for s, d, _ in want]:
+                raise ValueError(
+                    f"pipeline {key[0]} tensors to rank {dst} changed from the negotiated "
+                    f"{[(s, str(d)) for s, d, _ in want]} to {[(s, str(d)) for s, d in got]}: every micro-batch "
+                    "must have the shapes of the first (pad the last batch or drop it: drop_last=True)"
+                )
+        for t in tensors:
+            self.pending.append(dist.isend(t.detach().contiguous(), dst=dst))
+
+    def recv(self, src: int, key: tuple[str, int, str]) -> list[torch.Tensor]:
+        if key not in self.meta:
+            header = torch.zeros(_HEADER, dtype=torch.int64, device=self.device)
+            self._wait(dist.irecv(header, src=src), f"header from rank {src}")
+            self.meta[key] = _unpack_header(header.cpu())
+            self.negotiations += 1
+        out = []
+        for shape, dtype, _ in self.meta[key]:
+            buf = torch.empty(shape, dtype=dtype, device=self.device)
+            self._wait(dist.irecv(buf, src=src), f"{key[0]} from rank {src}")
+            out.append(buf)
+        return out
+
+    def requires_grad(self, key: tuple[str, int, str]) -> list[bool]:
+        return [g for _, _, g in self.meta[key]]
+
+    def drain(self) -> None:
+        """Complete this batch's sends (each was matched by a receive of the batch)."""
+        pending, self.pending = self.pending, []
+        for work in pending:
+            self._wait(work, "a send")
