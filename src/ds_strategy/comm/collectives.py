@@ -5,6 +5,7 @@
     h = comm.reduce_scatter_tensor(shard, flat, async_op=True); ...; h.wait()
     comm.all_gather_into_tensor(flat, shard)
     comm.broadcast(t, src=0)                         # src is a rank of ``group``
+    comm.all_to_all_single(out, inp)                 # piece j of inp (dim 0) to rank j, like torch
     comm.all_reduce_coalesced(small_tensors)         # one collective per dtype/device, copied back
     comm.barrier()
 
@@ -321,6 +322,66 @@ class Communicator:
         return self._issue(
             "all_gather", output, path, lambda: path.all_gather(output, input, async_op=async_op, tag=tag), async_op
         )
+
+    @_labelled("ds::all_to_all")
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        *,
+        async_op: bool = False,
+    ) -> CommHandle:
+        """torch's ``all_to_all_single`` over the group: ``input`` is cut along dim 0 into W pieces (equal,
+        or ``input_split_sizes`` rows), piece j goes to group rank j, and ``output`` receives, in rank
+        order, the piece every rank cut for this one (``output_split_sizes`` rows each, else equal).
+
+        Equal splits need ``input.shape[0]`` and ``output.shape[0]`` divisible by W. The expert-parallel
+        token exchange of ``ds_strategy.moe`` runs through here (gloo / nccl; the shared-memory path has
+        no all-to-all yet).
+        """
+        if output.dtype != input.dtype or output.device != input.device:
+            raise ValueError(
+                f"all_to_all_single: output is {output.dtype} on {output.device}, input {input.dtype} on "
+                f"{input.device}; they must match"
+            )
+        if input_split_sizes is None and input.shape[0] % self.world_size:
+            raise ValueError(
+                f"all_to_all_single: input has {input.shape[0]} rows, not divisible by the group size "
+                f"{self.world_size}; pass input_split_sizes"
+            )
+        if output_split_sizes is None and output.shape[0] % self.world_size:
+            raise ValueError(
+                f"all_to_all_single: output has {output.shape[0]} rows, not divisible by the group size "
+                f"{self.world_size}; pass output_split_sizes"
+            )
+        if self.world_size == 1:
+            if output.numel() != input.numel():
+                raise ValueError(
+                    f"all_to_all_single: a group of one needs output ({output.numel()}) and input "
+                    f"({input.numel()}) of one size"
+                )
+            path: CollectivePath = self._local
+            output.view(-1).copy_(input.reshape(-1))
+            return self._finish(Launch(ran=True), self._start("all_to_all", input, path.name), async_op)
+        if strict.ACTIVE:
+            strict.check_collective("Communicator all_to_all_single", (output, input))
+        path = self._torch_for(input)
+        group = self.group
+
+        def start() -> Launch:
+            work = dist.all_to_all_single(
+                output,
+                input,
+                output_split_sizes=None if output_split_sizes is None else list(output_split_sizes),
+                input_split_sizes=None if input_split_sizes is None else list(input_split_sizes),
+                group=group,
+                async_op=True,
+            )
+            return Launch([work])
+
+        return self._issue("all_to_all", input, path, start, async_op)
 
     @_labelled("ds::broadcast")
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> CommHandle:
