@@ -48,8 +48,10 @@ class ExpertGroups:
     ep_size: int
     ep_comm: Communicator
     edp_comm: Communicator
-    ep_ranks: list[int]
-    edp_ranks: list[int]
+    ep_ranks: list[int]  # global ranks of this rank's expert-parallel group
+    edp_ranks: list[int]  # global ranks of this rank's expert-data-parallel group
+    ep_group: dist.ProcessGroup
+    edp_group: dist.ProcessGroup
 
     @property
     def name(self) -> str:
@@ -92,6 +94,8 @@ class ExpertGroups:
             Communicator(mine_edp, fast_path=False),
             ep_ranks,
             edp_ranks,
+            mine_ep,
+            mine_edp,
         )
 
     def close(self) -> None:

@@ -37,7 +37,7 @@ class _AllToAll(torch.autograd.Function):
     """All-to-all along dim 0 over a communicator; backward is the same exchange of the gradient."""
 
     @staticmethod
-    def forward(ctx: Any, comm: Communicator, input: torch.Tensor) -> torch.Tensor:  # type: ignore[override]
+    def forward(ctx: Any, comm: Communicator, input: torch.Tensor) -> torch.Tensor:
         ctx.comm = comm
         input = input.contiguous()
         output = torch.empty_like(input)
@@ -45,7 +45,7 @@ class _AllToAll(torch.autograd.Function):
         return output
 
     @staticmethod
-    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:  # type: ignore[override]
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[None, torch.Tensor]:
         return None, _AllToAll.apply(ctx.comm, grad)
 
 
@@ -53,7 +53,7 @@ def all_to_all(comm: Communicator | None, x: torch.Tensor) -> torch.Tensor:
     """Differentiable all-to-all of ``x`` along dim 0 (identity for no communicator or a group of one)."""
     if comm is None or comm.world_size == 1:
         return x
-    return _AllToAll.apply(comm, x)  # type: ignore[no-any-return]
+    return _AllToAll.apply(comm, x)
 
 
 class Experts(nn.Module):
