@@ -97,22 +97,27 @@ def data(steps: int, rows: int, seed: int = 3) -> list[tuple[torch.Tensor, torch
 
 
 def reference_run(
-    full: MoENet, batches: list[tuple[torch.Tensor, torch.Tensor]], world: int, lr: float, clip: float
+    full: MoENet,
+    batches: list[tuple[torch.Tensor, torch.Tensor]],
+    world: int | list[int],
+    lr: float,
+    clip: float,
 ) -> dict[str, Any]:
     """Single process: each step averages the per-rank losses (each rank's tokens gated on their own, as
-    the distributed run does), clips by the global norm, steps AdamW."""
+    the distributed run does), clips by the global norm, steps AdamW. ``world``: per step, or for all."""
     model = copy.deepcopy(full)
     opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
     losses, aux, counts, norms = [], [], [], []
-    for x, y in batches:
-        xs, ys = x.chunk(world), y.chunk(world)
+    worlds = world if isinstance(world, list) else [world] * len(batches)
+    for (x, y), w in zip(batches, worlds, strict=True):
+        xs, ys = x.chunk(w), y.chunk(w)
         outs = [model(a, b) for a, b in zip(xs, ys, strict=True)]
-        loss = sum(o[0] for o in outs) / world
+        loss = sum(o[0] for o in outs) / w
         loss.backward()
         norms.append(float(torch.nn.utils.clip_grad_norm_(model.parameters(), clip)))
         opt.step()
         opt.zero_grad()
-        losses.append(float(loss))
+        losses.append(float(loss.detach()))
         aux.append([float(o[1]) for o in outs])
         counts.append([o[2].tolist() for o in outs])
     return {"losses": losses, "aux": aux, "counts": counts, "norms": norms, "state": global_state(model)}
