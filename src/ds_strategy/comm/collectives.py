@@ -16,7 +16,7 @@ communicator: build one per process group and pass it along.
 [Note: routing]
 Each call picks one ``CollectivePath`` (paths.py: local, shared memory, gloo, torch/NCCL; built once per
 communicator) and hands it the call; the path starts it and returns what to wait for. CPU tensors in
-fp32 / bf16 / fp16 reduced with sum or avg (and all_gather of such tensors) go to the shared-memory path
+fp32 / bf16 / fp16 reduced with sum or avg (and all_gather and equal-split all_to_all_single of such tensors) go to the shared-memory path
 (``ds_strategy.comm.shm.ShmCommunicator``) when every rank of the group runs on this node and the
 compiled kernels load; everything else goes to torch.distributed. The fast path is
 decided once, collectively, in the constructor: ``fast_path=False`` or ``DS_STRATEGY_SHM=0`` disables it,
@@ -338,8 +338,8 @@ class Communicator:
         order, the piece every rank cut for this one (``output_split_sizes`` rows each, else equal).
 
         Equal splits need ``input.shape[0]`` and ``output.shape[0]`` divisible by W. The expert-parallel
-        token exchange of ``ds_strategy.moe`` runs through here (gloo / nccl; the shared-memory path has
-        no all-to-all yet).
+        token exchange of ``ds_strategy.moe`` runs through here (gloo / nccl, or the shared-memory path with
+        a kernel for equal splits of CPU float tensors: ``csrc/comm/shm_collectives.cpp``).
         """
         if output.dtype != input.dtype or output.device != input.device:
             raise ValueError(
@@ -367,6 +367,17 @@ class Communicator:
             return self._finish(Launch(ran=True), self._start("all_to_all", input, path.name), async_op)
         if strict.ACTIVE:
             strict.check_collective("Communicator all_to_all_single", (output, input))
+        shm = self._shm
+        if (
+            shm is not None
+            and output_split_sizes is None
+            and input_split_sizes is None
+            and output.numel() == input.numel()
+            and hasattr(self.fast_path, "all_to_all")
+            and self._fast_ok(None, (output, input))
+            and not _overlap(output, input)
+        ):
+            return self._issue("all_to_all", input, shm, lambda: shm.all_to_all(output, input, async_op=async_op), async_op)
         path = self._torch_for(input)
         group = self.group
 
@@ -486,6 +497,13 @@ class Communicator:
 
 
 # ---- helpers -------------------------------------------------------------------------------------------
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _env_off(name: str) -> bool:

@@ -90,7 +90,7 @@ class ExpertGroups:
             raise RuntimeError(f"rank {me} is not in the data-parallel group {world} the expert groups were built from")
         return cls(
             ep_size,
-            Communicator(mine_ep, fast_path=False),
+            Communicator(mine_ep),  # the shared-memory all-to-all on one node
             Communicator(mine_edp, fast_path=False),
             ep_ranks,
             edp_ranks,
