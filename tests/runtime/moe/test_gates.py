@@ -21,8 +21,9 @@ TOL = {"rtol": 1e-6, "atol": 1e-6}
 
 
 def ref_top1(logits, capacity, priority=None, choice=None, used=None):
-    """(combine [S,E,C], kept[(s,e,slot)], counts, l_aux) for top-1; priority [S,E] (RTS) or token order."""
+    """(combine [S,E,C], counts, l_aux) for top-1; priority [S,E] (RTS) or token order."""
     s_n, e_n = logits.shape
+    logits = logits.detach()
     gates = torch.softmax(logits, dim=1)
     pick = [int(torch.argmax(gates[s] if choice is None else choice[s])) for s in range(s_n)]
     routed = [s for s in range(s_n) if used is None or used[s] > 0]
@@ -47,6 +48,7 @@ def ref_top1(logits, capacity, priority=None, choice=None, used=None):
 
 def ref_top2(logits, capacity, second_choice):
     s_n, e_n = logits.shape
+    logits = logits.detach()
     gates = torch.softmax(logits, dim=1)
     first = [int(torch.argmax(gates[s])) for s in range(s_n)]
     second = []
