@@ -50,7 +50,10 @@ def _a2a_rank(rank: int, world: int, sizes: list[int], quick: bool) -> list[dict
             n = mb * MB // 4 // world * world
             x = torch.randn(n)
             out = torch.empty_like(x)
-            impls = {"shm": lambda c=shm: c.all_to_all_single(out, x), "gloo": lambda c=gloo: c.all_to_all_single(out, x)}
+            impls = {
+                "shm": lambda c=shm, o=out, i=x: c.all_to_all_single(o, i),
+                "gloo": lambda c=gloo, o=out, i=x: c.all_to_all_single(o, i),
+            }
             if shm.fast_path is None:
                 impls.pop("shm")
             iters = max(1, min(50, (16 if quick else 128) // mb))
@@ -169,7 +172,10 @@ def _gpt_rank(rank: int, world: int, impl: str, ep_size: int, steps: int) -> dic
         held = sum(p.numel() * p.element_size() for p in model.parameters())
         inner = getattr(opt, "optimizer", opt)
         held += sum(
-            t.numel() * t.element_size() for s in inner.state.values() for t in s.values() if isinstance(t, torch.Tensor)
+            t.numel() * t.element_size()
+            for s in inner.state.values()
+            for t in s.values()
+            if isinstance(t, torch.Tensor)
         )
         held += sum(p.numel() * p.element_size() for grp in inner.param_groups for p in grp["params"])  # masters
     return {"step_ms": statistics.median(times) * 1e3, "held_MiB": held / 2**20, "rss_MiB": peak_rss_bytes() / 2**20,
@@ -197,14 +203,18 @@ def headlines(payload: dict[str, Any]) -> list[tuple[str, str]]:
     out = []
     for (world, mb, impl), ms in by.items():
         if impl == "shm" and (world, mb, "gloo") in by:
-            out.append((f"all_to_all {world} ranks {mb} MB: shm speed-up vs gloo", f"{by[(world, mb, 'gloo')] / ms:.2f}x"))
+            out.append(
+                (f"all_to_all {world} ranks {mb} MB: shm speed-up vs gloo", f"{by[(world, mb, 'gloo')] / ms:.2f}x")
+            )
     gpt = {(c["impl"], c["ep_size"]): c for c in payload["gpt"] if "error" not in c}
     for ep in (1, 2):
         c = gpt.get(("ds_strategy", ep))
         if c is not None:
             ds = gpt.get(("deepspeed", ep))
             peer = f", deepspeed {ds['step_ms']:.0f} ms" if ds else ""
-            out.append((f"MoE GPT step ep_size {ep}", f"{c['step_ms']:.0f} ms, {c['held_MiB_per_rank']:.1f} MiB/rank{peer}"))
+            out.append(
+                (f"MoE GPT step ep_size {ep}", f"{c['step_ms']:.0f} ms, {c['held_MiB_per_rank']:.1f} MiB/rank{peer}")
+            )
     return out
 
 
@@ -218,8 +228,8 @@ def _plot(payload: dict[str, Any], path: Any) -> None:
     ax = axes[0]
     labels = [f"{w}r {mb}MB" for w in WORLDS for mb in SIZES_MB]
     for i, impl in enumerate(("shm", "gloo")):
-        ys = [next((r["busbw_GBps"] for r in payload["all_to_all"] if (r["world"], r["MB"], r["impl"]) == (w, mb, impl)), 0)
-              for w in WORLDS for mb in SIZES_MB]  # fmt: skip
+        by = {(r["world"], r["MB"], r["impl"]): r["busbw_GBps"] for r in payload["all_to_all"]}
+        ys = [by.get((w, mb, impl), 0) for w in WORLDS for mb in SIZES_MB]
         ax.bar([j + (i - 0.5) * 0.4 for j in range(len(labels))], ys, width=0.4, label=impl)
     ax.set_xticks(range(len(labels)), labels, fontsize=8)
     ax.set_ylabel("all_to_all bus bandwidth, GB/s")

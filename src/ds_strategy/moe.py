@@ -11,9 +11,9 @@
 from __future__ import annotations
 
 from ds_strategy.runtime.moe import (
-    MOELayer,
     ExpertGroups,
     MoE,
+    MOELayer,
     TopKGate,
     expert_group_name,
     has_moe_layers,
@@ -26,8 +26,8 @@ from ds_strategy.runtime.moe import (
 )
 
 __all__ = [
-    "MOELayer",
     "ExpertGroups",
+    "MOELayer",
     "MoE",
     "TopKGate",
     "expert_group_name",

@@ -32,8 +32,10 @@ def _body(rank: int, world: int, sizes: list[int]) -> list[str]:
                 for name, comm in (("shm", shm), ("gloo", gloo)):
                     out = torch.full_like(x, float("nan"))
                     comm.all_to_all_single(out, x)
-                    if not torch.equal(out.view(torch.int16 if dtype != torch.float32 else torch.int32),
-                                       want.view(torch.int16 if dtype != torch.float32 else torch.int32)):
+                    if not torch.equal(
+                        out.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                        want.view(torch.int16 if dtype != torch.float32 else torch.int32),
+                    ):
                         problems.append(f"{name} {dtype} piece={piece}: differs")
         # 2-D (dim 0 split, the MoE dispatch shape) and async through shm
         x = _input(rank, world * 6 * 5, torch.float32).view(world * 6, 5)
@@ -59,7 +61,9 @@ def _body(rank: int, world: int, sizes: list[int]) -> list[str]:
 
 @pytest.mark.multiprocess
 @pytest.mark.kernels
-@pytest.mark.parametrize(("world", "env"), [(2, {}), (2, SMALL_SLOTS), (4, SMALL_SLOTS)], ids=["w2", "w2-small", "w4-small"])
+@pytest.mark.parametrize(
+    ("world", "env"), [(2, {}), (2, SMALL_SLOTS), (4, SMALL_SLOTS)], ids=["w2", "w2-small", "w4-small"]
+)
 def test_all_to_all_matches_reference(cpu_kernels: bool, world: int, env: dict[str, str]) -> None:
     sizes = [0, 1, 7, 1000, 40_000]  # 40k fp32 pieces: several 64 KiB chunks, a ragged last one
     results = run_distributed(_body, world_size=world, args=(sizes,), env=env, timeout=180)

@@ -16,10 +16,10 @@ communicator: build one per process group and pass it along.
 [Note: routing]
 Each call picks one ``CollectivePath`` (paths.py: local, shared memory, gloo, torch/NCCL; built once per
 communicator) and hands it the call; the path starts it and returns what to wait for. CPU tensors in
-fp32 / bf16 / fp16 reduced with sum or avg (and all_gather and equal-split all_to_all_single of such tensors) go to the shared-memory path
-(``ds_strategy.comm.shm.ShmCommunicator``) when every rank of the group runs on this node and the
-compiled kernels load; everything else goes to torch.distributed. The fast path is
-decided once, collectively, in the constructor: ``fast_path=False`` or ``DS_STRATEGY_SHM=0`` disables it,
+fp32 / bf16 / fp16 reduced with sum or avg (and all_gather and equal-split all_to_all_single of such
+tensors) go to the shared-memory path (``ds_strategy.comm.shm.ShmCommunicator``) when every rank of the
+group runs on this node and the compiled kernels load; everything else goes to torch.distributed. The fast
+path is decided once, collectively, in the constructor: ``fast_path=False`` or ``DS_STRATEGY_SHM=0`` disables it,
 ``fast_path=True`` insists on it (an error when unavailable; the argument wins over the variable), and a
 fast-path object may be injected (tests use a double). Synchronous fast-path calls are done on return;
 ``async_op=True`` ones run on one background thread in call order (``DS_STRATEGY_SHM_ASYNC=0`` runs them
@@ -377,7 +377,9 @@ class Communicator:
             and self._fast_ok(None, (output, input))
             and not _overlap(output, input)
         ):
-            return self._issue("all_to_all", input, shm, lambda: shm.all_to_all(output, input, async_op=async_op), async_op)
+            return self._issue(
+                "all_to_all", input, shm, lambda: shm.all_to_all(output, input, async_op=async_op), async_op
+            )
         path = self._torch_for(input)
         group = self.group
 

@@ -33,6 +33,7 @@ from ds_strategy.runtime.activation_checkpointing import ModelParallelUnit
 from .compile import Backend, CompiledForwards, check_backend, check_kwargs, compile_regions, mark_leaves
 from .counters import StepCounters
 from .hybrid import GenerateFn, HybridEngine
+from .moe.engine_moe import EngineMoE
 from .params import (
     OptimizerArg,
     ParamsArg,
@@ -44,7 +45,6 @@ from .params import (
 from .precision import Precision, make_loss_scaler
 from .profiling import EngineProfiling
 from .timers import Throughput, Timers
-from .moe.engine_moe import EngineMoE
 from .zero import STAGES, Collectives
 from .zero.access import FullStateAccess
 from .zero.leaf import apply_leaf_module_config

@@ -159,8 +159,10 @@ def test_no_drop_capacity_is_the_largest_count(k: int) -> None:
     logits = torch.randn(30, 3)
     logits[:, 0] += 3
     gate = top1gating if k == 1 else top2gating
-    _, combine, dispatch, counts = gate(logits, 0.1, 1, drop_tokens=False) if k == 1 else gate(
-        logits, 0.1, 1, drop_tokens=False, top2_2nd_expert_sampling=False
+    _, combine, dispatch, counts = (
+        gate(logits, 0.1, 1, drop_tokens=False)
+        if k == 1
+        else gate(logits, 0.1, 1, drop_tokens=False, top2_2nd_expert_sampling=False)
     )
     assert combine.shape[2] == int(counts.max())
     assert int(dispatch.sum()) == 30 * k  # nothing dropped
@@ -169,8 +171,16 @@ def test_no_drop_capacity_is_the_largest_count(k: int) -> None:
 
 def test_gate_jitter_training_only_and_eval_capacity() -> None:
     torch.manual_seed(5)
-    gate = TopKGate(6, 3, k=1, capacity_factor=0.5, eval_capacity_factor=3.0, min_capacity=1,
-                    noisy_gate_policy="Jitter", use_rts=False)
+    gate = TopKGate(
+        6,
+        3,
+        k=1,
+        capacity_factor=0.5,
+        eval_capacity_factor=3.0,
+        min_capacity=1,
+        noisy_gate_policy="Jitter",
+        use_rts=False,
+    )
     x = torch.randn(12, 6)
     torch.manual_seed(9)
     _, combine, _, _ = gate(x)
@@ -203,8 +213,17 @@ def _expert(d: int) -> nn.Module:
 def test_moe_layer_matches_token_loop(k: int, use_residual: bool) -> None:
     torch.manual_seed(6)
     d = 8
-    moe = MoE(d, _expert(d), num_experts=4, k=k, capacity_factor=0.75, min_capacity=1, use_residual=use_residual,
-              use_rts=False, top2_2nd_expert_sampling=False)
+    moe = MoE(
+        d,
+        _expert(d),
+        num_experts=4,
+        k=k,
+        capacity_factor=0.75,
+        min_capacity=1,
+        use_residual=use_residual,
+        use_rts=False,
+        top2_2nd_expert_sampling=False,
+    )
     x = torch.randn(3, 7, d)
     out, l_aux, counts = moe(x)
     tokens = x.reshape(-1, d)

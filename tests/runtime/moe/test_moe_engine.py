@@ -93,7 +93,9 @@ CASES = [
 @pytest.mark.multiprocess
 @pytest.mark.slow
 @pytest.mark.parametrize(("world", "ep_size", "stage", "k", "drop_tokens"), CASES)
-def test_expert_parallel_matches_single_process(world: int, ep_size: int, stage: int, k: int, drop_tokens: bool) -> None:
+def test_expert_parallel_matches_single_process(
+    world: int, ep_size: int, stage: int, k: int, drop_tokens: bool
+) -> None:
     results = run_distributed(_body, world_size=world, args=(ep_size, stage, k, drop_tokens), timeout=240)
     for r in results:
         # each rank holds only its experts: 1 / ep_size of them (measured on the module)

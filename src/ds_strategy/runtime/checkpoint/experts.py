@@ -106,7 +106,9 @@ def gather_experts(engine: CheckpointTarget, with_optimizer: bool) -> dict[str, 
         scalars: dict[str, dict[str, Any]] = {}
         for key in keys:
             vals = [s[key] for s in states]
-            if all(isinstance(v, torch.Tensor) and v.numel() == m.numel() for v, m in zip(vals, gs.masters, strict=True)):
+            if all(
+                isinstance(v, torch.Tensor) and v.numel() == m.numel() for v, m in zip(vals, gs.masters, strict=True)
+            ):
                 flats[key] = _full_flats(stage, g, gs, vals)
             else:
                 first = vals[0]

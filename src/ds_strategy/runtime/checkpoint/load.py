@@ -56,7 +56,10 @@ def check_model(
     saved = {slot.name: slot.shape for layout in layouts for slot in layout.params}
     experts = set(expert_group_indices(engine))  # checked against their own files ([Note: expert files])
     ours = {
-        slot.name: slot.shape for g, gs in enumerate(engine.stage.groups) if g not in experts for slot in gs.layout.params
+        slot.name: slot.shape
+        for g, gs in enumerate(engine.stage.groups)
+        if g not in experts
+        for slot in gs.layout.params
     }
     for name, shape in ours.items():
         if name not in saved:

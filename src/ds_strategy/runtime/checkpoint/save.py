@@ -98,7 +98,11 @@ def _meta(engine: CheckpointTarget, tag: str, client_state: dict[str, Any], excl
         "moe_layers": moe_meta(engine.module),
         # [Note: expert files] in experts.py: expert param groups, in optimizer order among all groups
         "expert_groups": [
-            {"index": g, "name": str(getattr(engine.stage.groups[g].params[0], "group_name", "")), "hyperparams": hyper[g]}
+            {
+                "index": g,
+                "name": str(getattr(engine.stage.groups[g].params[0], "group_name", "")),
+                "hyperparams": hyper[g],
+            }
             for g in sorted(experts)
             if engine.stage.groups[g].params
         ],

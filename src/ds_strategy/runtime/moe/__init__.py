@@ -21,8 +21,8 @@ from .params import (
 )
 
 __all__ = [
-    "MOELayer",
     "ExpertGroups",
+    "MOELayer",
     "MoE",
     "TopKGate",
     "expert_group_name",

@@ -59,8 +59,10 @@ class EngineMoE:
                 "partitioned over the whole data-parallel group); use stage 0, 1 or 2"
             )
         if nvme:
-            raise ValueError("NVMe offload (offload_optimizer/offload_param device 'nvme') with MoE layers is not "
-                             "supported; use device 'cpu' or 'none'")
+            raise ValueError(
+                "NVMe offload (offload_optimizer/offload_param device 'nvme') with MoE layers is not "
+                "supported; use device 'cpu' or 'none'"
+            )
         existing: dict[int, ExpertGroups] = {}
         for layer in layers:  # groups a script built already (set_expert_groups) are reused
             groups = getattr(layer, "expert_groups", None)

@@ -56,7 +56,7 @@ def gumbel_rsample(shape: torch.Size | tuple[int, ...], device: torch.device) ->
 
 def capacity_of(num_tokens: int, num_experts: int, capacity_factor: float, min_capacity: int) -> int:
     """Slots per expert: ``ceil(num_tokens / num_experts * capacity_factor)``, at least ``min_capacity``."""
-    return max(int(math.ceil(num_tokens / num_experts * capacity_factor)), int(min_capacity))
+    return max(math.ceil(num_tokens / num_experts * capacity_factor), int(min_capacity))
 
 
 def _max_over(value: int, device: torch.device, ep_comm: Communicator | None) -> int:
@@ -69,8 +69,10 @@ def _max_over(value: int, device: torch.device, ep_comm: Communicator | None) ->
 
 def _slots(locations_s: torch.Tensor, capacity: int) -> torch.Tensor:
     """One-hot [S, C] of each token's slot (float)."""
-    return F.one_hot(locations_s, num_classes=capacity).float() if capacity > 0 else locations_s.new_zeros(
-        (locations_s.shape[0], 0), dtype=torch.float32
+    return (
+        F.one_hot(locations_s, num_classes=capacity).float()
+        if capacity > 0
+        else locations_s.new_zeros((locations_s.shape[0], 0), dtype=torch.float32)
     )
 
 
@@ -187,8 +189,10 @@ class TopKGate(nn.Module):
         if noisy_gate_policy not in NOISY_GATE_POLICIES:
             raise ValueError(f"TopKGate: noisy_gate_policy={noisy_gate_policy!r}; valid: {NOISY_GATE_POLICIES}")
         if k == 2 and noisy_gate_policy == "RSample":
-            raise ValueError("TopKGate: noisy_gate_policy='RSample' is top-1 only (k=1); top-2 samples its second "
-                             "expert with top2_2nd_expert_sampling")
+            raise ValueError(
+                "TopKGate: noisy_gate_policy='RSample' is top-1 only (k=1); top-2 samples its second "
+                "expert with top2_2nd_expert_sampling"
+            )
         self.wg = nn.Linear(model_dim, num_experts, bias=False).float()
         self.k = k
         self.num_experts = num_experts
