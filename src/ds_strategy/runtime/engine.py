@@ -104,6 +104,7 @@ class ZeroEngine(nn.Module):
             nvme=self.offload.optimizer_nvme is not None or self.offload.params_nvme is not None,
             process_group=process_group,
             logger=self.comms_logger,
+            coll=self.coll,
         )
         if self.moe is not None:
             groups = self.moe.split(groups, optimizer)

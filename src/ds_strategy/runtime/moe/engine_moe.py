@@ -48,6 +48,7 @@ class EngineMoE:
         nvme: bool,
         process_group: dist.ProcessGroup | None,
         logger: CommsLogger | None,
+        coll: Collectives,
     ) -> EngineMoE | None:
         """None for a model without MoE layers; else the groups are built (a collective over the world)."""
         layers = moe_layers(module)
@@ -68,8 +69,8 @@ class EngineMoE:
             groups = getattr(layer, "expert_groups", None)
             if isinstance(groups, ExpertGroups):
                 existing.setdefault(groups.ep_size, groups)
-        built = set_expert_groups(module, process_group, existing)
-        comms = {g.name: Collectives(g.edp_group, logger=logger, fast_path=False) for g in built.values()}
+        built = set_expert_groups(module, process_group, existing, worker_from=coll)
+        comms = {g.name: Collectives(g.edp_group, logger=logger, worker_from=coll) for g in built.values()}
         return cls(layers, built, comms)
 
     def split(self, groups: list[dict[str, Any]], optimizer: Any) -> list[dict[str, Any]]:

@@ -62,8 +62,12 @@ class ExpertGroups:
         return self.ep_comm.rank
 
     @classmethod
-    def build(cls, ep_size: int, group: dist.ProcessGroup | None = None) -> ExpertGroups:
-        """Create the groups (a collective over the whole world: every rank calls it, same arguments)."""
+    def build(
+        cls, ep_size: int, group: dist.ProcessGroup | None = None, worker_from: Communicator | None = None
+    ) -> ExpertGroups:
+        """Create the groups (a collective over the whole world: every rank calls it, same arguments).
+        ``worker_from``: the data-parallel communicator whose shared-memory worker thread the expert
+        communicators share ([Note: one worker for several groups] in comm/collectives.py)."""
         if not dist.is_initialized():
             if ep_size != 1:
                 raise RuntimeError(
@@ -90,7 +94,7 @@ class ExpertGroups:
             raise RuntimeError(f"rank {me} is not in the data-parallel group {world} the expert groups were built from")
         return cls(
             ep_size,
-            Communicator(mine_ep),  # the shared-memory all-to-all on one node
+            Communicator(mine_ep, worker_from=worker_from),  # the shared-memory all-to-all on one node
             Communicator(mine_edp, fast_path=False),
             ep_ranks,
             edp_ranks,

@@ -19,6 +19,8 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ds_strategy.comm import Communicator
+
 from .groups import ExpertGroups
 from .layer import MoE
 
@@ -42,7 +44,10 @@ def has_moe_layers(module: nn.Module) -> tuple[bool, int]:
 
 
 def set_expert_groups(
-    module: nn.Module, group: dist.ProcessGroup | None = None, existing: dict[int, ExpertGroups] | None = None
+    module: nn.Module,
+    group: dist.ProcessGroup | None = None,
+    existing: dict[int, ExpertGroups] | None = None,
+    worker_from: Communicator | None = None,
 ) -> dict[int, ExpertGroups]:
     """Build the expert groups once per ``ep_size`` used by ``module``'s MoE layers (a collective over the
     world: call on every rank) and attach them to the layers; returns them by ``ep_size``. ``existing``:
@@ -50,7 +55,7 @@ def set_expert_groups(
     built: dict[int, ExpertGroups] = dict(existing or {})
     for layer in moe_layers(module):
         if layer.ep_size not in built:
-            built[layer.ep_size] = ExpertGroups.build(layer.ep_size, group)
+            built[layer.ep_size] = ExpertGroups.build(layer.ep_size, group, worker_from)
         layer.set_deepspeed_parallelism(built[layer.ep_size])
     return built
 
