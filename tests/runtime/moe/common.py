@@ -118,6 +118,6 @@ def reference_run(
         opt.step()
         opt.zero_grad()
         losses.append(float(loss.detach()))
-        aux.append([float(o[1]) for o in outs])
+        aux.append([float(o[1].detach()) for o in outs])
         counts.append([o[2].tolist() for o in outs])
     return {"losses": losses, "aux": aux, "counts": counts, "norms": norms, "state": global_state(model)}
