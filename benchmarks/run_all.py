@@ -33,6 +33,7 @@ BENCHMARKS = (
     "hybrid",
     "compile",
     "pipeline",
+    "moe",
 )
 ALIASES = {"engine": "e2e", "zero3": "e2e"}
 PEERS = {
@@ -47,6 +48,7 @@ PEERS = {
     "hybrid": "torch DDP, ds_strategy stage 3 through the per-module hooks (greedy generation)",
     "pipeline": "the 1F1B theory (p-1)/(m+p-1), DeepSpeed's PipelineEngine (same layers and config)",
     "compile": "torch DDP eager and torch.compile(DDP), ds_strategy stages 0, 2, 3 eager (inductor)",
+    "moe": "gloo all-to-all; DeepSpeed's MoE layer and engine (ZeRO-2, ep_size 1 and 2)",
 }
 
 

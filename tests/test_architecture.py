@@ -29,6 +29,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "ds_strategy.runtime": (3, "the engine, the ZeRO stages, checkpoints"),
     "ds_strategy.zero": (3, "the public ds_strategy.zero namespace of runtime.zero"),
     "ds_strategy.pipe": (3, "the public ds_strategy.pipe namespace of runtime.pipe (pipeline parallelism)"),
+    "ds_strategy.moe": (3, "the public ds_strategy.moe namespace of runtime.moe (mixture of experts)"),
     "ds_strategy.checkpointing": (3, "the public ds_strategy.checkpointing namespace (activation checkpointing)"),
     "ds_strategy.lightning": (4, "the Lightning adapter over the engine"),
     "ds_strategy.demo": (5, "the main job: runs the adapter"),

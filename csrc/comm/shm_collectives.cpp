@@ -81,6 +81,8 @@ const char* kind_name(int32_t k) {
       return "reduce_scatter";
     case OpKind::kAllGather:
       return "all_gather";
+    case OpKind::kAllToAll:
+      return "all_to_all";
     case OpKind::kNone:
       break;
   }
@@ -494,6 +496,34 @@ void Communicator::all_gather(void* out, const void* in_data, int64_t in_numel, 
     }
     off += len;
   } while (off < in_numel);
+}
+
+// All-to-all, per chunk (reduce_scatter without the sum): copy the W-1 pieces bound for the others into
+// this rank's slot (piece r at r * chunk) and the own piece straight to the output, barrier, copy piece
+// `rank` of every other rank's slot out (1 barrier per chunk; double buffering as above).
+void Communicator::all_to_all(void* out, const void* in_data, int64_t piece_numel, DType dtype, int threads) {
+  const char* op = "all_to_all";
+  begin_op(OpKind::kAllToAll, dtype, piece_numel, op);
+  const int64_t esz = element_size(dtype);
+  const char* src = static_cast<const char*>(in_data);
+  char* dst = static_cast<char*>(out);
+  const int64_t chunk = std::max<int64_t>(kSliceAlign, slot_bytes_ / esz / world_ / kSliceAlign * kSliceAlign);
+  int64_t off = 0;
+  do {  // at least once, so that ranks with empty tensors still meet (and check each other)
+    const int64_t len = std::min(chunk, piece_numel - off);
+    const int set = static_cast<int>(steps_++ & 1);
+    char* mine = slot(set, rank_);
+    for (int r = 0; r < world_; ++r) {
+      if (r != rank_) copy_bytes(mine + r * chunk * esz, src + (r * piece_numel + off) * esz, len * esz, threads);
+    }
+    copy_bytes(dst + (rank_ * piece_numel + off) * esz, src + (rank_ * piece_numel + off) * esz, len * esz, threads);
+    barrier(op);
+    if (off == 0) check_peers(op);
+    for (int r = 0; r < world_; ++r) {
+      if (r != rank_) copy_bytes(dst + (r * piece_numel + off) * esz, slot(set, r) + rank_ * chunk * esz, len * esz, threads);
+    }
+    off += len;
+  } while (off < piece_numel);
 }
 
 }  // namespace ds::comm

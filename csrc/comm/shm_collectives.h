@@ -35,7 +35,7 @@
 
 namespace ds::comm {
 
-enum class OpKind : int32_t { kNone = 0, kAllReduce = 1, kReduceScatter = 2, kAllGather = 3 };
+enum class OpKind : int32_t { kNone = 0, kAllReduce = 1, kReduceScatter = 2, kAllGather = 3, kAllToAll = 4 };
 
 struct OpDesc {
   int32_t kind;
@@ -76,6 +76,8 @@ class Communicator {
   // `tag` is compared across ranks like the op, dtype and size (ZeRO-3 passes which module's gather this is,
   // so ranks on different code paths fail here, naming their modules, instead of pairing wrong buckets).
   void all_gather(void* out, const void* in, int64_t in_numel, DType dtype, int threads, int64_t tag = 0);
+  // out[r * n:(r + 1) * n] = rank r's in[rank * n:(rank + 1) * n] (n = piece_numel); out and in disjoint.
+  void all_to_all(void* out, const void* in, int64_t piece_numel, DType dtype, int threads);
   // Every rank's tag for the latest collective (valid after it returned or raised a mismatch).
   std::vector<int64_t> peer_tags() const;
 

@@ -89,6 +89,21 @@ class ShmComm : public torch::CustomClassHolder {
 
   std::vector<int64_t> peer_tags() { return get("peer_tags").peer_tags(); }
 
+  void all_to_all(at::Tensor output, at::Tensor input) {
+    const char* op = "all_to_all";
+    Communicator& c = get(op);
+    check_tensor(output, op, "output");
+    check_tensor(input, op, "input");
+    const DType dtype = kernel_dtype(input, "shm ", op, ": input");
+    TORCH_CHECK(output.scalar_type() == input.scalar_type(), "shm ", op, ": output has dtype ", output.scalar_type(),
+                " but input has ", input.scalar_type(), "; they must match");
+    TORCH_CHECK(output.numel() == input.numel() && input.numel() % world_ == 0, "shm ", op, ": input has ",
+                input.numel(), " and output ", output.numel(), " elements; both must be one size, a multiple of ",
+                "world_size (", world_, ")");
+    TORCH_CHECK(!overlaps(output, input), "shm ", op, ": output overlaps input; pass disjoint tensors");
+    c.all_to_all(output.data_ptr(), input.data_ptr(), input.numel() / world_, dtype, at::get_num_threads());
+  }
+
   void all_gather_tagged(at::Tensor output, at::Tensor input, int64_t tag) {
     const char* op = "all_gather";
     Communicator& c = get(op);
@@ -137,7 +152,8 @@ TORCH_LIBRARY_FRAGMENT(ds_strategy, m) {
       .def("reduce_scatter", &ShmComm::reduce_scatter)
       .def("all_gather", &ShmComm::all_gather)
       .def("all_gather_tagged", &ShmComm::all_gather_tagged)
-      .def("peer_tags", &ShmComm::peer_tags);
+      .def("peer_tags", &ShmComm::peer_tags)
+      .def("all_to_all", &ShmComm::all_to_all);
 }
 
 }  // namespace ds::comm

@@ -5,6 +5,7 @@
     h = comm.reduce_scatter_tensor(shard, flat, async_op=True); ...; h.wait()
     comm.all_gather_into_tensor(flat, shard)
     comm.broadcast(t, src=0)                         # src is a rank of ``group``
+    comm.all_to_all_single(out, inp)                 # piece j of inp (dim 0) to rank j, like torch
     comm.all_reduce_coalesced(small_tensors)         # one collective per dtype/device, copied back
     comm.barrier()
 
@@ -15,10 +16,10 @@ communicator: build one per process group and pass it along.
 [Note: routing]
 Each call picks one ``CollectivePath`` (paths.py: local, shared memory, gloo, torch/NCCL; built once per
 communicator) and hands it the call; the path starts it and returns what to wait for. CPU tensors in
-fp32 / bf16 / fp16 reduced with sum or avg (and all_gather of such tensors) go to the shared-memory path
-(``ds_strategy.comm.shm.ShmCommunicator``) when every rank of the group runs on this node and the
-compiled kernels load; everything else goes to torch.distributed. The fast path is
-decided once, collectively, in the constructor: ``fast_path=False`` or ``DS_STRATEGY_SHM=0`` disables it,
+fp32 / bf16 / fp16 reduced with sum or avg (and all_gather and equal-split all_to_all_single of such
+tensors) go to the shared-memory path (``ds_strategy.comm.shm.ShmCommunicator``) when every rank of the
+group runs on this node and the compiled kernels load; everything else goes to torch.distributed. The fast
+path is decided once, collectively, in the constructor: ``fast_path=False`` or ``DS_STRATEGY_SHM=0`` disables it,
 ``fast_path=True`` insists on it (an error when unavailable; the argument wins over the variable), and a
 fast-path object may be injected (tests use a double). Synchronous fast-path calls are done on return;
 ``async_op=True`` ones run on one background thread in call order (``DS_STRATEGY_SHM_ASYNC=0`` runs them
@@ -26,6 +27,16 @@ inline; see [Note: asynchronous fast path] in worker.py). The choice depends onl
 device, which torch.distributed already requires to match across ranks, so every rank of a collective
 takes the same path (non-contiguous all_reduce inputs are reduced through a contiguous copy for the same
 reason).
+
+[Note: one worker for several groups]
+A process that runs collectives of several groups through shared memory (an MoE model: the data-parallel
+group's asynchronous gradient reduce-scatters, the expert-parallel group's all-to-alls in forward and
+backward) would otherwise have one thread per group waiting in the kernels' barriers at once; on a loaded
+machine with few cores those threads take the cores from the ranks they wait for (measured: a 2-rank MoE
+GPT's backward took 1.07 s with two threads, 0.07 s with one). ``Communicator(group, worker_from=other)``
+queues this communicator's calls on ``other``'s worker thread, so each process runs its shared-memory
+collectives one at a time, in issue order; every rank issues them in the same order, so the order of each
+segment's calls is still the same on every rank. The owner closes the worker.
 
 [Note: gloo reduce_scatter and all_gather through all_reduce]
 gloo's reduce_scatter and all_gather are slower than its all_reduce for large messages (2 ranks, 64 MB
@@ -157,6 +168,7 @@ class Communicator:
         logger: CommsLogger | None = None,
         fast_path: FastPath | bool | None = None,
         emulate_gloo: bool = True,
+        worker_from: Communicator | None = None,
     ) -> None:
         if not dist.is_initialized():
             raise RuntimeError(
@@ -178,6 +190,12 @@ class Communicator:
         # on the caller's thread.
         injected = fast_path is not None and not isinstance(fast_path, bool)
         self._worker = CollectiveWorker() if self.fast_path is not None and not (off or injected) else None
+        # ``worker_from``: run this communicator's shared-memory calls on another communicator's worker thread,
+        # in one FIFO with its calls (see [Note: one worker for several groups]).
+        self._owns_worker = True
+        if worker_from is not None and worker_from._worker is not None and self._worker is not None:
+            self._worker.close()
+            self._worker, self._owns_worker = worker_from._worker, False
         # The paths, built once (see paths.py); a call picks one in _route.
         self._local = LocalPath()
         self._shm = None if self.fast_path is None else ShmPath(self.fast_path, self._worker)
@@ -203,7 +221,8 @@ class Communicator:
         """Release the fast path's shared memory (torch.distributed's groups are the caller's)."""
         if self._worker is not None:
             worker, self._worker = self._worker, None
-            worker.close()
+            if self._owns_worker:
+                worker.close()
         if self.fast_path is not None:
             fast, self.fast_path, self._shm = self.fast_path, None, None
             fast.close()
@@ -322,6 +341,79 @@ class Communicator:
             "all_gather", output, path, lambda: path.all_gather(output, input, async_op=async_op, tag=tag), async_op
         )
 
+    @_labelled("ds::all_to_all")
+    def all_to_all_single(
+        self,
+        output: torch.Tensor,
+        input: torch.Tensor,
+        output_split_sizes: Sequence[int] | None = None,
+        input_split_sizes: Sequence[int] | None = None,
+        *,
+        async_op: bool = False,
+    ) -> CommHandle:
+        """torch's ``all_to_all_single`` over the group: ``input`` is cut along dim 0 into W pieces (equal,
+        or ``input_split_sizes`` rows), piece j goes to group rank j, and ``output`` receives, in rank
+        order, the piece every rank cut for this one (``output_split_sizes`` rows each, else equal).
+
+        Equal splits need ``input.shape[0]`` and ``output.shape[0]`` divisible by W. The expert-parallel
+        token exchange of ``ds_strategy.moe`` runs through here (gloo / nccl, or the shared-memory path with
+        a kernel for equal splits of CPU float tensors: ``csrc/comm/shm_collectives.cpp``).
+        """
+        if output.dtype != input.dtype or output.device != input.device:
+            raise ValueError(
+                f"all_to_all_single: output is {output.dtype} on {output.device}, input {input.dtype} on "
+                f"{input.device}; they must match"
+            )
+        if input_split_sizes is None and input.shape[0] % self.world_size:
+            raise ValueError(
+                f"all_to_all_single: input has {input.shape[0]} rows, not divisible by the group size "
+                f"{self.world_size}; pass input_split_sizes"
+            )
+        if output_split_sizes is None and output.shape[0] % self.world_size:
+            raise ValueError(
+                f"all_to_all_single: output has {output.shape[0]} rows, not divisible by the group size "
+                f"{self.world_size}; pass output_split_sizes"
+            )
+        if self.world_size == 1:
+            if output.numel() != input.numel():
+                raise ValueError(
+                    f"all_to_all_single: a group of one needs output ({output.numel()}) and input "
+                    f"({input.numel()}) of one size"
+                )
+            path: CollectivePath = self._local
+            output.view(-1).copy_(input.reshape(-1))
+            return self._finish(Launch(ran=True), self._start("all_to_all", input, path.name), async_op)
+        if strict.ACTIVE:
+            strict.check_collective("Communicator all_to_all_single", (output, input))
+        shm = self._shm
+        if (
+            shm is not None
+            and output_split_sizes is None
+            and input_split_sizes is None
+            and output.numel() == input.numel()
+            and hasattr(self.fast_path, "all_to_all")
+            and self._fast_ok(None, (output, input))
+            and not _overlap(output, input)
+        ):
+            return self._issue(
+                "all_to_all", input, shm, lambda: shm.all_to_all(output, input, async_op=async_op), async_op
+            )
+        path = self._torch_for(input)
+        group = self.group
+
+        def start() -> Launch:
+            work = dist.all_to_all_single(
+                output,
+                input,
+                output_split_sizes=None if output_split_sizes is None else list(output_split_sizes),
+                input_split_sizes=None if input_split_sizes is None else list(input_split_sizes),
+                group=group,
+                async_op=True,
+            )
+            return Launch([work])
+
+        return self._issue("all_to_all", input, path, start, async_op)
+
     @_labelled("ds::broadcast")
     def broadcast(self, tensor: torch.Tensor, src: int = 0, *, async_op: bool = False) -> CommHandle:
         """Copy group rank ``src``'s ``tensor`` to every rank of the group."""
@@ -425,6 +517,13 @@ class Communicator:
 
 
 # ---- helpers -------------------------------------------------------------------------------------------
+
+
+def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
+    if a.numel() == 0 or b.numel() == 0:
+        return False
+    a0, b0 = a.data_ptr(), b.data_ptr()
+    return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
 
 
 def _env_off(name: str) -> bool:

@@ -156,6 +156,10 @@ class ShmPath:
             return self._run(lambda: self.fast.all_gather(output, input, tag=tag), async_op)  # type: ignore[call-arg]
         return self._run(lambda: self.fast.all_gather(output, input), async_op)
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool) -> Launch:
+        fast: Any = self.fast  # all_to_all is optional on a FastPath (an injected double may lack it)
+        return self._run(lambda: fast.all_to_all(output, input), async_op)
+
     def broadcast(self, tensor: torch.Tensor, src: int, *, async_op: bool) -> Launch:
         raise NotImplementedError("broadcast travels through torch.distributed")  # never routed here
 

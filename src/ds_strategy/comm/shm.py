@@ -221,6 +221,17 @@ class ShmCommunicator:
             )
         self._handle.all_gather_tagged(output.detach(), input.detach(), int(tag))  # untagged: tag 0
 
+    def all_to_all(self, output: torch.Tensor, input: torch.Tensor) -> None:
+        """Equal-split all-to-all: ``output`` piece r (of W equal pieces) = rank r's ``input`` piece ``rank``.
+        ``output`` and ``input`` have one size, a multiple of W, and do not overlap."""
+        self._check("all_to_all", output=output, input=input)
+        if output.numel() != input.numel() or input.numel() % self.world_size:
+            raise ValueError(
+                f"shm all_to_all: input has {input.numel()} and output {output.numel()} elements; both must be "
+                f"one size, a multiple of world_size ({self.world_size})"
+            )
+        self._handle.all_to_all(output.detach(), input.detach())
+
     def peer_tags(self) -> list[int]:
         """Every rank's tag for the latest collective (meaningful after a mismatch error; 0: untagged)."""
         return [int(t) for t in self._handle.peer_tags()]

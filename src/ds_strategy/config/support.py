@@ -303,7 +303,10 @@ SUPPORT: dict[str, Support] = {
     "sequence_parallel_size": _refused(
         "Ulysses sequence parallelism is not built", when=lambda v: isinstance(v, int) and v > 1
     ),
-    "use_data_before_expert_parallelism": _warned("expert parallelism is not built (expert_parallel is refused)"),
+    "use_data_before_expert_parallelism": _warned(
+        "ds_strategy.moe.MoE's expert groups always use DeepSpeed's default order (expert-parallel ranks consecutive, "
+        "expert-data-parallel ranks strided); the data-before-expert order is not built"
+    ),
     "log_level": _warned("DeepSpeed's logger level; set the 'ds_strategy' logger's level instead"),
     "amp": _refused("NVIDIA Apex AMP is not built; use fp16 or bf16"),
     "torch_autocast": _refused("engine-driven torch.autocast is not built; use fp16 or bf16 (or autocast yourself)"),
@@ -365,7 +368,10 @@ SUPPORT: dict[str, Support] = {
     "hybrid_engine.tp_gather_partition_size": _acted("bucket all-gathers in flight at once in the one-time gather"),
     "hybrid_engine.enable_cuda_graph": _warned(_PERF_ONLY + " (CUDA graphs of the decoding steps)"),
     "tensor_parallel": _refused("AutoTP tensor parallelism is not built"),
-    "expert_parallel": _refused("AutoEP expert parallelism is not built"),
+    "expert_parallel": _refused(
+        "AutoEP (automatic expert parallelism of Hugging Face MoE blocks) is not built; ds_strategy.moe.MoE layers "
+        "give expert parallelism through their ep_size (docs/moe.md)"
+    ),
     "compile": _acted("torch.compile through the engine (docs/compile.md)"),
     "compile.enabled": _acted("compile when the engine is built: stages 0-2 the module's forward, stage 3 each block"),
     "compile.backend": _acted("the torch.compile backend; an unknown name is a ConfigError listing the valid ones"),

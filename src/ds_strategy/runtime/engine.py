@@ -11,6 +11,7 @@ beyond choosing the stage class; precision is decided once (``Precision``), the 
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -32,6 +33,7 @@ from ds_strategy.runtime.activation_checkpointing import ModelParallelUnit
 from .compile import Backend, CompiledForwards, check_backend, check_kwargs, compile_regions, mark_leaves
 from .counters import StepCounters
 from .hybrid import GenerateFn, HybridEngine
+from .moe.engine_moe import EngineMoE
 from .params import (
     OptimizerArg,
     ParamsArg,
@@ -95,6 +97,17 @@ class ZeroEngine(nn.Module):
         if isinstance(optimizer, Optimizer):  # fail before the parameters are moved into flat buffers
             check_client_optimizer(optimizer, stage=config.zero_stage, offload=self.offload.optimizer, config=config)
         groups = param_groups(module, optimizer, model_parameters)
+        # MoE layers: expert groups built once per ep_size; expert param groups reduce over them.
+        self.moe = EngineMoE.create(
+            module,
+            stage=config.zero_stage,
+            nvme=self.offload.optimizer_nvme is not None or self.offload.params_nvme is not None,
+            process_group=process_group,
+            logger=self.comms_logger,
+            coll=self.coll,
+        )
+        if self.moe is not None:
+            groups = self.moe.split(groups, optimizer)
         named, registration = named_trainable_groups(module, groups)
         trainable = {id(p) for group in named for _, p in group}
         partitioned = (  # stage 3 partitions the trainable and the frozen floating parameters
@@ -106,6 +119,8 @@ class ZeroEngine(nn.Module):
         options = stage_cls.options_from(
             config, precision=self.precision, device=self.device, world_size=self.coll.world_size, offload=self.offload
         )
+        if self.moe is not None:
+            options = dataclasses.replace(options, group_comms=self.moe.group_comms(groups))
         self.stage = stage_cls.create(
             named, registration, coll=self.coll, options=options, module=module, config=config
         )
@@ -174,7 +189,8 @@ class ZeroEngine(nn.Module):
             if id(p) not in flat_owned:
                 if p.is_floating_point() and p.dtype != dtype:
                     p.data = p.data.to(dtype)
-                self.coll.broadcast(p.data)
+                expert_comm = self.moe.comm_for(p) if self.moe is not None else None
+                (expert_comm or self.coll).broadcast(p.data)  # a frozen expert: within its replicas
         for mod in self.module.modules():
             for name, buf in mod._buffers.items():
                 if buf is None:
@@ -422,6 +438,24 @@ class ZeroEngine(nn.Module):
         return self._step_applied
 
     @property
+    def has_moe_layers(self) -> bool:
+        """Whether the model holds ``ds_strategy.moe.MoE`` layers (DeepSpeed's attribute)."""
+        return self.moe is not None
+
+    @property
+    def num_experts(self) -> list[int]:
+        """``num_experts`` of each MoE layer, in registration order."""
+        return [] if self.moe is None else self.moe.num_experts
+
+    @property
+    def moe_layers(self) -> list[nn.Module]:
+        return [] if self.moe is None else list(self.moe.layers)
+
+    @property
+    def gate_modules(self) -> list[nn.Module]:
+        return [] if self.moe is None else self.moe.gate_modules
+
+    @property
     def loss_scale(self) -> float:
         return self.loss_scaler.loss_scale
 
@@ -617,6 +651,8 @@ class ZeroEngine(nn.Module):
             self.stage.release_params()
         self.stage.detach()
         self.stage.close_swap()  # NVMe offload: its swap files go with the engine
+        if self.moe is not None:
+            self.moe.close()
         self.coll.close()
 
     def __getattr__(self, name: str) -> Any:

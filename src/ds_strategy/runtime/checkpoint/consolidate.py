@@ -26,6 +26,7 @@ from typing import Any
 import torch
 
 from ..layout import FlatLayout
+from .experts import expert_state, layer_of_key
 from .format import MODEL, CheckpointError, atomic_save, expect_format, read
 from .frozen import FrozenSource
 from .reshard import full_param, index_by_name
@@ -51,7 +52,15 @@ def iter_fp32_state(
     aliases: dict[str, str] = meta.get("aliases", {})
     shared = set(aliases.values())
     kept: dict[str, torch.Tensor] = {}
+    moe_layers: list[dict[str, Any]] = meta.get("moe_layers", [])
+    done: set[int] = set()
     for key in meta["state_keys"]:
+        layer = layer_of_key(key, moe_layers)
+        if layer is not None:  # rank 0's local experts stand for every expert of the layer ([Note: expert files])
+            if layer["layer"] not in done:
+                done.add(layer["layer"])
+                yield from expert_state(tag_dir, meta, layer)
+            continue
         name = aliases.get(key, key)
         if name in kept:
             yield key, kept[name]

@@ -19,6 +19,7 @@ from ds_strategy.log import get_logger
 
 from ..layout import FlatLayout
 from . import rng
+from .experts import ExpertSource, expert_group_indices
 from .format import MODEL, CheckpointError, expect_format, ranks, read
 from .frozen import FrozenSource, check_frozen, read_partitions, write_partitions
 from .partition import Source, scalar_value
@@ -53,7 +54,13 @@ def check_model(
     parameters in either form: [Note: frozen parameters in checkpoints])."""
     problems: list[str] = []
     saved = {slot.name: slot.shape for layout in layouts for slot in layout.params}
-    ours = {slot.name: slot.shape for gs in engine.stage.groups for slot in gs.layout.params}
+    experts = set(expert_group_indices(engine))  # checked against their own files ([Note: expert files])
+    ours = {
+        slot.name: slot.shape
+        for g, gs in enumerate(engine.stage.groups)
+        if g not in experts
+        for slot in gs.layout.params
+    }
     for name, shape in ours.items():
         if name not in saved:
             problems.append(f"trainable parameter {name!r} {list(shape)} is not in the checkpoint")
@@ -111,10 +118,15 @@ def _plan(
         if frozen.has(name)  # else: a frozen parameter the checkpoint excluded keeps its value
     }
     source = Source(layouts, reader)
+    experts = set(expert_group_indices(engine))
+    expert_source = ExpertSource(tag_dir, meta, engine.module)
     plan = _Plan(
         tag_dir,
         meta,
-        [source.fill(gs, "fp32", torch.float32) for gs in engine.stage.groups],
+        [
+            (expert_source if g in experts else source).fill(gs, "fp32", torch.float32)
+            for g, gs in enumerate(engine.stage.groups)
+        ],
         entries,
         read_partitions(engine, frozen),
     )
@@ -127,14 +139,26 @@ def _plan(
                 "load_optimizer_states=False to load the weights (in Lightning: trainer.validate/test/predict("
                 "ckpt_path=...) load them)"
             )
-        if len(meta["groups"]) != len(opt.param_groups):
+        saved_experts = meta.get("expert_groups", [])
+        if len(meta["groups"]) + len(saved_experts) != len(opt.param_groups) or len(saved_experts) != len(experts):
             raise CheckpointError(
-                f"{tag_dir} has {len(meta['groups'])} optimizer param groups, this optimizer has "
-                f"{len(opt.param_groups)}; pass load_optimizer_states=False to load the weights only"
+                f"{tag_dir} has {len(meta['groups'])} dense and {len(saved_experts)} expert optimizer param groups, "
+                f"this optimizer has {len(opt.param_groups) - len(experts)} and {len(experts)}; pass "
+                "load_optimizer_states=False to load the weights only"
             )
         state: dict[int, dict[str, Any]] = {}
         index = 0
         for g, gs in enumerate(engine.stage.groups):
+            if g in experts:
+                scalars, keys = expert_source.scalars(gs)
+                flats = {key: expert_source.fill(gs, ("state", key), torch.float32) for key in keys}
+                for b in range(len(gs.masters)):
+                    if keys or scalars:
+                        entry = {k: v[b] for k, v in flats.items()}
+                        entry.update({k: scalar_value(v) for k, v in scalars.items()})
+                        state[index] = entry
+                    index += 1
+                continue
             origin, scalars, keys = source.scalars_for(gs.layout, g)
             flats = {}
             for key in keys:
@@ -147,7 +171,10 @@ def _plan(
                     state[index] = entry
                 index += 1
         sd = opt.state_dict()
-        for group, saved in zip(sd["param_groups"], meta["groups"], strict=True):
+        dense_saved = iter(meta["groups"])
+        expert_saved = iter(saved_experts)
+        in_order = [next(expert_saved) if g in experts else next(dense_saved) for g in range(len(sd["param_groups"]))]
+        for group, saved in zip(sd["param_groups"], in_order, strict=True):
             saved_hyper = saved["hyperparams"] or {}
             group.update({k: v for k, v in saved_hyper.items() if k in group and k not in _IMPLEMENTATION})
         sd["state"] = state

@@ -21,6 +21,7 @@ import torch
 from ds_strategy.log import get_logger
 
 from . import rng
+from .experts import expert_group_indices, gather_experts, moe_meta
 from .format import (
     FORMAT,
     LATEST,
@@ -81,6 +82,7 @@ def _meta(engine: CheckpointTarget, tag: str, client_state: dict[str, Any], excl
     )
     from ds_strategy._version import __version__
 
+    experts = set(expert_group_indices(engine))
     return {
         "format": FORMAT,
         "version": VERSION,
@@ -89,7 +91,20 @@ def _meta(engine: CheckpointTarget, tag: str, client_state: dict[str, Any], excl
         "world_size": engine.coll.world_size,
         "compute_dtype": str(engine.compute_dtype).removeprefix("torch."),
         "groups": [
-            {"layout": gs.layout.to_dict(), "hyperparams": h} for gs, h in zip(engine.stage.groups, hyper, strict=True)
+            {"layout": gs.layout.to_dict(), "hyperparams": h}
+            for g, (gs, h) in enumerate(zip(engine.stage.groups, hyper, strict=True))
+            if g not in experts
+        ],
+        "moe_layers": moe_meta(engine.module),
+        # [Note: expert files] in experts.py: expert param groups, in optimizer order among all groups
+        "expert_groups": [
+            {
+                "index": g,
+                "name": str(getattr(engine.stage.groups[g].params[0], "group_name", "")),
+                "hyperparams": hyper[g],
+            }
+            for g in sorted(experts)
+            if engine.stage.groups[g].params
         ],
         "optimizer": type(optimizer).__name__ if optimizer is not None else None,
         "module_entries": {
@@ -125,6 +140,11 @@ def save_checkpoint(
     coll = engine.coll
     root = Path(save_dir)
     rank = coll.rank
+    experts = set(expert_group_indices(engine))
+    # Expert files (gathered over each expert group's communicator first: a collective on every rank).
+    expert_files = agree(
+        coll, lambda: gather_experts(engine, not exclude_optimizer_states), "save_checkpoint (gathering experts)"
+    )
 
     def prepare() -> tuple[str, dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:
         name = check_tag(str(tag) if tag is not None else f"global_step{engine.counters.global_steps}")
@@ -136,7 +156,9 @@ def save_checkpoint(
             "rank": rank,
             "world_size": coll.world_size,
             "groups": [
-                saved_group(gs, None if exclude_optimizer_states else engine.optimizer) for gs in engine.stage.groups
+                saved_group(gs, None if exclude_optimizer_states else engine.optimizer)
+                for g, gs in enumerate(engine.stage.groups)
+                if g not in experts
             ],
             "frozen": [] if exclude_frozen_parameters else saved_partitions(engine),
             "rng": rng.capture(),
@@ -176,6 +198,9 @@ def save_checkpoint(
         sizes = {rank_file(rank): atomic_save(ours, staging / rank_file(rank))}
         if model is not None:
             sizes[MODEL] = atomic_save(model, staging / MODEL)
+        for fname, content in expert_files.items():
+            check_safe(content, fname)
+            sizes[fname] = atomic_save(content, staging / fname)
         return sizes
 
     sizes = agree(coll, write, "save_checkpoint (writing)")

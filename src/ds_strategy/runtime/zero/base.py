@@ -75,6 +75,10 @@ class StageOptions:
     sub_group_numel: int = 1_000_000_000  # zero_optimization.sub_group_size: see ``step_tiles``
     device: torch.device | None = None  # the compute device (None: the first parameter's device)
     offload: Offload = field(default_factory=Offload)
+    # Per param group, the communicator reducing, partitioning and gathering it (None: the stage's own data-
+    # parallel one). Expert groups of an MoE model use their expert-data-parallel group: see [Note: a
+    # param group's reduction group] in runtime/moe/params.py. Empty: every group uses the stage's.
+    group_comms: tuple[Collectives | None, ...] = ()
 
 
 class ZeroStage:
@@ -207,7 +211,7 @@ class ZeroStage:
         return GroupState(
             index,
             named,
-            coll=self.coll,
+            coll=self.comm_of(index),
             bucket_numel=self.options.bucket_numel,
             compute_dtype=self.options.compute_dtype,
             master_device=self.options.master_device or device,
@@ -215,6 +219,12 @@ class ZeroStage:
             pin_memory=self.options.pin_memory,
             master_swap=self.swapper,
         )
+
+    def comm_of(self, group: int) -> Collectives:
+        """The communicator that reduces, partitions and gathers param group ``group``."""
+        comms = self.options.group_comms
+        comm = comms[group] if group < len(comms) else None
+        return self.coll if comm is None else comm
 
     frozen: Sequence[GroupStorage] = ()  # stage 3 partitions frozen parameters too (stage3.py)
 
@@ -284,12 +294,13 @@ class ZeroStage:
         """Reduce ``late`` as ``_launch`` reduced the bucket and add the result to the bucket's."""
         raise NotImplementedError
 
-    def _reduce_scatter_add(self, out: torch.Tensor, send: torch.Tensor) -> None:
-        """``out += reduce_scatter(send * pre_scale)`` (stages 1-3: the late part of a partition gradient)."""
+    def _reduce_scatter_add(self, out: torch.Tensor, send: torch.Tensor, group: int = 0) -> None:
+        """``out += reduce_scatter(send * pre_scale)`` over param group ``group``'s communicator (stages 1-3:
+        the late part of a partition gradient)."""
         if self.options.pre_scale != 1.0:
             send.mul_(self.options.pre_scale)
         result = torch.empty(out.numel(), dtype=send.dtype, device=send.device)
-        self.coll.reduce_scatter(result, send)
+        self.comm_of(group).reduce_scatter(result, send)
         out.add_(result.to(out.dtype))
 
     def _reset_window(self) -> None:
@@ -499,6 +510,8 @@ class ZeroStage:
                 total += sq
                 found = found or bool(inf)
             norm, found_inf = total.sqrt().float(), torch.tensor(float(found))
+        elif self.options.group_comms:
+            return self._grad_norm_over_groups()
         else:
             norm, found_inf = multi_tensor_l2norm(self._reduced_grads())
         if self.partitioned and self.coll.world_size > 1:
@@ -508,6 +521,29 @@ class ZeroStage:
             return math.sqrt(sq) if sq >= 0 else math.nan, inf > 0 or not math.isfinite(sq)
         value = float(norm)
         return value, bool(found_inf) or not math.isfinite(value)
+
+    def _grad_norm_over_groups(self) -> tuple[float, bool]:
+        """The global norm when param groups reduce over different communicators (an MoE model's experts).
+
+        Every element of the model's gradient is counted once: a partitioned group's shards are disjoint
+        across its communicator, and the communicators of the expert groups of one ``ep_size`` hold disjoint
+        experts, so summing the squares over the whole data-parallel group counts each once; a replicated
+        group (stage 0) is held by each of its communicator's ranks, so its square is weighted by
+        ``1 / its size``. One all-reduce of ``[weighted norm**2, found_inf]`` (fp64) over the stage's group.
+        """
+        both = torch.zeros(2, dtype=torch.float64, device=self.compute_device)
+        for g in range(len(self.groups)):
+            pieces = self._grad_pieces(g)
+            if not pieces:
+                continue
+            norm, inf = multi_tensor_l2norm(pieces)
+            weight = 1.0 if self.partitioned else 1.0 / self.comm_of(g).world_size
+            both[0] += (norm.double() ** 2 * weight).to(both.device)
+            both[1] += inf.double().to(both.device)
+        if self.coll.world_size > 1:
+            self.coll.all_reduce(both)
+        sq, inf = both.tolist()
+        return math.sqrt(sq) if sq >= 0 else math.nan, inf > 0 or not math.isfinite(sq)
 
     @torch.no_grad()
     def apply_step(self, optimizer: torch.optim.Optimizer, factor: float) -> None:
@@ -698,8 +734,9 @@ class ZeroStage:
             gs = self.groups[g]
             assert isinstance(gs, GroupState)  # stages 1-2 keep flat buffers (stage 3 publishes its own way)
             bucket = gs.layout.bucket_view(gs.flat, b)
-            mine = gs.layout.shard_view(gs.flat, b, self.coll.rank)
-            handles.append(self.coll.all_gather(bucket, mine, async_op=self.options.async_comm))
+            comm = self.comm_of(g)
+            mine = gs.layout.shard_view(gs.flat, b, comm.rank)
+            handles.append(comm.all_gather(bucket, mine, async_op=self.options.async_comm))
         for h in handles:
             h.wait()
 

@@ -53,7 +53,7 @@ class Stage0(ZeroStage):
 
     def _launch(self, key: BucketKey) -> Handle:
         bucket, send = self._comm_input(key)
-        handle = self.coll.all_reduce(send, async_op=self.options.async_comm)
+        handle = self.comm_of(key[0]).all_reduce(send, async_op=self.options.async_comm)
         if send is bucket:
             return handle
         return _CopyBack(handle, bucket, send)
@@ -71,7 +71,7 @@ class Stage0(ZeroStage):
         send = late if self.options.comm_dtype == late.dtype else late.to(self.options.comm_dtype)
         if self.options.pre_scale != 1.0:
             send.mul_(self.options.pre_scale)
-        self.coll.all_reduce(send)
+        self.comm_of(g).all_reduce(send)
         bucket.add_(send.to(bucket.dtype))
 
     def memory_bytes(self) -> dict[str, int]:

@@ -50,9 +50,9 @@ class Stage1(Stage0):
         _, send = self._comm_input(key)
         out = self.groups[g].layout.partition_view(self.partition_grads[g], b)
         if send.dtype == out.dtype:
-            return self.coll.reduce_scatter(out, send, async_op=self.options.async_comm)
+            return self.comm_of(g).reduce_scatter(out, send, async_op=self.options.async_comm)
         temp = torch.empty(out.numel(), dtype=send.dtype, device=out.device)
-        return _CopyBack(self.coll.reduce_scatter(temp, send, async_op=self.options.async_comm), out, temp)
+        return _CopyBack(self.comm_of(g).reduce_scatter(temp, send, async_op=self.options.async_comm), out, temp)
 
     def _grad_pieces(self, group: int) -> list[torch.Tensor]:
         return self.groups[group].master_shaped(self.partition_grads[group])
@@ -60,7 +60,7 @@ class Stage1(Stage0):
     def _reduce_late(self, key: BucketKey, late: torch.Tensor) -> None:
         out = self.groups[key[0]].layout.partition_view(self.partition_grads[key[0]], key[1])
         send = late if self.options.comm_dtype == late.dtype else late.to(self.options.comm_dtype)
-        self._reduce_scatter_add(out, send)
+        self._reduce_scatter_add(out, send, key[0])
 
     def memory_bytes(self) -> dict[str, int]:
         out = super().memory_bytes()
