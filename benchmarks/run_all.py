@@ -32,6 +32,7 @@ BENCHMARKS = (
     "nvme",
     "hybrid",
     "compile",
+    "zeropp",
 )
 ALIASES = {"engine": "e2e", "zero3": "e2e"}
 PEERS = {
@@ -45,6 +46,7 @@ PEERS = {
     "nvme": "ds_strategy CPU offload, DeepSpeed NVMe offload (ZeRO-3, a GPT and one 4x larger)",
     "hybrid": "torch DDP, ds_strategy stage 3 through the per-module hooks (greedy generation)",
     "compile": "torch DDP eager and torch.compile(DDP), ds_strategy stages 0, 2, 3 eager (inductor)",
+    "zeropp": "ds_strategy stage 3 without ZeRO++, DeepSpeed's ZeRO++ (where it runs on CPU)",
 }
 
 

@@ -284,10 +284,14 @@ def test_frozen_weights_rest_quantized() -> None:
 def test_zeropp_keys_need_stage_3() -> None:
     from ds_strategy.config import load_config
 
-    with pytest.raises(ConfigError, match="zero_optimization.zero_quantized_weights"):
-        load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "zero_quantized_weights": True}})
-    with pytest.raises(ConfigError, match="zero_optimization.zero_hpz_partition_size"):
-        load_config({"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1, "zero_hpz_partition_size": 2}})
+    with pytest.raises(ConfigError, match=r"zero_optimization\.zero_quantized_weights"):
+        load_config(
+            {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "zero_quantized_weights": True}}
+        )
+    with pytest.raises(ConfigError, match=r"zero_optimization\.zero_hpz_partition_size"):
+        load_config(
+            {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 1, "zero_hpz_partition_size": 2}}
+        )
     cfg = load_config(
         {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 3, "zero_quantized_gradients": True}}
     )

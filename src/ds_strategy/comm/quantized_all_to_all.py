@@ -62,9 +62,7 @@ def _unpack(rows: torch.Tensor, k: int, n: int, block_size: int, bits: int) -> t
     return q, s
 
 
-def _exchange_and_sum(
-    coll: Communicator, chunks: torch.Tensor, block_size: int, bits: int
-) -> torch.Tensor:
+def _exchange_and_sum(coll: Communicator, chunks: torch.Tensor, block_size: int, bits: int) -> torch.Tensor:
     """``chunks`` (dests x k x n): quantize, send row d to group rank d, and return the fp32 (k x n) sum of
     the k-chunk rows every rank sent here."""
     dests, k, n = chunks.shape
@@ -102,10 +100,8 @@ def quantized_reduce_scatter(
         partial = _exchange_and_sum(intra, chunks.transpose(0, 1), block_size, intra_bits)
     else:
         partial = chunks[:, 0].float()
-    if nodes > 1:
-        total = _exchange_and_sum(inter, partial.unsqueeze(1), block_size, inter_bits)[0]
-    else:
-        total = partial[0]
+    # then to node n': its partial sum of chunk n' * h + local
+    total = _exchange_and_sum(inter, partial.unsqueeze(1), block_size, inter_bits)[0] if nodes > 1 else partial[0]
     output.copy_(total)
 
 

@@ -233,7 +233,9 @@ def dequantize_blockwise_(
     return out
 
 
-def dequantize_sum_(q: torch.Tensor, scales: torch.Tensor, block_size: int, bits: int, out: torch.Tensor) -> torch.Tensor:
+def dequantize_sum_(
+    q: torch.Tensor, scales: torch.Tensor, block_size: int, bits: int, out: torch.Tensor
+) -> torch.Tensor:
     """``out`` (n, fp32) = the sum of ``q``'s dequantized rows, added in row order in fp32, each term one fused
     multiply-add (``addcmul_``), as the kernels do."""
     values, per_element = _values_and_scales(q, scales, block_size, bits, q.shape[0], out.numel())

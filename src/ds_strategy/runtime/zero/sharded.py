@@ -146,7 +146,9 @@ class ShardedGroup(GroupStorage):
                 host_memory.release(self.full[b])
         # ZeRO++ ([Note: ZeRO++] in zeropp.py): quantized gathers, int8 frozen partitions, hpZ secondaries.
         self.zeropp = zeropp
-        self.quantized_gather = zeropp is not None and (zeropp.quantized_weights or (frozen and zeropp.quantized_frozen))
+        self.quantized_gather = zeropp is not None and (
+            zeropp.quantized_weights or (frozen and zeropp.quantized_frozen)
+        )
         if zeropp is not None and frozen and zeropp.quantized_frozen:
             if self.swapped:
                 raise ValueError(

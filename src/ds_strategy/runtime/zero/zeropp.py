@@ -18,10 +18,11 @@ partition's group (``ZeroPP``), not branches in the engine.
   parameters change (the optimizer step, a GatheredParameters edit, a checkpoint load). Memory: 1/h of
   every bucket gathered since the last step, on top of the 1/W primary partition.
 - qgZ (``zero_quantized_gradients``): a bucket's gradient reduce-scatter becomes the hierarchical
-  quantized all-to-all of comm/quantized_all_to_all.py, over the node groups (hpZ's groups when h > 1,
-  else the ranks sharing a host name, when the hosts hold equal consecutive blocks of ranks; else one level): int4 inside a node, int8
-  across nodes (the partial sums that cross nodes carry a node's accumulated error, so they get the finer
-  format), fp32 accumulation at every landing; one node: a single int8 all-to-all.
+  quantized all-to-all of comm/quantized_all_to_all.py over the node groups (hpZ's groups when h > 1,
+  else the ranks sharing a host name when the hosts hold equal consecutive blocks of ranks, else one
+  level): int4 inside a node, int8 across nodes (the partial sums that cross nodes carry a node's
+  accumulated error, so they get the finer format), fp32 accumulation at every landing; one node: a single
+  int8 all-to-all.
 
 The node groups are ``torch.distributed.new_group``s, which every rank of the default group builds in
 the same order: ZeRO++'s groups need the engine on the default group (or every rank building one).
@@ -129,7 +130,11 @@ def _host_node_size(coll: Collectives) -> int:
     dist.all_gather_object(hosts, socket.gethostname(), group=coll.group)
     size = hosts.count(hosts[0])
     blocks = [hosts[i : i + size] for i in range(0, coll.world_size, size)]
-    if coll.world_size % size == 0 and all(len(set(b)) == 1 for b in blocks) and len({b[0] for b in blocks}) == len(blocks):
+    if (
+        coll.world_size % size == 0
+        and all(len(set(b)) == 1 for b in blocks)
+        and len({b[0] for b in blocks}) == len(blocks)
+    ):
         return size
     return coll.world_size
 
