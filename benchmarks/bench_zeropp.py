@@ -133,7 +133,7 @@ def _bytes_per_step(engine: Any, steps: int) -> dict[str, float]:
 
 
 def _converge(rank: int, world: int, item: tuple[str, dict[str, Any]], shape: dict[str, int], steps: int) -> Any:
-    name, extra = item
+    _, extra = item
     engine = build_engine("ds_strategy", _model(shape), _config(extra, shape["micro"], 1e-3))
     losses = []
     for b in _batches(shape, steps, rank, world):
@@ -289,9 +289,7 @@ def plot(payload: dict[str, Any]) -> None:
         axes[0].legend(fontsize=8)
     capped = [t for t in payload["timings"] if t["world"] == 4 and t["peer"] == "ds_strategy" and "error" not in t]
     for name in OPTIONS:
-        pts = sorted(
-            ((t["bandwidth"] or 1e10), t["s_per_step"]) for t in capped if t["option"] == name
-        )
+        pts = sorted(((t["bandwidth"] or 1e10), t["s_per_step"]) for t in capped if t["option"] == name)
         if pts:
             axes[1].plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], marker="o", label=name)
     axes[1].set_xscale("log")
