@@ -309,3 +309,40 @@ def _bad_hpz(rank: int, world: int) -> str:
 def test_hpz_size_must_divide_the_world() -> None:
     for message in run_distributed(_bad_hpz, world_size=2):
         assert "zero_optimization.zero_hpz_partition_size" in message and "must divide" in message
+
+
+def _frozen_checkpoint_round_trip(rank: int, world: int, path: str) -> None:
+    """Saved int8 frozen partitions load back into a fresh engine (same values); a plain engine loads them
+    too (dequantized)."""
+    import ds_strategy
+    from ds_strategy.zero import GatheredParameters
+
+    def build(quantized: bool, seed: int) -> Any:
+        model = _LoRA()
+        with torch.no_grad():
+            model.base.weight.mul_(seed)
+        cfg = config(stage=3, bucket=10_000, micro=2, gas=1)
+        cfg["zero_optimization"].update(
+            {"stage3_param_persistence_threshold": 0, "zero_quantized_nontrainable_weights": quantized}
+        )
+        engine, *_ = ds_strategy.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        return engine, model
+
+    def frozen_value(model: Any) -> torch.Tensor:
+        with GatheredParameters([model.base.weight]):
+            return model.base.weight.detach().clone()
+
+    engine, model = build(True, 1)
+    saved = frozen_value(model)
+    engine.save_checkpoint(path, tag="t")
+    engine.destroy()
+    for quantized in (True, False):
+        other, other_model = build(quantized, 3)  # different frozen values before the load
+        assert not torch.equal(frozen_value(other_model), saved)
+        other.load_checkpoint(path, tag="t")
+        assert torch.equal(frozen_value(other_model), saved), quantized
+        other.destroy()
+
+
+def test_frozen_quantized_checkpoint_round_trip(tmp_path: Any) -> None:
+    run_distributed(_frozen_checkpoint_round_trip, world_size=2, args=(str(tmp_path),))

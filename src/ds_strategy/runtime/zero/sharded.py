@@ -272,6 +272,11 @@ class ShardedGroup(GroupStorage):
             return handle
         return then(handle, lambda: self._keep_secondary(bucket))
 
+    @property
+    def quantized_rest(self) -> bool:
+        """The partitions rest as int8 (zero_quantized_nontrainable_weights on a frozen storage)."""
+        return self._qrest is not None
+
     def _keep_secondary(self, bucket: int) -> None:
         """hpZ: keep this rank's slice of the freshly gathered bucket for the next gathers (see the note)."""
         assert self.hpz is not None

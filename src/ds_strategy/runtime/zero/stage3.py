@@ -282,6 +282,23 @@ class Stage3(Stage2):
             return self.zeropp.reduce_scatter(output, input)
         return super()._reduce_scatter(output, input, async_op=async_op)
 
+    @contextmanager
+    def resident(self) -> Iterator[None]:
+        """Also: int8 frozen partitions (zero_quantized_nontrainable_weights) dequantized into a compute-dtype
+        ``part`` for the block (checkpoints, full-state access), re-quantized at its end if written."""
+        quantized = [gs for gs in self.frozen if gs.quantized_rest]
+        if self.swap is not None or not quantized:  # with NVMe the base materializes every storage
+            with super().resident():
+                yield
+            return
+        for gs in quantized:
+            gs.materialize()
+        try:
+            yield
+        finally:
+            for gs in quantized:
+                gs.dematerialize()
+
     def close_swap(self) -> None:
         """Also close ZeRO++'s node-group communicators (the engine's destroy)."""
         super().close_swap()
