@@ -8,7 +8,9 @@ Two parts, both on the GPT of ds_strategy.demo, fp32, AdamW, in CPU processes (g
    case. Reported: the loss curves (PNG) and the largest gap to the plain run's loss averaged over windows
    of 20 steps, and the comms logger's bytes per step by op and group size (4: every rank, 2: a node pair
    for all-gathers / all-to-alls inside it, or a cross-node pair for qgZ's second all-to-all).
-2. Step time (2 and 4 ranks; hpZ on 4 only): each option's s/step and bytes per step; then, on 4 ranks, a
+2. Step time (2 and 4 ranks; hpZ on 4 only): one engine per option in the same processes, stepped
+   round-robin (8 rounds after 2 warm-up ones; the median of the slowest rank's step), so load from other
+   work hits every option alike; bytes per step from each engine's comms logger. On 4 ranks, a
    simulated slow link between the two simulated nodes: every collective of the benchmark's communicators
    sleeps ``bytes x (share of the group's ranks on the other node) / bandwidth`` when issued (so it models
    a blocking link, no overlap), swept over cross-node bandwidths. That shows where each option pays.
@@ -25,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import statistics
 import time
 from collections.abc import Callable
 from typing import Any
@@ -47,7 +50,7 @@ OPTIONS: dict[str, dict[str, Any]] = {
 }
 BANDWIDTHS = (None, 1e9, 2e8, 5e7)  # cross-node bytes/s (None: no cap)
 WINDOW = 20
-TIME_STEPS, WARMUP = 6, 2
+PAIRED_ROUNDS, WARMUP = 8, 2
 
 
 def _config(extra: dict[str, Any], micro: int, lr: float) -> dict[str, Any]:
@@ -148,37 +151,52 @@ def _converge(rank: int, world: int, item: tuple[str, dict[str, Any]], shape: di
     return out
 
 
-def _time(rank: int, world: int, item: tuple[str, str, float | None], shape: dict[str, int]) -> Any:
-    name, peer, bandwidth = item
-    extra = OPTIONS[name]
+def _time_paired(rank: int, world: int, bandwidth: float | None, shape: dict[str, int], names: list[str]) -> Any:
+    """One engine per option in the same processes, stepped round-robin (``PAIRED_ROUNDS`` rounds after
+    ``WARMUP``): load from other work hits every option alike, so the per-option medians compare."""
     undo = install_link_cap(bandwidth, world // 2) if bandwidth else None
     try:
-        cfg = _config(extra, shape["micro"], 1e-4)
-        if peer == "deepspeed":
-            cfg.pop("comms_logger")
-        engine = build_engine(peer, _model(shape), cfg)
-        batches = _batches(shape, TIME_STEPS, rank, world)
-        for b in batches[:WARMUP]:
-            loss = engine(b)
-            engine.backward(loss)
-            engine.step()
-        if peer == "ds_strategy":
-            engine.comms_logger.reset()
-        dist.barrier()
-        start = time.perf_counter()
-        for b in batches[WARMUP:]:
-            loss = engine(b)
-            engine.backward(loss)
-            engine.step()
-        seconds = (time.perf_counter() - start) / (TIME_STEPS - WARMUP)
-        out = {"s_per_step": seconds}
-        if peer == "ds_strategy":
-            out["bytes"] = _bytes_per_step(engine, TIME_STEPS - WARMUP)
+        engines = {
+            n: build_engine("ds_strategy", _model(shape), _config(OPTIONS[n], shape["micro"], 1e-4)) for n in names
+        }
+        batches = _batches(shape, WARMUP + PAIRED_ROUNDS, rank, world)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for i, b in enumerate(batches):
+            if i == WARMUP:
+                for engine in engines.values():
+                    engine.comms_logger.reset()
+            for n, engine in engines.items():
+                dist.barrier()
+                start = time.perf_counter()
+                loss = engine(b)
+                engine.backward(loss)
+                engine.step()
+                if i >= WARMUP:
+                    times[n].append(time.perf_counter() - start)
+        out = {n: {"s_per_step": times[n], "bytes": _bytes_per_step(e, PAIRED_ROUNDS)} for n, e in engines.items()}
+        for engine in engines.values():
             engine.destroy()
         return out
     finally:
         if undo is not None:
             undo()
+
+
+def _time_deepspeed(rank: int, world: int, name: str, shape: dict[str, int]) -> Any:
+    cfg = _config(OPTIONS[name], shape["micro"], 1e-4)
+    cfg.pop("comms_logger")
+    engine = build_engine("deepspeed", _model(shape), cfg)
+    batches = _batches(shape, WARMUP + PAIRED_ROUNDS, rank, world)
+    times = []
+    for i, b in enumerate(batches):
+        dist.barrier()
+        start = time.perf_counter()
+        loss = engine(b)
+        engine.backward(loss)
+        engine.step()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - start)
+    return {"s_per_step": times}
 
 
 def _window_gap(losses: list[float], base: list[float]) -> float:
@@ -210,27 +228,37 @@ def run(quick: bool, steps: int, convergence: bool) -> dict[str, Any]:
     payload["time_shape"] = time_shape
     has_ds = importlib.util.find_spec("deepspeed") is not None
     timings: list[dict[str, Any]] = []
+
+    def slowest_median(ranks: list[Any], name: str) -> float:
+        per_round = [max(r[name]["s_per_step"][i] for r in ranks) for i in range(len(ranks[0][name]["s_per_step"]))]
+        return statistics.median(per_round)
+
     for world in (2,) if quick else (2, 4):
-        items: list[tuple[str, str, float | None]] = [
-            (name, "ds_strategy", None) for name in OPTIONS if world == 4 or "hpZ" not in name
-        ]
-        if quick:  # a smoke run: plain and quantized, one capped link
-            items = [("stage 3", "ds_strategy", None), ("qwZ", "ds_strategy", 5e7), ("qgZ", "ds_strategy", None)]
-        elif world == 4:
-            items += [(name, "ds_strategy", bw) for bw in BANDWIDTHS[1:] for name in OPTIONS]
-        runs = list(run_each(_time, world, items, time_shape, fresh=False))
-        if has_ds and world == 2 and not quick:  # each in its own processes: a failure must not take the others along
-            ds_items = [("stage 3", "deepspeed", None), ("qwZ", "deepspeed", None), ("qgZ", "deepspeed", None)]
-            runs += list(run_each(_time, world, ds_items, time_shape, fresh=True))
-        for (name, peer, bw), ranks in runs:
-            rec: dict[str, Any] = {"world": world, "option": name, "peer": peer, "bandwidth": bw}
-            if isinstance(ranks, Exception):
-                rec["error"] = str(ranks).strip().splitlines()[-1][:200] if str(ranks).strip() else repr(ranks)
-            else:
-                rec["s_per_step"] = max(r["s_per_step"] for r in ranks)
-                rec["bytes"] = ranks[0].get("bytes")
-            timings.append(rec)
-            print(f"{world} ranks {peer} {name} bw={bw}: {rec.get('s_per_step', rec.get('error'))}", flush=True)
+        names = [n for n in OPTIONS if world == 4 or "hpZ" not in n]
+        bandwidths = [None, 5e7] if quick else ([None] if world == 2 else list(BANDWIDTHS))
+        if quick:
+            names = ["stage 3", "qwZ"]
+        for bw, ranks in run_each(_time_paired, world, bandwidths, time_shape, names, fresh=False):
+            for name in names:
+                rec: dict[str, Any] = {"world": world, "option": name, "peer": "ds_strategy", "bandwidth": bw}
+                if isinstance(ranks, Exception):
+                    rec["error"] = (str(ranks).strip().splitlines() or [repr(ranks)])[-1][:200]
+                else:
+                    rec["s_per_step"] = slowest_median(ranks, name)
+                    rec["bytes"] = ranks[0][name]["bytes"]
+                timings.append(rec)
+                print(f"{world} ranks {name} bw={bw}: {rec.get('s_per_step', rec.get('error'))}", flush=True)
+        if has_ds and world == 2 and not quick:  # each in its own processes: a failure must not take the others
+            for name, ranks in run_each(_time_deepspeed, world, ["stage 3", "qwZ", "qgZ"], time_shape, fresh=True):
+                rec = {"world": world, "option": name, "peer": "deepspeed", "bandwidth": None}
+                if isinstance(ranks, Exception):
+                    rec["error"] = (str(ranks).strip().splitlines() or [repr(ranks)])[-1][:200]
+                else:
+                    rec["s_per_step"] = statistics.median(
+                        max(r["s_per_step"][i] for r in ranks) for i in range(len(ranks[0]["s_per_step"]))
+                    )
+                timings.append(rec)
+                print(f"{world} ranks deepspeed {name}: {rec.get('s_per_step', rec.get('error'))}", flush=True)
     payload["timings"] = timings
     return payload
 
@@ -265,8 +293,8 @@ def table(payload: dict[str, Any]) -> str:
         else:
             rows.append((t["world"], t["peer"], t["option"], bw, f"{t['s_per_step']:.3f}", _fmt_bytes(t["bytes"])))
     parts.append(
-        "Step time (slowest rank, s/step) and MiB per step by op@group size; the cross-node cap is simulated "
-        "(a sleep per collective for its cross-node bytes)\n\n"
+        "Step time (median over interleaved rounds of the slowest rank's step, s) and MiB per step by op@group "
+        "size; the cross-node cap is simulated (a sleep per collective for its cross-node bytes)\n\n"
         + markdown_table(("ranks", "peer", "option", "cross-node link", "s/step", "MiB/step"), rows)
     )
     return "\n\n".join(parts)

@@ -256,7 +256,7 @@ class ShardedGroup(GroupStorage):
             mine = full.view(self.hpz.world_size, -1)[self.hpz.rank]
             mine.copy_(self.secondary[bucket])
             return self.hpz.all_gather(full, mine, async_op=async_op, tag=tag)
-        if self.quantized_gather:
+        if self.quantized_gather and self.coll.world_size > 1:  # one rank: nothing travels, nothing to quantize
             if self._qrest is not None and not self._materialized:
                 shard = self._qrest[bucket]
             else:
