@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import functools
 import importlib.util
+import json
 import statistics
 import time
 from collections.abc import Callable
@@ -291,7 +292,7 @@ def table(payload: dict[str, Any]) -> str:
         if "error" in t:
             rows.append((t["world"], t["peer"], t["option"], bw, "failed", t["error"][:90]))
         else:
-            rows.append((t["world"], t["peer"], t["option"], bw, f"{t['s_per_step']:.3f}", _fmt_bytes(t["bytes"])))
+            rows.append((t["world"], t["peer"], t["option"], bw, f"{t['s_per_step']:.3f}", _fmt_bytes(t.get("bytes"))))
     parts.append(
         "Step time (median over interleaved rounds of the slowest rank's step, s) and MiB per step by op@group "
         "size; the cross-node cap is simulated (a sleep per collective for its cross-node bytes)\n\n"
@@ -345,9 +346,17 @@ def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--quick", action="store_true", help="a tiny GPT and 8 steps")
     parser.add_argument("--steps", type=int, default=200, help="convergence steps")
-    parser.add_argument("--skip-convergence", action="store_true")
+    parser.add_argument(
+        "--skip-convergence",
+        action="store_true",
+        help="time only; keep the convergence part of an existing zeropp.json",
+    )
     args = parser.parse_args(argv)
+    previous = results_dir() / "zeropp.json"
+    kept = json.loads(previous.read_text()).get("convergence") if args.skip_convergence and previous.exists() else None
     payload = run(args.quick, args.steps, not args.skip_convergence)
+    if kept is not None:
+        payload["convergence"] = kept
     text = table(payload)
     write_results("zeropp", payload, text)
     plot(payload)
