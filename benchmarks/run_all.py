@@ -34,6 +34,7 @@ BENCHMARKS = (
     "compile",
     "pipeline",
     "moe",
+    "zeropp",
 )
 ALIASES = {"engine": "e2e", "zero3": "e2e"}
 PEERS = {
@@ -49,6 +50,7 @@ PEERS = {
     "pipeline": "the 1F1B theory (p-1)/(m+p-1), DeepSpeed's PipelineEngine (same layers and config)",
     "compile": "torch DDP eager and torch.compile(DDP), ds_strategy stages 0, 2, 3 eager (inductor)",
     "moe": "gloo all-to-all; DeepSpeed's MoE layer and engine (ZeRO-2, ep_size 1 and 2)",
+    "zeropp": "ds_strategy stage 3 without ZeRO++, DeepSpeed's ZeRO++ (where it runs on CPU)",
 }
 
 

@@ -76,7 +76,7 @@ def test_the_warning_class_is_public() -> None:
             {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
             "offload_optimizer.ratio",
         ),
-        ({"zero_optimization": {"stage": 3, "zero_quantized_weights": True}}, "zero_quantized_weights"),
+        ({"zero_optimization": {"stage": 3, "zeropp_loco_param": {"err_beta": 0.8}}}, "zeropp_loco_param"),
         ({"sequence_parallel_size": 2}, "sequence_parallel_size"),
         ({"torch_autocast": {"enabled": True}}, "torch_autocast"),
         ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16.bf16_optimizer_states"),

@@ -82,6 +82,17 @@ CASES: dict[str, list[Case]] = {
         Case(lambda: ([_t(), _t(9, torch.bfloat16), _t(4, torch.float16)],)),
         Case(lambda: ([torch.tensor([1.0, float("inf")])],)),
     ],
+    "quantize_blockwise": [
+        Case(lambda: (_t(37), 8, 8)),
+        Case(lambda: (_t(40, torch.bfloat16).view(4, 10), 4, 4)),
+    ],
+    "dequantize_blockwise_": [
+        Case(lambda: (*torch.ops.ds_strategy.quantize_blockwise(_t(37), 8, 8), 8, 8, torch.empty(37))),
+        Case(lambda: (*torch.ops.ds_strategy.quantize_blockwise(_t(30).view(3, 10), 4, 4), 4, 4, _t(30).view(3, 10))),
+    ],
+    "dequantize_sum_": [
+        Case(lambda: (*torch.ops.ds_strategy.quantize_blockwise(_t(39).view(3, 13), 4, 4), 4, 4, torch.empty(13))),
+    ],
     "simd_isa": [
         Case(
             lambda: (),

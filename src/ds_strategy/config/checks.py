@@ -78,6 +78,23 @@ def cross_checks(config: dict[str, Any]) -> list[ConfigProblem]:
                     f"got {count}; NVMe offload needs at least 1 buffer (DeepSpeed's default: {default})",
                 )
             )
+    for key in ("zero_quantized_weights", "zero_quantized_nontrainable_weights", "zero_quantized_gradients"):
+        if stage is not None and stage != 3 and zero.get(key) is True:
+            problems.append(
+                ConfigProblem(
+                    f"zero_optimization.{key}",
+                    f"ZeRO++ needs ZeRO stage 3, but zero_optimization.stage is {stage}; set stage 3 or remove the key",
+                )
+            )
+    hpz = zero.get("zero_hpz_partition_size")
+    if stage is not None and stage != 3 and isinstance(hpz, int) and hpz > 1:
+        problems.append(
+            ConfigProblem(
+                "zero_optimization.zero_hpz_partition_size",
+                f"got {hpz}; hpZ (a secondary partition per node group) needs ZeRO stage 3, but "
+                f"zero_optimization.stage is {stage}; set stage 3 or use 1",
+            )
+        )
     # A partial offload (ratio < 1) is refused whatever the stage: see support.py.
     return problems
 

@@ -109,6 +109,12 @@ class ZeroConfig:
     stage3_gather_16bit_weights_on_model_save: bool = False
     load_from_fp32_weights: bool = True
     ignore_unused_parameters: bool = True
+    # ZeRO++ (stage 3; runtime/zero/zeropp.py): quantized weight gathers (qwZ), int8 frozen partitions, the
+    # secondary partition per node group (hpZ) and quantized gradient all-to-alls (qgZ).
+    zero_quantized_weights: bool = False
+    zero_quantized_nontrainable_weights: bool = False
+    zero_hpz_partition_size: int = 1
+    zero_quantized_gradients: bool = False
     leaf_module: LeafModuleConfig = field(default_factory=LeafModuleConfig)
 
     def __post_init__(self) -> None:

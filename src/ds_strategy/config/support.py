@@ -193,13 +193,16 @@ SUPPORT: dict[str, Support] = {
         "ds_strategy checkpoints load at any world size and stage already", when=_truthy
     ),
     "zero_optimization.legacy_stage1": _warned("an old implementation of the same stage 1 arithmetic", when=_truthy),
-    "zero_optimization.zero_hpz_partition_size": _refused(
-        "ZeRO++ hierarchical partitioning (a secondary parameter copy per node) is not built",
-        when=lambda v: isinstance(v, int) and v > 1,
+    "zero_optimization.zero_hpz_partition_size": _acted(
+        "stage 3: a secondary partition inside each group of this many ranks serves backward's gathers"
     ),
-    "zero_optimization.zero_quantized_weights": _refused("ZeRO++ quantised weight gathers are not built"),
-    "zero_optimization.zero_quantized_nontrainable_weights": _refused("ZeRO++ quantised frozen weights are not built"),
-    "zero_optimization.zero_quantized_gradients": _refused("ZeRO++ quantised gradient reduction is not built"),
+    "zero_optimization.zero_quantized_weights": _acted("stage 3: int8 block-quantized parameter all-gathers"),
+    "zero_optimization.zero_quantized_nontrainable_weights": _acted(
+        "stage 3: frozen parameters rest as int8 partitions and are gathered quantized"
+    ),
+    "zero_optimization.zero_quantized_gradients": _acted(
+        "stage 3: gradients reduced by int4/int8 quantized all-to-alls with fp32 accumulation"
+    ),
     "zero_optimization.zeropp_loco_param": _refused("LoCo-ZeRO++ is not built"),
     "zero_optimization.mics_shard_size": _refused(
         "MiCS sharding groups are not built; parameters are partitioned across all data-parallel ranks",

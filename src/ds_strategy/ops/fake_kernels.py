@@ -36,6 +36,14 @@ def _sum_of_squares_fake(tensors: Sequence[torch.Tensor]) -> tuple[torch.Tensor,
     return flag.to(torch.float64), flag
 
 
+def _quantize_fake(x: torch.Tensor, block_size: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    n = x.shape[-1]
+    packed = (n + 1) // 2 if bits == 4 else n
+    blocks = (n + block_size - 1) // block_size
+    lead = tuple(x.shape[:-1])
+    return x.new_empty((*lead, packed), dtype=torch.int8), x.new_empty((*lead, blocks), dtype=torch.float32)
+
+
 _registered: list[bool] = []  # torch refuses a second fake kernel for an op: register once per process
 
 
@@ -48,3 +56,6 @@ def register_fake_kernels() -> None:
     torch.library.register_fake("ds_strategy::optim_traffic_ceiling_", _traffic_ceiling_fake)
     torch.library.register_fake("ds_strategy::multi_tensor_l2norm", _l2norm_fake)
     torch.library.register_fake("ds_strategy::multi_tensor_sum_of_squares", _sum_of_squares_fake)
+    torch.library.register_fake("ds_strategy::quantize_blockwise", _quantize_fake)
+    for name in ("dequantize_blockwise_", "dequantize_sum_"):
+        torch.library.register_fake(f"ds_strategy::{name}", _traffic_ceiling_fake)

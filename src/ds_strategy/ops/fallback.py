@@ -172,3 +172,75 @@ def optim_traffic_ceiling_(
         p.add_(g)
         m.add_(g)
         v.add_(g)
+
+
+# --- block-wise symmetric quantization (ZeRO++) -----------------------------------------------------------
+# Twins of torch.ops.ds_strategy.{quantize_blockwise,dequantize_blockwise_,dequantize_sum_} (csrc/quant,
+# csrc/includes/quant_math.h): the same fp32 products, round-half-to-even, clamp and int4 nibble packing.
+def _rows(t: torch.Tensor) -> torch.Tensor:
+    return t.reshape(1, -1) if t.dim() == 1 else t
+
+
+def quantize_blockwise(x: torch.Tensor, block_size: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """``(q, scales)`` of ``x`` (1-D, or 2-D rows quantized independently) in blocks of ``block_size``."""
+    qmax = 7 if bits == 4 else 127
+    rows = _rows(x).float()
+    r, n = rows.shape
+    nb = -(-n // block_size)
+    padded = torch.zeros(r, nb * block_size, dtype=torch.float32, device=x.device)
+    padded[:, :n] = rows
+    blocks = padded.view(r, nb, block_size)
+    absmax = blocks.abs().amax(dim=2)
+    bad = ~torch.isfinite(blocks).all(dim=2)
+    scales = torch.where(bad, torch.full_like(absmax, math.nan), absmax / qmax)
+    # A tensor division, not ``qmax / absmax``: torch computes a scalar-by-tensor division as a reciprocal
+    # times the scalar, which rounds differently from the kernels' one fp32 division.
+    inv = torch.where(bad | (absmax == 0), torch.zeros_like(absmax), torch.full_like(absmax, float(qmax)) / absmax)
+    q = torch.round(blocks * inv.unsqueeze(2)).clamp_(-qmax, qmax).to(torch.int8).view(r, -1)[:, :n]
+    if bits == 4:
+        if n % 2:
+            q = torch.cat([q, torch.zeros(r, 1, dtype=torch.int8, device=x.device)], dim=1)
+        pairs = q.view(r, -1, 2).to(torch.int32) & 0xF
+        q = (pairs[:, :, 0] | (pairs[:, :, 1] << 4)).to(torch.uint8).view(torch.int8)
+    if x.dim() == 1:
+        return q.reshape(-1).contiguous(), scales.reshape(-1)
+    return q.contiguous(), scales
+
+
+def _unpack(q: torch.Tensor, n: int, bits: int) -> torch.Tensor:
+    """int8 rows x n values of ``q`` (rows x packed bytes)."""
+    if bits == 8:
+        return q
+    u = q.view(torch.uint8).to(torch.int32)
+    nib = torch.stack([u & 0xF, (u >> 4) & 0xF], dim=2).view(q.shape[0], -1)[:, :n]
+    return torch.where(nib >= 8, nib - 16, nib).to(torch.int8)
+
+
+def _values_and_scales(
+    q: torch.Tensor, scales: torch.Tensor, block_size: int, bits: int, rows: int, n: int
+) -> tuple[torch.Tensor, torch.Tensor]:
+    values = _unpack(q.reshape(rows, -1), n, bits).float()
+    return values, scales.reshape(rows, -1).repeat_interleave(block_size, dim=1)[:, :n]
+
+
+def dequantize_blockwise_(
+    q: torch.Tensor, scales: torch.Tensor, block_size: int, bits: int, out: torch.Tensor
+) -> torch.Tensor:
+    """``out`` (1-D, or rows x n) = the dequantized values of ``q`` / ``scales``."""
+    view = _rows(out)
+    values, per_element = _values_and_scales(q, scales, block_size, bits, view.shape[0], view.shape[1])
+    view.copy_(values * per_element)
+    return out
+
+
+def dequantize_sum_(
+    q: torch.Tensor, scales: torch.Tensor, block_size: int, bits: int, out: torch.Tensor
+) -> torch.Tensor:
+    """``out`` (n, fp32) = the sum of ``q``'s dequantized rows, added in row order in fp32, each term one fused
+    multiply-add (``addcmul_``), as the kernels do."""
+    values, per_element = _values_and_scales(q, scales, block_size, bits, q.shape[0], out.numel())
+    acc = torch.zeros_like(out)
+    for v, s in zip(values, per_element, strict=True):
+        acc.addcmul_(v, s)
+    out.copy_(acc)
+    return out

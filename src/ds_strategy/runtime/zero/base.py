@@ -300,8 +300,15 @@ class ZeroStage:
         if self.options.pre_scale != 1.0:
             send.mul_(self.options.pre_scale)
         result = torch.empty(out.numel(), dtype=send.dtype, device=send.device)
-        self.comm_of(group).reduce_scatter(result, send)
+        self._reduce_scatter(result, send, group=group)
         out.add_(result.to(out.dtype))
+
+    def _reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, group: int = 0, async_op: bool = False
+    ) -> Handle:
+        """Every gradient reduce-scatter of stages 1-3 (``input`` is scratch), over param group ``group``'s
+        communicator; stage 3's qgZ replaces it."""
+        return self.comm_of(group).reduce_scatter(output, input, async_op=async_op)
 
     def _reset_window(self) -> None:
         """Forget the accumulated gradients (after a step or zero_grad)."""

@@ -281,8 +281,8 @@ class ParamGatherer:
         need = [k for k in keys if not self._live(k) and k not in self.inflight]
         self.names[-1] = label
         tag = self._label(-1, blocking=True)
-        for k in need:
-            self.inflight[k] = self._gather(k, tag, -1)
+        for k in need:  # exact: full access never sees ZeRO++'s quantized or secondary copies
+            self.inflight[k] = self._gather(k, tag, -1, exact=True)
         for k in keys:
             handle = self.inflight.pop(k, None)
             if handle is not None:
@@ -409,10 +409,10 @@ class ParamGatherer:
     def check_agreement(self) -> None:
         self.divergence.check_agreement()
 
-    def _gather(self, key: BucketKey, tag: int, mid: int) -> _Gather:
+    def _gather(self, key: BucketKey, tag: int, mid: int, *, exact: bool = False) -> _Gather:
         """All-gather one bucket (asynchronously); its failure will name this rank's module and the others'."""
         try:
-            return _Gather(self, self.groups[key[0]].gather(key[1], async_op=True, tag=tag), tag, mid)
+            return _Gather(self, self.groups[key[0]].gather(key[1], async_op=True, tag=tag, exact=exact), tag, mid)
         except RuntimeError as err:
             raise self.divergence.gather_failed(err, tag, mid) from err
 

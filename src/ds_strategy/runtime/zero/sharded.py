@@ -25,12 +25,15 @@ from collections.abc import Collection, Sequence
 import torch
 from torch import nn
 
+from ds_strategy.ops.quant import Quantized, dequantize_into
+
 from ..layout import FlatLayout, ParamSlot
 from ..swap import OptimizerSwapper, PartitionSwapper
 from . import host_memory
 from .buffers import GroupStorage
 from .collectives import DONE, Collectives, Handle
 from .init import gather_init_param, init_shard, release_init_shard
+from .zeropp import ZeroPP, quantize_shard, quantized_all_gather, then
 
 
 class ShardedGroup(GroupStorage):
@@ -59,8 +62,13 @@ class ShardedGroup(GroupStorage):
         param_swap: PartitionSwapper | None = None,
         master_swap: OptimizerSwapper | None = None,
         keep_in_cpu: int = 0,
+        zeropp: ZeroPP | None = None,
     ) -> None:
         self.index = index
+        self._qrest: list[Quantized] | None = None  # int8 frozen partitions ([Note: ZeRO++] in zeropp.py)
+        self.hpz = zeropp.hpz if zeropp is not None else None
+        self.secondary: dict[int, torch.Tensor] = {}  # bucket -> this rank's 1/h slice of it (hpZ)
+        self._rest_version = 0
         self.frozen = frozen  # parameters nobody trains: no masters, gradients or optimizer state
         self.params = [p for _, p in named_params]
         self.names = [n for n, _ in named_params]
@@ -136,6 +144,20 @@ class ShardedGroup(GroupStorage):
             if b not in self.persistent:  # a bucket-sized tensor without storage, filled by gather()
                 self.full[b] = torch.empty(bucket.padded, dtype=compute_dtype, device=self.device)
                 host_memory.release(self.full[b])
+        # ZeRO++ ([Note: ZeRO++] in zeropp.py): quantized gathers, int8 frozen partitions, hpZ secondaries.
+        self.zeropp = zeropp
+        self.quantized_gather = zeropp is not None and (
+            zeropp.quantized_weights or (frozen and zeropp.quantized_frozen)
+        )
+        if zeropp is not None and frozen and zeropp.quantized_frozen:
+            if self.swapped:
+                raise ValueError(
+                    "zero_optimization.zero_quantized_nontrainable_weights cannot be combined with offload_param "
+                    "on nvme (the frozen partitions rest in the swap file); use offload_param cpu or none"
+                )
+            self._qrest = [quantize_shard(view) for view in self._part_views]
+            self.part = torch.empty(0, dtype=compute_dtype, device=param_device)
+            self._part_views = [self.part] * len(self._qrest)
         # One leaf per bucket for the optimizer (see [Note: master weights] in buffers.py); none when frozen.
         if frozen:
             self.masters: list[nn.Parameter] = []
@@ -217,17 +239,52 @@ class ShardedGroup(GroupStorage):
             self.params[i].data = self.in_bucket(self.full[bucket], i)
 
     # ------------------------------------------------------------------ gather / free (see the note)
-    def gather(self, bucket: int, *, async_op: bool, tag: int = 0) -> Handle:
-        """Allocate the bucket's gathered tensor and all-gather it; the parameters point into it at once."""
+    def gather(self, bucket: int, *, async_op: bool, tag: int = 0, exact: bool = False) -> Handle:
+        """Allocate the bucket's gathered tensor and all-gather it; the parameters point into it at once.
+        ``exact``: from the primary partitions, unquantized (GatheredParameters, full state dicts)."""
         if self.live[bucket]:
             return DONE
         full = self.full[bucket]
         host_memory.allocate(full)
-        mine = full.view(self.coll.world_size, -1)[self.rank]
-        self.read_part(bucket, mine, trace=True)
         self.live[bucket] = True
         self._point_params(bucket)
-        return self.coll.all_gather(full, mine, async_op=async_op, tag=tag)
+        if exact:
+            mine = full.view(self.coll.world_size, -1)[self.rank]
+            self.read_part(bucket, mine, trace=True)
+            return self.coll.all_gather(full, mine, async_op=async_op, tag=tag)
+        if self.hpz is not None and bucket in self.secondary:  # hpZ: inside the node group only
+            mine = full.view(self.hpz.world_size, -1)[self.hpz.rank]
+            mine.copy_(self.secondary[bucket])
+            return self.hpz.all_gather(full, mine, async_op=async_op, tag=tag)
+        if self.quantized_gather and self.coll.world_size > 1:  # one rank: nothing travels, nothing to quantize
+            if self._qrest is not None and not self._materialized:
+                shard = self._qrest[bucket]
+            else:
+                part = torch.empty(full.numel() // self.coll.world_size, dtype=full.dtype, device=full.device)
+                self.read_part(bucket, part, trace=True)
+                shard = quantize_shard(part)
+            handle = quantized_all_gather(self.coll, full, shard, async_op=async_op, tag=tag)
+        else:
+            mine = full.view(self.coll.world_size, -1)[self.rank]
+            self.read_part(bucket, mine, trace=True)
+            handle = self.coll.all_gather(full, mine, async_op=async_op, tag=tag)
+        if self.hpz is None:
+            return handle
+        return then(handle, lambda: self._keep_secondary(bucket))
+
+    @property
+    def quantized_rest(self) -> bool:
+        """The partitions rest as int8 (zero_quantized_nontrainable_weights on a frozen storage)."""
+        return self._qrest is not None
+
+    def _keep_secondary(self, bucket: int) -> None:
+        """hpZ: keep this rank's slice of the freshly gathered bucket for the next gathers (see the note)."""
+        assert self.hpz is not None
+        self.secondary[bucket] = self.full[bucket].view(self.hpz.world_size, -1)[self.hpz.rank].clone()
+
+    def drop_secondaries(self) -> None:
+        """The parameters changed (a step, an edit, a load): the next gather goes to the primary partitions."""
+        self.secondary.clear()
 
     def free(self, bucket: int) -> None:
         """Drop the bucket's gathered storage (persistent buckets stay)."""
@@ -252,6 +309,9 @@ class ShardedGroup(GroupStorage):
     def read_part(self, bucket: int, out: torch.Tensor, *, trace: bool = False) -> None:
         """Copy this rank's compute-dtype partition of ``bucket`` into ``out`` (from the swap file when it
         rests there; ``trace``: a gather, whose order the read-ahead learns)."""
+        if self._qrest is not None and not self._materialized:
+            dequantize_into(self._qrest[bucket], out)
+            return
         if bucket in self.swapped and not self._materialized:
             assert self.param_swap is not None
             if trace:
@@ -263,6 +323,10 @@ class ShardedGroup(GroupStorage):
 
     def write_part(self, bucket: int, value: torch.Tensor) -> None:
         """Make ``value`` (any float dtype) this rank's partition of ``bucket``."""
+        self.secondary.pop(bucket, None)
+        if self._qrest is not None and not self._materialized:
+            self._qrest[bucket] = quantize_shard(value.to(self.compute_dtype).contiguous())
+            return
         if bucket in self.swapped and not self._materialized:
             assert self.param_swap is not None
             self.param_swap.store((self.index, bucket), value)
@@ -272,6 +336,13 @@ class ShardedGroup(GroupStorage):
     def materialize(self) -> None:
         """The whole partition in host memory as one ``part`` buffer, as without NVMe (``resident``)."""
         self._materialized += 1
+        if self._materialized == 1 and self._qrest is not None:  # int8 frozen partitions, dequantized
+            self.part = torch.empty(self.layout.partition_numel, dtype=self.compute_dtype, device=self._param_device)
+            self._part_views = self.layout.partition_views(self.part)
+            for view, qt in zip(self._part_views, self._qrest, strict=True):
+                dequantize_into(qt, view)
+            self._rest_version = self.part._version
+            return
         if self._materialized > 1 or not self.swapped:
             return
         part = torch.empty(self.layout.partition_numel, dtype=self.compute_dtype, device=self._param_device)
@@ -286,6 +357,13 @@ class ShardedGroup(GroupStorage):
 
     def dematerialize(self) -> None:
         self._materialized -= 1
+        if self._materialized == 0 and self._qrest is not None:
+            if self.part._version != self._rest_version:  # written meanwhile (a load): quantize it again
+                self._qrest = [quantize_shard(view) for view in self._part_views]
+                self.secondary.clear()
+            self.part = torch.empty(0, dtype=self.compute_dtype, device=self._param_device)
+            self._part_views = [self.part] * len(self._qrest)
+            return
         if self._materialized > 0 or not self.swapped:
             return
         views, kept = self._part_views, self._kept
@@ -338,6 +416,9 @@ class ShardedGroup(GroupStorage):
 
     def numel_bytes(self) -> dict[str, int]:
         live = sum(t.untyped_storage().nbytes() for t in self.full)
+        live += sum(t.numel() * t.element_size() for t in self.secondary.values())
+        if self._qrest is not None and not self._materialized:
+            live += sum(qt.nbytes for qt in self._qrest)
         master = 0 if self.master_flat is None else self.master_flat.numel() * self.master_flat.element_size()
         part = self.part.numel() if not self.swapped or self._materialized else sum(v.numel() for v in self._part_views)
         return {"params": part * self.part.element_size() + live, "master": master}

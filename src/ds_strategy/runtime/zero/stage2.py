@@ -80,7 +80,7 @@ class Stage2(ZeroStage):
         out = self._partition_out(key, fresh)
         direct = fresh and staging.dtype == out.dtype
         result = out if direct else torch.empty(out.numel(), dtype=staging.dtype, device=out.device)
-        handle = self.comm_of(g).reduce_scatter(result, staging, async_op=self.options.async_comm)
+        handle = self._reduce_scatter(result, staging, group=g, async_op=self.options.async_comm)
         return _Land(self, key, handle, out, None if direct else (result, fresh))
 
     def _partition_out(self, key: BucketKey, fresh: bool) -> torch.Tensor:

@@ -49,6 +49,7 @@ from .offload import HOST, Offload
 from .param_gather import ParamGatherer
 from .sharded import ShardedGroup
 from .stage2 import Stage2
+from .zeropp import ZeroPP
 
 log = logging.getLogger("ds_strategy.runtime")
 
@@ -67,6 +68,11 @@ class Stage3Options:
     param_device: torch.device | None = None  # offload_param: where the shards live (None: compute device)
     param_pin: bool = False  # offload_param.pin_memory: page-locked host shards (used with a CUDA device)
     gather_on_save: bool = False
+    # ZeRO++ (DeepSpeed's key names; see [Note: ZeRO++] in zeropp.py)
+    zero_quantized_weights: bool = False
+    zero_quantized_nontrainable_weights: bool = False
+    zero_hpz_partition_size: int = 1
+    zero_quantized_gradients: bool = False
 
     @classmethod
     def from_config(cls, config: Any, offload: Offload) -> Stage3Options:
@@ -80,6 +86,10 @@ class Stage3Options:
             param_device=HOST if offload.params else None,
             param_pin=offload.params and offload.pin_params,
             gather_on_save=bool(zero.stage3_gather_16bit_weights_on_model_save),
+            zero_quantized_weights=bool(zero.zero_quantized_weights),
+            zero_quantized_nontrainable_weights=bool(zero.zero_quantized_nontrainable_weights),
+            zero_hpz_partition_size=int(zero.zero_hpz_partition_size),
+            zero_quantized_gradients=bool(zero.zero_quantized_gradients),
         )
 
 
@@ -139,6 +149,7 @@ class Stage3(Stage2):
         frozen = _frozen(module, trainable)
         persistent = _persistent(module, trainable | {id(p) for _, p in frozen}, s3)
         self._plans: list[tuple[set[int], set[int]]] = []
+        self.zeropp = ZeroPP.from_config(s3, coll)  # before the groups: they gather through it
         ordered = [self._plan(named, owner, persistent) for named in groups]
         frozen_plan = self._plan(frozen, owner, persistent)
         super().__init__(ordered, registration, coll=coll, options=options)
@@ -222,6 +233,7 @@ class Stage3(Stage2):
             param_swap=self.swap.params if self.swap is not None else None,
             master_swap=self.swapper,
             keep_in_cpu=nvme.max_in_cpu if (nvme := self.options.offload.params_nvme) is not None else 0,
+            zeropp=self.zeropp,
         )
 
     def swapped_storages(self) -> list[GroupStorage]:
@@ -264,6 +276,36 @@ class Stage3(Stage2):
             # fresh partition needs no zeroing.
             self.partition_grads[key[0]] = torch.empty(gs.layout.partition_numel, dtype=torch.float32, device=gs.device)
         return super()._launch(key)
+
+    def _reduce_scatter(
+        self, output: torch.Tensor, input: torch.Tensor, *, group: int = 0, async_op: bool = False
+    ) -> Handle:
+        if self.zeropp is not None and self.zeropp.quantized_grads:  # qgZ: see [Note: ZeRO++] in zeropp.py
+            return self.zeropp.reduce_scatter(output, input)
+        return super()._reduce_scatter(output, input, group=group, async_op=async_op)
+
+    @contextmanager
+    def resident(self) -> Iterator[None]:
+        """Also: int8 frozen partitions (zero_quantized_nontrainable_weights) dequantized into a compute-dtype
+        ``part`` for the block (checkpoints, full-state access), re-quantized at its end if written."""
+        quantized = [gs for gs in self.frozen if gs.quantized_rest]
+        if self.swap is not None or not quantized:  # with NVMe the base materializes every storage
+            with super().resident():
+                yield
+            return
+        for gs in quantized:
+            gs.materialize()
+        try:
+            yield
+        finally:
+            for gs in quantized:
+                gs.dematerialize()
+
+    def close_swap(self) -> None:
+        """Also close ZeRO++'s node-group communicators (the engine's destroy)."""
+        super().close_swap()
+        if self.zeropp is not None:
+            self.zeropp.close()
 
     def _partition_out(self, key: BucketKey, fresh: bool) -> torch.Tensor:
         if self.swapper is None:
@@ -317,6 +359,8 @@ class Stage3(Stage2):
         for g, gs in enumerate(self.groups):
             if g not in params_written:
                 gs.copy_masters_to_params()
+        for gs in self.sharded:
+            gs.drop_secondaries()  # hpZ: the next gathers read the updated primary partitions
         handles = []
         for g, b in self.bucket_order:
             gs = self.sharded[g]
@@ -334,6 +378,7 @@ class Stage3(Stage2):
         """After a frozen partition was overwritten (a checkpoint load): re-gather its buckets that stay
         gathered; the others are gathered from the new partition when next used."""
         for gs in self.frozen:
+            gs.drop_secondaries()
             for b, live in enumerate(gs.live):
                 if live:
                     mine = gs.full[b].view(self.coll.world_size, -1)[self.coll.rank]

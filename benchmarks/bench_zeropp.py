@@ -1,0 +1,367 @@
+"""ZeRO++ at stage 3 (issue 27): convergence, bytes per step and step time with and without each option.
+
+Two parts, both on the GPT of ds_strategy.demo, fp32, AdamW, in CPU processes (gloo + shared memory):
+
+1. Convergence (4 ranks, simulated node size 2): 200 steps (``--steps``) of stage 3 plain, with qwZ
+   (``zero_quantized_weights``), hpZ (``zero_hpz_partition_size=2``), qgZ (``zero_quantized_gradients``) and
+   all three, on a learnable token task (arithmetic sequences mod 256), the same data and seed for every
+   case. Reported: the loss curves (PNG) and the largest gap to the plain run's loss averaged over windows
+   of 20 steps, and the comms logger's bytes per step by op and group size (4: every rank, 2: a node pair
+   for all-gathers / all-to-alls inside it, or a cross-node pair for qgZ's second all-to-all).
+2. Step time (2 and 4 ranks; hpZ on 4 only): one engine per option in the same processes, stepped
+   round-robin (8 rounds after 2 warm-up ones; the median of the slowest rank's step), so load from other
+   work hits every option alike; bytes per step from each engine's comms logger. On 4 ranks, a
+   simulated slow link between the two simulated nodes: every collective of the benchmark's communicators
+   sleeps ``bytes x (share of the group's ranks on the other node) / bandwidth`` when issued (so it models
+   a blocking link, no overlap), swept over cross-node bandwidths. That shows where each option pays.
+   DeepSpeed's ZeRO++ runs with the same config where it runs here (its quantizers are CUDA kernels: on
+   CPU the attempt is recorded with its error).
+
+    python -m benchmarks.bench_zeropp [--quick] [--steps N] [--skip-convergence]
+
+Writes benchmarks/results/zeropp.{json,md,png}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import functools
+import importlib.util
+import json
+import statistics
+import time
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from benchmarks.common import machine, markdown_table, results_dir, run_each, write_results
+from benchmarks.training import LossModel, build_engine
+
+CONV_SHAPE = {"layers": 2, "d": 64, "seq": 32, "micro": 4}
+TIME_SHAPE = {"layers": 2, "d": 256, "seq": 64, "micro": 2}
+QUICK_SHAPE = {"layers": 1, "d": 64, "seq": 32, "micro": 2}
+OPTIONS: dict[str, dict[str, Any]] = {
+    "stage 3": {},
+    "qwZ": {"zero_quantized_weights": True},
+    "hpZ": {"zero_hpz_partition_size": 2},
+    "qgZ": {"zero_quantized_gradients": True},
+    "qwZ+hpZ+qgZ": {"zero_quantized_weights": True, "zero_hpz_partition_size": 2, "zero_quantized_gradients": True},
+}
+BANDWIDTHS = (None, 1e9, 2e8, 5e7)  # cross-node bytes/s (None: no cap)
+WINDOW = 20
+PAIRED_ROUNDS, WARMUP = 8, 2
+
+
+def _config(extra: dict[str, Any], micro: int, lr: float) -> dict[str, Any]:
+    zero = {
+        "stage": 3,
+        "stage3_param_persistence_threshold": 1000,
+        "stage3_prefetch_bucket_size": 500_000,
+        "reduce_bucket_size": 500_000,
+        "stage3_max_reuse_distance": 0,  # backward re-gathers what forward freed, as at scale
+        **extra,
+    }
+    return {
+        "train_micro_batch_size_per_gpu": micro,
+        "gradient_accumulation_steps": 1,
+        "optimizer": {"type": "AdamW", "params": {"lr": lr, "weight_decay": 0.01}},
+        "zero_optimization": zero,
+        "comms_logger": {"enabled": True},
+        "steps_per_print": 10**9,
+    }
+
+
+def _model(shape: dict[str, int]) -> LossModel:
+    from ds_strategy.demo.model import GPTConfig
+
+    torch.manual_seed(0)
+    return LossModel(GPTConfig(block_size=shape["seq"], n_layer=shape["layers"], n_embd=shape["d"], n_head=4))
+
+
+def _batches(shape: dict[str, int], steps: int, rank: int, world: int) -> list[Any]:
+    """Arithmetic sequences mod 256 (a random start and a step in 1..4): learnable, so the loss falls."""
+    gen = torch.Generator().manual_seed(1234)
+    out = []
+    for _ in range(steps):
+        rows = shape["micro"] * world
+        start = torch.randint(0, 256, (rows, 1), generator=gen)
+        step = torch.randint(1, 5, (rows, 1), generator=gen)
+        tokens = (start + step * torch.arange(shape["seq"] + 1)) % 256
+        mine = tokens[rank::world]
+        out.append((mine[:, :-1], mine[:, 1:]))
+    return out
+
+
+def _node_share(group: Any, node: int) -> float:
+    """The share of ``group``'s ranks on another simulated node than this rank's."""
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
+    me = dist.get_rank() // node
+    return sum(1 for r in ranks if r // node != me) / len(ranks)
+
+
+def install_link_cap(bandwidth: float, node: int) -> Callable[[], None]:
+    """Make every collective of the communicators (and qgZ's all-to-alls) sleep for its cross-node bytes at
+    ``bandwidth`` bytes/s; returns the undo."""
+    import ds_strategy.comm.quantized_all_to_all as a2a
+    from ds_strategy.comm.collectives import Communicator
+
+    issue, exchange = Communicator._issue, a2a.all_to_all_bytes
+
+    @functools.wraps(issue)
+    def capped_issue(self: Any, op: str, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
+        time.sleep(tensor.numel() * tensor.element_size() * _node_share(self.group, node) / bandwidth)
+        return issue(self, op, tensor, *args, **kwargs)
+
+    def capped_exchange(coll: Any, send: torch.Tensor) -> torch.Tensor:
+        time.sleep(send.numel() * _node_share(coll.group, node) / bandwidth)
+        return exchange(coll, send)
+
+    Communicator._issue = capped_issue  # type: ignore[method-assign]
+    a2a.all_to_all_bytes = capped_exchange
+
+    def undo() -> None:
+        Communicator._issue = issue  # type: ignore[method-assign]
+        a2a.all_to_all_bytes = exchange
+
+    return undo
+
+
+def _bytes_per_step(engine: Any, steps: int) -> dict[str, float]:
+    out: dict[str, float] = {}
+    for row in engine.comms_logger.summary():
+        key = f"{row.op}@{row.world_size}"
+        out[key] = out.get(key, 0.0) + row.total_bytes / steps
+    return out
+
+
+def _converge(rank: int, world: int, item: tuple[str, dict[str, Any]], shape: dict[str, int], steps: int) -> Any:
+    _, extra = item
+    engine = build_engine("ds_strategy", _model(shape), _config(extra, shape["micro"], 1e-3))
+    losses = []
+    for b in _batches(shape, steps, rank, world):
+        loss = engine(b)
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        dist.all_reduce(total)
+        losses.append(total.item() / world)
+    out = {"losses": losses, "bytes": _bytes_per_step(engine, steps)}
+    engine.destroy()
+    return out
+
+
+def _time_paired(rank: int, world: int, bandwidth: float | None, shape: dict[str, int], names: list[str]) -> Any:
+    """One engine per option in the same processes, stepped round-robin (``PAIRED_ROUNDS`` rounds after
+    ``WARMUP``): load from other work hits every option alike, so the per-option medians compare."""
+    undo = install_link_cap(bandwidth, world // 2) if bandwidth else None
+    try:
+        engines = {
+            n: build_engine("ds_strategy", _model(shape), _config(OPTIONS[n], shape["micro"], 1e-4)) for n in names
+        }
+        batches = _batches(shape, WARMUP + PAIRED_ROUNDS, rank, world)
+        times: dict[str, list[float]] = {n: [] for n in names}
+        for i, b in enumerate(batches):
+            if i == WARMUP:
+                for engine in engines.values():
+                    engine.comms_logger.reset()
+            for n, engine in engines.items():
+                dist.barrier()
+                start = time.perf_counter()
+                loss = engine(b)
+                engine.backward(loss)
+                engine.step()
+                if i >= WARMUP:
+                    times[n].append(time.perf_counter() - start)
+        out = {n: {"s_per_step": times[n], "bytes": _bytes_per_step(e, PAIRED_ROUNDS)} for n, e in engines.items()}
+        for engine in engines.values():
+            engine.destroy()
+        return out
+    finally:
+        if undo is not None:
+            undo()
+
+
+def _time_deepspeed(rank: int, world: int, name: str, shape: dict[str, int]) -> Any:
+    cfg = _config(OPTIONS[name], shape["micro"], 1e-4)
+    cfg.pop("comms_logger")
+    engine = build_engine("deepspeed", _model(shape), cfg)
+    batches = _batches(shape, WARMUP + PAIRED_ROUNDS, rank, world)
+    times = []
+    for i, b in enumerate(batches):
+        dist.barrier()
+        start = time.perf_counter()
+        loss = engine(b)
+        engine.backward(loss)
+        engine.step()
+        if i >= WARMUP:
+            times.append(time.perf_counter() - start)
+    return {"s_per_step": times}
+
+
+def _window_gap(losses: list[float], base: list[float]) -> float:
+    gaps = []
+    for i in range(0, len(base), WINDOW):
+        a, b = losses[i : i + WINDOW], base[i : i + WINDOW]
+        gaps.append(abs(sum(a) / len(a) - sum(b) / len(b)) / (sum(b) / len(b)))
+    return max(gaps)
+
+
+def run(quick: bool, steps: int, convergence: bool) -> dict[str, Any]:
+    conv_shape = QUICK_SHAPE if quick else CONV_SHAPE
+    time_shape = QUICK_SHAPE if quick else TIME_SHAPE
+    steps = 8 if quick else steps
+    payload: dict[str, Any] = {"machine": machine(), "quick": quick, "conv_shape": conv_shape}
+    if convergence:
+        curves: dict[str, Any] = {}
+        cases = [(n, OPTIONS[n]) for n in ("stage 3", "qwZ+hpZ+qgZ")] if quick else list(OPTIONS.items())
+        world = 2 if quick else 4  # a smoke run: 2 ranks start faster (hpZ is then a no-op)
+        for (name, _), ranks in run_each(_converge, world, cases, conv_shape, steps, fresh=False):
+            curves[name] = {"error": str(ranks)} if isinstance(ranks, Exception) else ranks[0]
+            print(f"convergence {name}: {str(ranks)[-1500:] if isinstance(ranks, Exception) else 'done'}", flush=True)
+        base = curves["stage 3"]["losses"]
+        for c in curves.values():
+            if "losses" in c:
+                c["window_gap"] = _window_gap(c["losses"], base)
+                c["final_window_loss"] = sum(c["losses"][-WINDOW:]) / len(c["losses"][-WINDOW:])
+        payload["convergence"] = {"steps": steps, "window": WINDOW, "cases": curves}
+    payload["time_shape"] = time_shape
+    has_ds = importlib.util.find_spec("deepspeed") is not None
+    timings: list[dict[str, Any]] = []
+
+    def slowest_median(ranks: list[Any], name: str) -> float:
+        per_round = [max(r[name]["s_per_step"][i] for r in ranks) for i in range(len(ranks[0][name]["s_per_step"]))]
+        return statistics.median(per_round)
+
+    for world in (2,) if quick else (2, 4):
+        names = [n for n in OPTIONS if world == 4 or "hpZ" not in n]
+        bandwidths = [None, 5e7] if quick else ([None] if world == 2 else list(BANDWIDTHS))
+        if quick:
+            names = ["stage 3", "qwZ"]
+        for bw, ranks in run_each(_time_paired, world, bandwidths, time_shape, names, fresh=False):
+            for name in names:
+                rec: dict[str, Any] = {"world": world, "option": name, "peer": "ds_strategy", "bandwidth": bw}
+                if isinstance(ranks, Exception):
+                    rec["error"] = (str(ranks).strip().splitlines() or [repr(ranks)])[-1][:200]
+                else:
+                    rec["s_per_step"] = slowest_median(ranks, name)
+                    rec["bytes"] = ranks[0][name]["bytes"]
+                timings.append(rec)
+                print(f"{world} ranks {name} bw={bw}: {rec.get('s_per_step', rec.get('error'))}", flush=True)
+        if has_ds and world == 2 and not quick:  # each in its own processes: a failure must not take the others
+            for name, ranks in run_each(_time_deepspeed, world, ["stage 3", "qwZ", "qgZ"], time_shape, fresh=True):
+                rec = {"world": world, "option": name, "peer": "deepspeed", "bandwidth": None}
+                if isinstance(ranks, Exception):
+                    rec["error"] = (str(ranks).strip().splitlines() or [repr(ranks)])[-1][:200]
+                else:
+                    rec["s_per_step"] = statistics.median(
+                        max(r["s_per_step"][i] for r in ranks) for i in range(len(ranks[0]["s_per_step"]))
+                    )
+                timings.append(rec)
+                print(f"{world} ranks deepspeed {name}: {rec.get('s_per_step', rec.get('error'))}", flush=True)
+    payload["timings"] = timings
+    return payload
+
+
+def _fmt_bytes(b: dict[str, float] | None) -> str:
+    if not b:
+        return ""
+    keep = {k: v for k, v in b.items() if k.split("@")[0] in ("all_gather", "reduce_scatter", "all_to_all")}
+    return ", ".join(f"{k} {v / 2**20:.2f}" for k, v in sorted(keep.items()))
+
+
+def table(payload: dict[str, Any]) -> str:
+    parts = []
+    conv = payload.get("convergence")
+    if conv:
+        rows = []
+        for name, c in conv["cases"].items():
+            if "error" in c:
+                rows.append((name, "failed", "", c["error"][:80]))
+                continue
+            rows.append((name, f"{c['final_window_loss']:.4f}", f"{c['window_gap']:.2%}", _fmt_bytes(c["bytes"])))
+        parts.append(
+            f"Convergence: {conv['steps']} steps, 4 ranks (simulated node size 2), loss of the last {conv['window']} "
+            "steps, largest gap to stage 3's windowed loss, MiB per step by op@group size\n\n"
+            + markdown_table(("option", "final loss", "max window gap", "MiB/step"), rows)
+        )
+    rows = []
+    for t in payload["timings"]:
+        bw = "no cap" if t["bandwidth"] is None else f"{t['bandwidth'] / 1e6:.0f} MB/s"
+        if "error" in t:
+            rows.append((t["world"], t["peer"], t["option"], bw, "failed", t["error"][:90]))
+        else:
+            rows.append((t["world"], t["peer"], t["option"], bw, f"{t['s_per_step']:.3f}", _fmt_bytes(t.get("bytes"))))
+    parts.append(
+        "Step time (median over interleaved rounds of the slowest rank's step, s) and MiB per step by op@group "
+        "size; the cross-node cap is simulated (a sleep per collective for its cross-node bytes)\n\n"
+        + markdown_table(("ranks", "peer", "option", "cross-node link", "s/step", "MiB/step"), rows)
+    )
+    return "\n\n".join(parts)
+
+
+def plot(payload: dict[str, Any]) -> None:
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    fig, axes = plt.subplots(1, 2, figsize=(11, 4))
+    conv = payload.get("convergence")
+    if conv:
+        for name, c in conv["cases"].items():
+            if "losses" in c:
+                axes[0].plot(c["losses"], label=name, lw=1)
+        axes[0].set_xlabel("step")
+        axes[0].set_ylabel("loss (mean over 4 ranks)")
+        axes[0].set_title("stage 3 GPT, 4 ranks: loss with each ZeRO++ option")
+        axes[0].legend(fontsize=8)
+    capped = [t for t in payload["timings"] if t["world"] == 4 and t["peer"] == "ds_strategy" and "error" not in t]
+    for name in OPTIONS:
+        pts = sorted(((t["bandwidth"] or 1e10), t["s_per_step"]) for t in capped if t["option"] == name)
+        if pts:
+            axes[1].plot([p[0] / 1e6 for p in pts], [p[1] for p in pts], marker="o", label=name)
+    axes[1].set_xscale("log")
+    axes[1].set_xlabel("cross-node bandwidth (MB/s; rightmost: no cap)")
+    axes[1].set_ylabel("s/step")
+    axes[1].set_title("4 ranks, 2 simulated nodes: step time vs link")
+    axes[1].legend(fontsize=8)
+    fig.tight_layout()
+    fig.savefig(results_dir() / "zeropp.png", dpi=120)
+    plt.close(fig)
+
+
+def headlines(payload: dict[str, Any]) -> list[tuple[str, str]]:
+    out = []
+    conv = payload.get("convergence")
+    if conv:
+        for name, c in conv["cases"].items():
+            if "window_gap" in c and name != "stage 3":
+                out.append((f"ZeRO++ {name}: loss gap to stage 3 ({conv['steps']} steps)", f"{c['window_gap']:.2%}"))
+    return out
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="a tiny GPT and 8 steps")
+    parser.add_argument("--steps", type=int, default=200, help="convergence steps")
+    parser.add_argument(
+        "--skip-convergence",
+        action="store_true",
+        help="time only; keep the convergence part of an existing zeropp.json",
+    )
+    args = parser.parse_args(argv)
+    previous = results_dir() / "zeropp.json"
+    kept = json.loads(previous.read_text()).get("convergence") if args.skip_convergence and previous.exists() else None
+    payload = run(args.quick, args.steps, not args.skip_convergence)
+    if kept is not None:
+        payload["convergence"] = kept
+    text = table(payload)
+    write_results("zeropp", payload, text)
+    plot(payload)
+    print(text)
+
+
+if __name__ == "__main__":
+    main()

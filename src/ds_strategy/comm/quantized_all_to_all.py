@@ -1,0 +1,110 @@
+"""Quantized all-to-all reduction (ZeRO++'s qgZ): a reduce-scatter whose chunks travel as block-wise int4 /
+int8 bytes through all-to-alls, and are summed in fp32 where they land.
+
+[Note: hierarchical quantized reduce-scatter]
+A reduce-scatter of ``input`` (W chunks of n elements; rank r keeps the sum of chunk r) over W = N x h
+ranks, ``h`` per node (``intra``: this rank's node, ``inter``: the ranks with this rank's local index on
+every node; rank r = node * h + local):
+
+1. intra-node all-to-all: to local peer l go the chunks ``node' * h + l`` of every node', quantized to
+   ``intra_bits``; each rank sums what it receives in fp32 (one ``dequantize_sum`` per node') and holds its
+   node's partial sums of the N chunks its local index serves;
+2. inter-node all-to-all: partial sum ``node'`` goes to node ``node'``, quantized to ``inter_bits``; the
+   received N partials summed in fp32 are the group-wide sum of chunk r.
+
+So each rank sends (W - 1)/W of the bucket at ``intra_bits`` inside its node and (N - 1)/N of a 1/h
+slice at ``inter_bits`` across nodes, instead of a reduce-scatter's (W - 1)/W at 16 or 32 bits. With one
+node (N = 1) only step 1 runs; with one rank per node (h = 1) only step 2. A quantized chunk travels as
+one byte row (its int bytes, then its fp32 scales), so each step is one ``all_to_all_single``.
+
+The all-to-all itself is ``torch.distributed.all_to_all_single`` on the communicator's group, logged in
+the communicator's comms logger as ``all_to_all`` with the bytes this rank sends.
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+
+from ds_strategy.comm.collectives import Communicator
+from ds_strategy.ops.quant import Quantized, dequantize_sum, num_blocks, packed_numel, quantize
+
+
+def all_to_all_bytes(coll: Communicator, send: torch.Tensor) -> torch.Tensor:
+    """Row j of ``send`` (W x bytes, uint8) goes to group rank j; row j of the result came from rank j."""
+    if coll.world_size == 1:
+        return send.clone()
+    recv = torch.empty_like(send)
+    timing = None
+    if coll.logger is not None:
+        timing = coll.logger.start(
+            "all_to_all", nbytes=send.numel(), world_size=coll.world_size, path=coll.backend, device=send.device
+        )
+    dist.all_to_all_single(recv, send, group=coll.group)
+    if coll.logger is not None:
+        coll.logger.stop(timing)
+    return recv
+
+
+def _pack(qt: Quantized, dests: int) -> torch.Tensor:
+    """``qt`` of dests x k rows -> one byte row per destination: its k rows' int bytes, then their scales."""
+    q = qt.q.reshape(dests, -1).view(torch.uint8)
+    s = qt.scales.reshape(dests, -1).view(torch.uint8)
+    return torch.cat([q, s], dim=1)
+
+
+def _unpack(rows: torch.Tensor, k: int, n: int, block_size: int, bits: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """The inverse of ``_pack`` for ``rows`` (sources x bytes): q (sources, k, packed) and scales (sources, k, nb)."""
+    sources = rows.shape[0]
+    qbytes = k * packed_numel(n, bits)
+    q = rows[:, :qbytes].reshape(sources, k, -1).view(torch.int8)
+    s = rows[:, qbytes:].contiguous().view(torch.float32).reshape(sources, k, -1)
+    return q, s
+
+
+def _exchange_and_sum(coll: Communicator, chunks: torch.Tensor, block_size: int, bits: int) -> torch.Tensor:
+    """``chunks`` (dests x k x n): quantize, send row d to group rank d, and return the fp32 (k x n) sum of
+    the k-chunk rows every rank sent here."""
+    dests, k, n = chunks.shape
+    qt = quantize(chunks.reshape(dests * k, n), block_size, bits)
+    recv = all_to_all_bytes(coll, _pack(qt, dests))
+    q, s = _unpack(recv, k, n, block_size, bits)
+    out = torch.empty(k, n, dtype=torch.float32, device=chunks.device)
+    for j in range(k):  # chunk j of every source: one fp32 sum over the sources
+        dequantize_sum(Quantized(q[:, j].contiguous(), s[:, j].contiguous(), block_size, bits), out[j])
+    return out
+
+
+def quantized_reduce_scatter(
+    output: torch.Tensor,
+    input: torch.Tensor,
+    *,
+    intra: Communicator,
+    inter: Communicator,
+    block_size: int,
+    intra_bits: int = 4,
+    inter_bits: int = 8,
+) -> None:
+    """``output`` = this rank's chunk of the sum of every rank's ``input`` (see the module note); ``intra``
+    and ``inter`` are this rank's node group and cross-node group (either may have one rank)."""
+    h, nodes = intra.world_size, inter.world_size
+    n = output.numel()
+    if input.numel() != h * nodes * n:
+        raise ValueError(
+            f"quantized_reduce_scatter: input has {input.numel()} elements; {h} x {nodes} ranks x {n} expected"
+        )
+    if n == 0:
+        return
+    chunks = input.reshape(nodes, h, n)
+    if h > 1:  # to local peer l: chunks node' * h + l of every node'
+        partial = _exchange_and_sum(intra, chunks.transpose(0, 1), block_size, intra_bits)
+    else:
+        partial = chunks[:, 0].float()
+    # then to node n': its partial sum of chunk n' * h + local
+    total = _exchange_and_sum(inter, partial.unsqueeze(1), block_size, inter_bits)[0] if nodes > 1 else partial[0]
+    output.copy_(total)
+
+
+def wire_bytes(n: int, block_size: int, bits: int) -> int:
+    """Bytes one chunk of ``n`` elements takes on the wire (int bytes + fp32 scales)."""
+    return packed_numel(n, bits) + 4 * num_blocks(n, block_size)
