@@ -225,7 +225,7 @@ def run(quick: bool, steps: int, convergence: bool) -> dict[str, Any]:
             if "losses" in c:
                 c["window_gap"] = _window_gap(c["losses"], base)
                 c["final_window_loss"] = sum(c["losses"][-WINDOW:]) / len(c["losses"][-WINDOW:])
-        payload["convergence"] = {"steps": steps, "window": WINDOW, "cases": curves}
+        payload["convergence"] = {"steps": steps, "window": WINDOW, "world": world, "cases": curves}
     payload["time_shape"] = time_shape
     has_ds = importlib.util.find_spec("deepspeed") is not None
     timings: list[dict[str, Any]] = []
@@ -282,8 +282,8 @@ def table(payload: dict[str, Any]) -> str:
                 continue
             rows.append((name, f"{c['final_window_loss']:.4f}", f"{c['window_gap']:.2%}", _fmt_bytes(c["bytes"])))
         parts.append(
-            f"Convergence: {conv['steps']} steps, 4 ranks (simulated node size 2), loss of the last {conv['window']} "
-            "steps, largest gap to stage 3's windowed loss, MiB per step by op@group size\n\n"
+            f"Convergence: {conv['steps']} steps, {conv.get('world', 4)} ranks (simulated node size 2), loss of the "
+            f"last {conv['window']} steps, largest gap to stage 3's windowed loss, MiB per step by op@group size\n\n"
             + markdown_table(("option", "final loss", "max window gap", "MiB/step"), rows)
         )
     rows = []
