@@ -17,7 +17,7 @@ Two parts, both on the GPT of ds_strategy.demo, fp32, AdamW, in CPU processes (g
    DeepSpeed's ZeRO++ runs with the same config where it runs here (its quantizers are CUDA kernels: on
    CPU the attempt is recorded with its error).
 
-    python -m benchmarks.bench_zeropp [--quick] [--steps N] [--skip-convergence]
+    python -m benchmarks.bench_zeropp [--quick] [--steps N] [--skip-convergence | --skip-timing] [--conv-shape e2e]
 
 Writes benchmarks/results/zeropp.{json,md,png}.
 """
@@ -40,6 +40,9 @@ from benchmarks.common import machine, markdown_table, results_dir, run_each, wr
 from benchmarks.training import LossModel, build_engine
 
 CONV_SHAPE = {"layers": 2, "d": 64, "seq": 32, "micro": 4}
+# --conv-shape e2e: the e2e benchmark's GPT (8 layers, d 512: ~25M parameters) on sequences of 64 tokens,
+# one per rank: 5 x 200 steps at its full 256 x 4 tokens would take hours on 2 CPU cores.
+E2E_CONV_SHAPE = {"layers": 8, "d": 512, "seq": 64, "micro": 1}
 TIME_SHAPE = {"layers": 2, "d": 256, "seq": 64, "micro": 2}
 QUICK_SHAPE = {"layers": 1, "d": 64, "seq": 32, "micro": 2}
 OPTIONS: dict[str, dict[str, Any]] = {
@@ -208,8 +211,10 @@ def _window_gap(losses: list[float], base: list[float]) -> float:
     return max(gaps)
 
 
-def run(quick: bool, steps: int, convergence: bool) -> dict[str, Any]:
-    conv_shape = QUICK_SHAPE if quick else CONV_SHAPE
+def run(
+    quick: bool, steps: int, convergence: bool, timing: bool = True, conv_shape: dict[str, int] | None = None
+) -> dict[str, Any]:
+    conv_shape = QUICK_SHAPE if quick else (conv_shape or CONV_SHAPE)
     time_shape = QUICK_SHAPE if quick else TIME_SHAPE
     steps = 8 if quick else steps
     payload: dict[str, Any] = {"machine": machine(), "quick": quick, "conv_shape": conv_shape}
@@ -234,7 +239,7 @@ def run(quick: bool, steps: int, convergence: bool) -> dict[str, Any]:
         per_round = [max(r[name]["s_per_step"][i] for r in ranks) for i in range(len(ranks[0][name]["s_per_step"]))]
         return statistics.median(per_round)
 
-    for world in (2,) if quick else (2, 4):
+    for world in () if not timing else (2,) if quick else (2, 4):
         names = [n for n in OPTIONS if world == 4 or "hpZ" not in n]
         bandwidths = [None, 5e7] if quick else ([None] if world == 2 else list(BANDWIDTHS))
         if quick:
@@ -351,12 +356,24 @@ def main(argv: list[str] | None = None) -> None:
         action="store_true",
         help="time only; keep the convergence part of an existing zeropp.json",
     )
+    parser.add_argument(
+        "--skip-timing", action="store_true", help="convergence only; keep the timings of an existing zeropp.json"
+    )
+    parser.add_argument(
+        "--conv-shape",
+        choices=("small", "e2e"),
+        default="small",
+        help=f"the convergence model: small {CONV_SHAPE} or the e2e GPT {E2E_CONV_SHAPE}",
+    )
     args = parser.parse_args(argv)
     previous = results_dir() / "zeropp.json"
-    kept = json.loads(previous.read_text()).get("convergence") if args.skip_convergence and previous.exists() else None
-    payload = run(args.quick, args.steps, not args.skip_convergence)
-    if kept is not None:
-        payload["convergence"] = kept
+    old = json.loads(previous.read_text()) if previous.exists() else {}
+    shape = E2E_CONV_SHAPE if args.conv_shape == "e2e" else CONV_SHAPE
+    payload = run(args.quick, args.steps, not args.skip_convergence, not args.skip_timing, shape)
+    if args.skip_convergence and "convergence" in old:
+        payload["convergence"] = old["convergence"]
+    if args.skip_timing and "timings" in old:
+        payload["timings"], payload["time_shape"] = old["timings"], old.get("time_shape")
     text = table(payload)
     write_results("zeropp", payload, text)
     plot(payload)
