@@ -146,6 +146,10 @@ def _worker_main(
                         world_size=world_size,
                         timeout=datetime.timedelta(seconds=task.timeout),
                     )
+                    # Every rank's gloo connections are up before any body runs: a body without collectives
+                    # could otherwise finish and destroy its group while a slower peer is still connecting,
+                    # which fails that peer's init ("Connection closed by peer" in connectFullMesh; seen in CI).
+                    dist.barrier()
                 value = task.fn(rank, world_size, *task.args, **task.kwargs)
                 results.put((task.task_id, rank, _OK, _dumps(value)))
             except pytest.skip.Exception as skipped:
