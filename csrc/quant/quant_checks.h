@@ -1,11 +1,14 @@
-// quant_checks.h: argument checks of the quantization ops, shared by the CPU (quant_ops.cpp) and CUDA
-// (quant_ops_cuda.cpp) registrations so both refuse the same inputs with the same words.
+// quant_checks.h: argument checks and output shapes of the quantization ops, shared by the CPU (quant_ops.cpp)
+// and CUDA (quant_ops_cuda.cpp) registrations so both refuse the same inputs with the same words and return
+// the same shapes.
 #pragma once
 
 #include <ATen/core/Tensor.h>
+#include <ATen/ops/empty.h>
 #include <c10/util/Exception.h>
 
 #include <cstdint>
+#include <tuple>
 
 #include "../includes/quant_math.h"
 
@@ -42,6 +45,19 @@ inline void check_quantized(const char* op, const at::Tensor& q, const at::Tenso
   TORCH_CHECK(scales.numel() == rows * num_blocks(n, block_size), op, ": scales has ", scales.numel(),
               " elements; ", rows, " rows of ", n, " elements in blocks of ", block_size, " need ",
               rows * num_blocks(n, block_size));
+}
+
+// The (q, scales) that quantize_blockwise returns for x: int8 bytes (two int4 values per byte at 4 bits) and
+// one float32 scale per block, per row of a 2-D x; 1-D for a 1-D x. Allocated on x's device.
+inline std::tuple<at::Tensor, at::Tensor> empty_quantized(const at::Tensor& x, const Rows& shape, int64_t block_size,
+                                                          int bits) {
+  const auto options = x.options();
+  const int64_t bytes = packed_numel(shape.n, bits), blocks = num_blocks(shape.n, block_size);
+  if (x.dim() == 1) {
+    return {at::empty({bytes}, options.dtype(at::kChar)), at::empty({blocks}, options.dtype(at::kFloat))};
+  }
+  return {at::empty({shape.rows, bytes}, options.dtype(at::kChar)),
+          at::empty({shape.rows, blocks}, options.dtype(at::kFloat))};
 }
 
 }  // namespace ds::quant

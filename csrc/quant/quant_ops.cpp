@@ -22,11 +22,7 @@ std::tuple<at::Tensor, at::Tensor> quantize_blockwise_cpu(const at::Tensor& x, i
   const Rows shape = rows_of(x, op, "x");
   const DType dtype = kernel_dtype(x, op, ": x");
   const int b = static_cast<int>(bits);
-  const auto options = x.options();
-  at::Tensor q = x.dim() == 1 ? at::empty({packed_numel(shape.n, b)}, options.dtype(at::kChar))
-                              : at::empty({shape.rows, packed_numel(shape.n, b)}, options.dtype(at::kChar));
-  at::Tensor scales = x.dim() == 1 ? at::empty({num_blocks(shape.n, block_size)}, options.dtype(at::kFloat))
-                                   : at::empty({shape.rows, num_blocks(shape.n, block_size)}, options.dtype(at::kFloat));
+  auto [q, scales] = empty_quantized(x, shape, block_size, b);
   if (x.numel() > 0) {
     quantize_rows(x.data_ptr(), dtype, shape.rows, shape.n, block_size, b, q.data_ptr<int8_t>(),
                   scales.data_ptr<float>(), at::get_num_threads());
