@@ -208,12 +208,18 @@ def _apply(engine: CheckpointTarget, plan: _Plan, *, optimizer: bool, scheduler:
     meta = plan.meta
     if plan.optimizer_state is not None and engine.optimizer is not None:
         engine.optimizer.load_state_dict(plan.optimizer_state)
+    restore_progress(engine, meta, scheduler=scheduler)
+    if plan.rng is not None:
+        rng.restore(plan.rng)
+
+
+def restore_progress(engine: CheckpointTarget, meta: dict[str, Any], *, scheduler: bool) -> None:
+    """The step counters, loss scale and (with ``scheduler``) the lr scheduler from a checkpoint's metadata:
+    the engine's training progress, the same in the plain and the pipeline checkpoint."""
     if scheduler and engine.lr_scheduler is not None and meta.get("scheduler") is not None:
         engine.lr_scheduler.load_state_dict(meta["scheduler"])
     engine.loss_scaler.load_state_dict(meta["loss_scaler"])
     engine.counters.load_state_dict(meta["counters"])
-    if plan.rng is not None:
-        rng.restore(plan.rng)
 
 
 def load_checkpoint(

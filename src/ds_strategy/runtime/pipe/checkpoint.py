@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 
 from ..checkpoint.format import LATEST, CheckpointError
+from ..checkpoint.load import restore_progress
 from ..zero.access import find
 from .files import FORMAT, PIPE_META, layer_file, resolve_pipe, tied_file
 
@@ -140,6 +141,7 @@ def load_pipe_checkpoint(
             f"{tag_dir} holds {meta['num_layers']} layers but this PipelineModule has {engine.module._num_layers}"
         )
     with_optimizer = load_optimizer_states and not load_module_only and inner.optimizer is not None
+    ensured: set[str] = set()  # optimizer state keys created on every master (once per load, not per parameter)
     for fname, _, sub in _owned(engine):
         path = tag_dir / fname
         if not path.is_file():
@@ -157,7 +159,9 @@ def load_pipe_checkpoint(
             access.set_full(g, i, saved["module"][pname], "fp32_param")
             if with_optimizer:
                 for key, value in saved["optimizer"].get(pname, {}).items():
-                    _ensure_state(engine, key, meta["optimizer_scalars"])
+                    if key not in ensured:
+                        _ensure_state(engine, key)
+                        ensured.add(key)
                     access.set_full(g, i, value, "optimizer_state", key)
         for bname, b in sub.named_buffers():
             if bname in saved["module"]:
@@ -165,16 +169,13 @@ def load_pipe_checkpoint(
     if with_optimizer:
         _ensure_scalars(engine, meta["optimizer_scalars"])
     if not load_module_only:
-        inner.counters.load_state_dict(meta["counters"])
-        inner.loss_scaler.load_state_dict(meta["loss_scaler"])
-        if load_lr_scheduler_states and inner.lr_scheduler is not None and meta["scheduler"] is not None:
-            inner.lr_scheduler.load_state_dict(meta["scheduler"])
+        restore_progress(inner, meta, scheduler=load_lr_scheduler_states)
     inner.stage.publish()
     dist.barrier(group=engine.control)
     return str(tag_dir), dict(meta["client_state"])
 
 
-def _ensure_state(engine: PipelineEngine, key: str, scalars: dict[str, Any]) -> None:
+def _ensure_state(engine: PipelineEngine, key: str) -> None:
     """An optimizer that has not stepped yet has no state to write into: create it as its first step would."""
     opt = engine.engine.optimizer
     assert opt is not None
