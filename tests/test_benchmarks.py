@@ -72,6 +72,12 @@ def test_run_all_quick_writes_every_result(tmp_path: Path, cpu_kernels: bool) ->
     base = next(t for t in zeropp["timings"] if t["option"] == "stage 3")
     assert qwz["bytes"]["all_gather@2"] < 0.3 * base["bytes"]["all_gather@2"]
 
+    # bench_pipeline: every row ran, and the link was timed on both transports
+    pipeline = json.loads((tmp_path / "pipeline.json").read_text())
+    assert [r for r in pipeline["rows"] if "error" in r] == []
+    assert {r["engine"] for r in pipeline["rows"]} >= {"ds_strategy", "ds_strategy (process group)"}
+    assert {e["transport"] for e in pipeline["p2p"] if e.get("one_way_s", 0) > 0} == {"shm", "process group"}
+
     checkpoint = json.loads((tmp_path / "checkpoint.json").read_text())
     assert [r for r in checkpoint["cases"] if "error" in r] == []
     assert {(r["peer"], r["stage"]) for r in checkpoint["cases"]} >= {("ds_strategy", s) for s in (1, 2, 3)}

@@ -3,10 +3,7 @@
 
 #include <c10/util/Exception.h>
 #include <omp.h>
-#include <linux/futex.h>
-#include <sys/syscall.h>
 #include <sys/mman.h>
-#include <signal.h>
 #include <sys/stat.h>
 #include <unistd.h>
 
@@ -21,15 +18,7 @@
 #include <vector>
 
 #include "../includes/slot_reduce.h"
-
-#if defined(__x86_64__) || defined(__i386__)
-#include <immintrin.h>
-#define DS_CPU_RELAX() _mm_pause()
-#elif defined(__aarch64__)
-#define DS_CPU_RELAX() asm volatile("yield" ::: "memory")
-#else
-#define DS_CPU_RELAX() ((void)0)
-#endif
+#include "shm_wait.h"
 
 namespace ds::comm {
 namespace {
@@ -87,30 +76,6 @@ const char* kind_name(int32_t k) {
       break;
   }
   return "none";
-}
-
-// futex on the low 32 bits of a 64-bit counter (little endian: they come first). Shared (not PRIVATE)
-// futexes, since the waiters are other processes mapping the same memory.
-static_assert(__BYTE_ORDER__ == __ORDER_LITTLE_ENDIAN__, "futex word = low half of the counter");
-
-uint32_t* futex_word(std::atomic<uint64_t>* counter) { return reinterpret_cast<uint32_t*>(counter); }
-
-void futex_wake_all(std::atomic<uint64_t>* counter) {
-  syscall(SYS_futex, futex_word(counter), FUTEX_WAKE, INT32_MAX, nullptr, nullptr, 0);
-}
-
-void futex_wait(std::atomic<uint64_t>* counter, uint64_t seen, double seconds) {
-  seconds = std::max(seconds, 1e-4);
-  struct timespec ts {};
-  ts.tv_sec = static_cast<time_t>(seconds);
-  ts.tv_nsec = static_cast<long>((seconds - static_cast<double>(ts.tv_sec)) * 1e9);
-  // Returns at once when the word no longer holds `seen` (EAGAIN), on a wake, a signal or the timeout.
-  syscall(SYS_futex, futex_word(counter), FUTEX_WAIT, static_cast<uint32_t>(seen), &ts, nullptr, 0);
-}
-
-uint64_t own_pid_namespace() {
-  struct stat st {};
-  return stat("/proc/self/ns/pid", &st) == 0 ? static_cast<uint64_t>(st.st_ino) : 0;
 }
 
 // Split [0, n) over up to `threads` OpenMP threads in pieces of at least `grain` (aligned to `align`).
@@ -353,13 +318,12 @@ void Communicator::barrier(const char* op) {
 
 void Communicator::fail_waiting(const char* op, uint64_t target, bool dead_only) {
   std::vector<int> missing, dead;
-  const uint64_t my_ns = control(rank_).pid_ns.load(std::memory_order_relaxed);
   for (int r = 0; r < world_; ++r) {
     if (control(r).arrived.load(std::memory_order_acquire) >= target) continue;
     missing.push_back(r);
-    const pid_t pid = static_cast<pid_t>(control(r).pid.load(std::memory_order_relaxed));
-    const bool comparable = my_ns != 0 && control(r).pid_ns.load(std::memory_order_relaxed) == my_ns;
-    if (comparable && pid > 0 && kill(pid, 0) != 0 && errno == ESRCH) dead.push_back(r);
+    if (peer_exited(control(r).pid.load(std::memory_order_relaxed), control(r).pid_ns.load(std::memory_order_relaxed))) {
+      dead.push_back(r);
+    }
   }
   if (missing.empty()) return;  // arrived meanwhile
   if (dead_only && dead.empty()) return;

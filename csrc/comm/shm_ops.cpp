@@ -1,8 +1,8 @@
-// shm_ops.cpp: the torch boundary of the shared-memory collectives. ShmComm is a torch custom class, so
-// its C++ state is owned by the Python object that holds it (no global table of communicators): dropping
-// or close()-ing it unmaps the segment. Tensors are checked here, naming the argument at fault; the
-// collectives themselves only see raw contiguous buffers. Methods called from Python run with the GIL
-// released by torch's script-method call path (tested in tests/comm/test_shm.py).
+// shm_ops.cpp: the torch boundary of the shared-memory collectives (ShmComm) and channels (ShmChannel).
+// Both are torch custom classes, so their C++ state is owned by the Python object that holds it (no
+// global table): dropping or close()-ing one unmaps its segment. Tensors are checked here, naming the
+// argument at fault; the collectives themselves only see raw contiguous buffers. Methods called from
+// Python run with the GIL released by torch's script-method call path (tested in tests/comm/test_shm.py).
 #include <ATen/Parallel.h>
 #include <ATen/core/Tensor.h>
 #include <torch/custom_class.h>
@@ -12,6 +12,7 @@
 #include <string>
 
 #include "../includes/dispatch.h"
+#include "shm_channel.h"
 #include "shm_collectives.h"
 
 namespace ds::comm {
@@ -132,6 +133,44 @@ class ShmComm : public torch::CustomClassHolder {
   int64_t world_;
 };
 
+// One end of a one-way point-to-point channel (shm_channel.h): the pipeline's activations and gradients
+// between neighbouring stages on one host. Tensors of any dtype travel as their bytes.
+class ShmChannel : public torch::CustomClassHolder {
+ public:
+  ShmChannel(std::string name, int64_t slots, int64_t slot_bytes)
+      : chan_(std::make_unique<Channel>(name, slots, slot_bytes)) {}
+
+  std::string name() { return get("name").name(); }
+  bool producer() { return get("producer").producer(); }
+  int64_t slots() { return get("slots").slots(); }
+  int64_t slot_bytes() { return get("slot_bytes").slot_bytes(); }
+  bool linked() { return get("linked").linked(); }
+  int64_t produced() { return static_cast<int64_t>(get("produced").produced()); }
+  int64_t consumed() { return static_cast<int64_t>(get("consumed").consumed()); }
+  bool closed() { return chan_ == nullptr; }
+  void close() { chan_.reset(); }
+
+  bool send(at::Tensor tensor, double seconds) {
+    Channel& c = get("send");
+    check_tensor(tensor, "channel send", "tensor");
+    return c.send(tensor.data_ptr(), static_cast<int64_t>(tensor.nbytes()), seconds);
+  }
+
+  bool recv(at::Tensor tensor, double seconds) {
+    Channel& c = get("recv");
+    check_tensor(tensor, "channel recv", "tensor");
+    return c.recv(tensor.data_ptr(), static_cast<int64_t>(tensor.nbytes()), seconds);
+  }
+
+ private:
+  Channel& get(const char* what) {
+    TORCH_CHECK(chan_ != nullptr, "shm channel ", what, ": the channel is closed");
+    return *chan_;
+  }
+
+  std::unique_ptr<Channel> chan_;
+};
+
 }  // namespace
 
 TORCH_LIBRARY_FRAGMENT(ds_strategy, m) {
@@ -154,6 +193,19 @@ TORCH_LIBRARY_FRAGMENT(ds_strategy, m) {
       .def("all_gather_tagged", &ShmComm::all_gather_tagged)
       .def("peer_tags", &ShmComm::peer_tags)
       .def("all_to_all", &ShmComm::all_to_all);
+  m.class_<ShmChannel>("ShmChannel")
+      .def(torch::init<std::string, int64_t, int64_t>())
+      .def("name", &ShmChannel::name)
+      .def("producer", &ShmChannel::producer)
+      .def("slots", &ShmChannel::slots)
+      .def("slot_bytes", &ShmChannel::slot_bytes)
+      .def("linked", &ShmChannel::linked)
+      .def("produced", &ShmChannel::produced)
+      .def("consumed", &ShmChannel::consumed)
+      .def("closed", &ShmChannel::closed)
+      .def("close", &ShmChannel::close)
+      .def("send", &ShmChannel::send)
+      .def("recv", &ShmChannel::recv);
 }
 
 }  // namespace ds::comm

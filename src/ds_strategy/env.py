@@ -69,8 +69,8 @@ EXIT_WAIT = _declare(
 SHM = _declare(
     "DS_STRATEGY_SHM",
     "1",
-    "0/false/no/off: no shared-memory collectives (torch.distributed only)",
-    "comm/collectives.py",
+    "0/false/no/off: no shared-memory collectives or pipeline channels (torch.distributed only)",
+    "comm/collectives.py, comm/shm_channel.py",
 )
 SHM_ASYNC = _declare(
     "DS_STRATEGY_SHM_ASYNC",

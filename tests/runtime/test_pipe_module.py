@@ -123,3 +123,22 @@ def test_layers_built_only_on_their_stage() -> None:
     assert r0["params"] == ["0.bias", "0.weight", "1.bias", "1.weight", "2.bias", "2.weight"]
     assert r1["params"] == ["3.bias", "3.weight", "tied_modules.t.bias", "tied_modules.t.weight"]
     assert r0["ties"] == r1["ties"] == []  # a tie key on one stage needs no group
+
+
+def _model_axis_warnings(rank: int, world: int, num_mp: int) -> list[str]:
+    import warnings
+
+    from ds_strategy.pipe import PipelineModule
+
+    topo = PipeModelDataParallelTopology(num_pp=world // num_mp, num_mp=num_mp, num_dp=1)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        PipelineModule([LayerSpec(nn.Linear, 8, 8) for _ in range(2)], topology=topo, partition_method="uniform")
+    return [str(w.message) for w in caught if "no parallelism from ds_strategy" in str(w.message)]
+
+
+def test_a_model_axis_is_warned_not_silently_ignored() -> None:
+    """ds_strategy builds no tensor parallelism: a ``model`` axis above 1 is accepted with a warning naming it."""
+    assert run_distributed(_model_axis_warnings, world_size=2, args=(1,), timeout=120) == [[], []]
+    for told in run_distributed(_model_axis_warnings, world_size=2, args=(2,), timeout=120):
+        assert len(told) == 1 and "{'model': 2}" in told[0]

@@ -50,23 +50,29 @@ def _train(rank: int, world: int, stages: int, gas: int, clip: float, precision:
         "first": engine.is_first_stage(),
         "last": engine.is_last_stage(),
         "negotiations": engine.link.negotiations,
+        "channels": len(engine.link.channels),
         "norm": engine.get_global_grad_norm(),
     }
 
 
 @pytest.mark.parametrize(
-    ("world", "gas", "clip", "zero"),
-    [(2, 4, 0.0, 0), (2, 3, 0.05, 1), (4, 4, 0.05, 1)],
-    ids=["pipe2-zero0", "pipe2-clip-zero1", "pipe2xdata2-clip-zero1"],
+    ("world", "gas", "clip", "zero", "shm"),
+    [(2, 4, 0.0, 0, "1"), (2, 4, 0.0, 0, "0"), (2, 3, 0.05, 1, "1"), (4, 4, 0.05, 1, "1")],
+    ids=["pipe2-zero0", "pipe2-zero0-process-group", "pipe2-clip-zero1", "pipe2xdata2-clip-zero1"],
 )
-def test_pipeline_matches_one_process(world: int, gas: int, clip: float, zero: int) -> None:
-    results = run_distributed(_train, world_size=world, args=(2, gas, clip, "fp32", zero), timeout=120)
+def test_pipeline_matches_one_process(world: int, gas: int, clip: float, zero: int, shm: str) -> None:
+    """Payloads travel through shared-memory channels (one per link direction on each rank: activations one
+    way, gradients the other), or with DS_STRATEGY_SHM=0 through the process group: the same numbers."""
+    results = run_distributed(
+        _train, world_size=world, args=(2, gas, clip, "fp32", zero), timeout=120, env={"DS_STRATEGY_SHM": shm}
+    )
     dp = world // 2
     ref_losses, ref_weights = reference_run(data(STEPS, dp, gas, MICRO), lr=LR, clip=clip)
     for r in results:
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(ref_losses), rtol=1e-5, atol=0)
         # one header per link direction: the activation link and the gradient link, never per micro-batch
         assert r["negotiations"] == 2
+        assert r["channels"] == (2 if shm == "1" else 0)
         for name, value in r["weights"].items():
             torch.testing.assert_close(value, ref_weights[name], rtol=0, atol=1e-6, msg=name)
     # every parameter of the reference lives on some stage; the tied one on both, identical

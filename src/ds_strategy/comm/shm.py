@@ -48,12 +48,12 @@ def _boot_id() -> str:
         return ""
 
 
-def _host_identity() -> tuple[str, str]:
+def host_identity() -> tuple[str, str]:
     """Two processes can share /dev/shm only on one running kernel: same host name and same boot id."""
     return socket.gethostname(), _boot_id()
 
 
-def _kernel_class() -> Any:
+def kernel_class() -> Any:
     """The compiled ``ShmComm`` class, or None when the CPU kernels cannot be loaded here."""
     from ds_strategy.ops.builder import load_cpu_kernels
 
@@ -62,7 +62,7 @@ def _kernel_class() -> Any:
     return torch.classes.ds_strategy.ShmComm
 
 
-def _env_number(name: str, default: float) -> float:
+def env_number(name: str, default: float) -> float:
     raw = env.get(name)
     if raw is None or raw == "":
         return default
@@ -94,22 +94,22 @@ class ShmCommunicator:
         if world_size < 2:
             return None
         rank = dist.get_rank(group)
-        seconds = float(timeout) if timeout is not None else _env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT)
+        seconds = float(timeout) if timeout is not None else env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT)
         if seconds <= 0:
             raise ValueError(f"timeout must be positive seconds, got {timeout!r}")
-        slot_bytes = int(_env_number(SLOT_BYTES_ENV, DEFAULT_SLOT_BYTES))
-        small_bytes = int(_env_number(SMALL_BYTES_ENV, DEFAULT_SMALL_BYTES))
+        slot_bytes = int(env_number(SLOT_BYTES_ENV, DEFAULT_SLOT_BYTES))
+        small_bytes = int(env_number(SMALL_BYTES_ENV, DEFAULT_SMALL_BYTES))
 
         # Load the kernels before anything collective, and never raise between collectives: a rank that
         # raised here would leave its peers blocked in the next gather.
         cls: Any = None
         load_error = ""
         try:
-            cls = _kernel_class()
+            cls = kernel_class()
         except Exception as err:  # reported below, on every rank: raising here would hang the peers
             load_error = f"{type(err).__name__}: {err}"
         facts: list[Any] = [None] * world_size
-        dist.all_gather_object(facts, (_host_identity(), cls is not None, load_error), group=group)
+        dist.all_gather_object(facts, (host_identity(), cls is not None, load_error), group=group)
         if len({f[0] for f in facts}) != 1 or not all(f[1] for f in facts):
             errors = {r: f[2] for r, f in enumerate(facts) if f[2]}
             if errors:

@@ -31,6 +31,8 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_strategy.comm.shm_channel import same_host_peers
+
 from ..engine import ZeroEngine
 from ..zero.access import find
 from .module import PipelineModule
@@ -87,7 +89,10 @@ class PipelineEngine:
         dist.broadcast_object_list(box, src=0, group=self.control)
         self._uid = str(box[0])
         self._calls = 0
-        self.link = Link(self.device, dist.distributed_c10d._get_default_store())
+        # Neighbours on this host get shared-memory channels (collective: every rank asks).
+        near = same_host_peers([self.prev_rank, self.next_rank], group=self.control)
+        store = dist.distributed_c10d._get_default_store()
+        self.link = Link(self.device, store, shm_peers=near, channel_prefix=f"ds_pipe/{self._uid}/channel")
         self.training_dataloader: Any = None
         self._data_iter: Iterator[Any] | None = None
         self.agg_train_loss: torch.Tensor | None = None
@@ -117,6 +122,7 @@ class PipelineEngine:
         it = self._iterator(data_iter)
         self.module.train()
         start = time.perf_counter()
+        self.link.capacity = self.micro_batches
         losses = self._guarded(lambda: self._run_train(it))
         run_s = time.perf_counter() - start
         self.engine.set_gradient_accumulation_boundary(True)
@@ -150,6 +156,7 @@ class PipelineEngine:
         was_training = self.module.training
         self.module.eval()
         try:
+            self.link.capacity = m
             with torch.no_grad():
                 outputs = self._guarded(lambda: self._run_eval(it, m, compute_loss))
         finally:
@@ -380,6 +387,11 @@ class PipelineEngine:
         )
 
     # ------------------------------------------------------------------ the rest is the stage's engine
+    def destroy(self) -> None:
+        """Unmap the shared-memory channels, then release the stage engine's resources."""
+        self.link.close()
+        self.engine.destroy()
+
     def __getattr__(self, name: str) -> Any:
         if name == "engine":
             raise AttributeError(name)

@@ -15,6 +15,7 @@ module's ``"tied_modules.<key>.<name>"``; checkpoints and the consolidated state
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Callable, Sequence
 from functools import partial
 from typing import Any
@@ -156,6 +157,16 @@ class PipelineModule(nn.Module):
             )
         if activation_checkpoint_interval < 0:
             raise ValueError(f"activation_checkpoint_interval must be >= 0, got {activation_checkpoint_interval}")
+        others = {a: topology.get_dim(a) for a in topology.get_axis_names() if a not in ("pipe", "data")}
+        if any(d > 1 for d in others.values()):
+            # Accepted (layers may split themselves over these groups, Megatron-style), never silently.
+            warnings.warn(
+                f"PipelineModule: the topology's {others} axes get no parallelism from ds_strategy: each of "
+                "those ranks builds and runs its whole stage (duplicated work, gradients not reduced across "
+                "them) unless the layers split themselves over topology().get_axis_comm_lists(axis)",
+                UserWarning,
+                stacklevel=2,
+            )
         self._topo = topology
         self.num_stages = topology.get_dim("pipe")
         self.global_rank = rank

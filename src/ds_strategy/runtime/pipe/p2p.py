@@ -8,17 +8,26 @@ waiting forever ([Note: a failing stage]).
 Shapes and dtypes cross the link once per direction and mode (train / eval): the first message on a
 link is a small int64 header (count, then dtype code, requires_grad, ndim and dims per tensor); every
 later micro-batch sends only the payload into buffers of the negotiated shape.
+
+Between CPU stages on one host the payloads go through a shared-memory channel instead of the process
+group (``comm/shm_channel.py``: one copy in, one copy out, no socket): the sender creates it when it
+negotiates the link, sized from the header (one slot per tensor per micro-batch of the call, so a send
+never waits on a full channel within a batch), and publishes its name in the store before the header
+leaves; the receiver attaches after reading the header. ``DS_STRATEGY_SHM=0`` keeps every payload on the
+process group.
 """
 
 from __future__ import annotations
 
 import queue
 import threading
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 from typing import Any
 
 import torch
 import torch.distributed as dist
+
+from ds_strategy.comm.shm_channel import ShmChannel
 
 _DTYPES = [
     torch.float32,
@@ -97,10 +106,16 @@ class _Waiter:
 class Link:
     """This rank's sends and receives on the default group, aware of the failure notices under ``prefix``."""
 
-    def __init__(self, device: torch.device, store: Any) -> None:
+    def __init__(
+        self, device: torch.device, store: Any, shm_peers: frozenset[int] = frozenset(), channel_prefix: str = ""
+    ) -> None:
         self.device = device
         self.store = store
         self.prefix = ""
+        self.shm_peers = shm_peers if device.type == "cpu" else frozenset()
+        self.channel_prefix = channel_prefix
+        self.channels: dict[tuple[tuple[str, int, str], int], ShmChannel] = {}
+        self.capacity = 1  # micro-batches of the current call: the slots of a channel made during it
         self.pending: list[Any] = []
         self.meta: dict[tuple[str, int, str], list[tuple[tuple[int, ...], torch.dtype, bool]]] = {}
         self.negotiations = 0  # headers exchanged (a test checks it stays at one per link and mode)
@@ -119,6 +134,16 @@ class Link:
     def failure_message(self, rank: int) -> str:
         return self.store.get(f"{self.prefix}/error/{rank}").decode()
 
+    def _poll(self, what: str) -> Callable[[], None]:
+        def check() -> None:
+            if self.store.check([self.failed_flag()]):
+                raise PeerFailed(what)
+
+        return check
+
+    def _channel_key(self, key: tuple[str, int, str], dst: int) -> str:
+        return f"{self.channel_prefix}/{key[0]}/{key[1]}->{dst}/{key[2]}"
+
     def _wait(self, work: Any, what: str) -> None:
         """Wait for ``work`` on the waiter thread (gloo's ``is_completed`` only turns true in ``wait``), while
         watching for a failure notice every 20 ms."""
@@ -135,6 +160,11 @@ class Link:
             header = _pack_header(tensors)
             self.meta[key] = _unpack_header(header)
             self.negotiations += 1
+            if dst in self.shm_peers:
+                slots = max(1, self.capacity) * len(tensors)
+                made = ShmChannel.create(slots, max(t.nbytes for t in tensors))
+                self.channels[(key, dst)] = made
+                self.store.set(self._channel_key(key, dst), made.name)  # before the header: see the docstring
             self.pending.append(dist.isend(header.to(self.device), dst=dst))
         else:
             want = self.meta[key]
@@ -145,8 +175,12 @@ class Link:
                     f"{[(s, str(d)) for s, d, _ in want]} to {[(s, str(d)) for s, d in got]}: every micro-batch "
                     "must have the shapes of the first (pad the last batch or drop it: drop_last=True)"
                 )
+        chan = self.channels.get((key, dst))
         for t in tensors:
-            self.pending.append(dist.isend(t.detach().contiguous(), dst=dst))
+            if chan is not None:
+                chan.send(t.detach().contiguous(), poll=self._poll(f"{key[0]} to rank {dst}"))
+            else:
+                self.pending.append(dist.isend(t.detach().contiguous(), dst=dst))
 
     def recv(self, src: int, key: tuple[str, int, str]) -> list[torch.Tensor]:
         if key not in self.meta:
@@ -154,15 +188,29 @@ class Link:
             self._wait(dist.irecv(header, src=src), f"header from rank {src}")
             self.meta[key] = _unpack_header(header.cpu())
             self.negotiations += 1
+            if src in self.shm_peers:
+                name = self.store.get(self._channel_key(key, dist.get_rank())).decode()
+                self.channels[(key, src)] = ShmChannel.attach(name)
+        chan = self.channels.get((key, src))
+        what = f"{key[0]} from rank {src}"
         out = []
         for shape, dtype, _ in self.meta[key]:
             buf = torch.empty(shape, dtype=dtype, device=self.device)
-            self._wait(dist.irecv(buf, src=src), f"{key[0]} from rank {src}")
+            if chan is not None:
+                chan.recv(buf, poll=self._poll(what))
+            else:
+                self._wait(dist.irecv(buf, src=src), what)
             out.append(buf)
         return out
 
     def requires_grad(self, key: tuple[str, int, str]) -> list[bool]:
         return [g for _, _, g in self.meta[key]]
+
+    def close(self) -> None:
+        """Unmap every shared-memory channel of this rank (the link is unusable afterwards)."""
+        for chan in self.channels.values():
+            chan.close()
+        self.channels.clear()
 
     def drain(self) -> None:
         """Complete this batch's sends (each was matched by a receive of the batch)."""
