@@ -17,33 +17,32 @@ slice at ``inter_bits`` across nodes, instead of a reduce-scatter's (W - 1)/W at
 node (N = 1) only step 1 runs; with one rank per node (h = 1) only step 2. A quantized chunk travels as
 one byte row (its int bytes, then its fp32 scales), so each step is one ``all_to_all_single``.
 
-The all-to-all itself is ``torch.distributed.all_to_all_single`` on the communicator's group, logged in
-the communicator's comms logger as ``all_to_all`` with the bytes this rank sends.
+The all-to-all itself is the communicator's ``all_to_all_single`` (the shared-memory kernel on one host,
+else the process group), logged in its comms logger as ``all_to_all`` with the bytes this rank sends.
 """
 
 from __future__ import annotations
 
 import torch
-import torch.distributed as dist
 
 from ds_strategy.comm.collectives import Communicator
 from ds_strategy.ops.quant import Quantized, dequantize_sum, num_blocks, packed_numel, quantize
 
 
 def all_to_all_bytes(coll: Communicator, send: torch.Tensor) -> torch.Tensor:
-    """Row j of ``send`` (W x bytes, uint8) goes to group rank j; row j of the result came from rank j."""
+    """Row j of ``send`` (W x bytes, uint8) goes to group rank j; row j of the result came from rank j.
+
+    Through the communicator's ``all_to_all_single``, so on one host the shared-memory kernel moves the
+    rows: they travel as float32 words (padded to whole words), which an all-to-all only copies, so every
+    bit pattern arrives intact; the communicator's comms logger records it as ``all_to_all``."""
     if coll.world_size == 1:
         return send.clone()
-    recv = torch.empty_like(send)
-    timing = None
-    if coll.logger is not None:
-        timing = coll.logger.start(
-            "all_to_all", nbytes=send.numel(), world_size=coll.world_size, path=coll.backend, device=send.device
-        )
-    dist.all_to_all_single(recv, send, group=coll.group)
-    if coll.logger is not None:
-        coll.logger.stop(timing)
-    return recv
+    nbytes = send.shape[1]
+    pad = (-nbytes) % 4
+    words = (torch.nn.functional.pad(send, (0, pad)) if pad else send.contiguous()).view(torch.float32)
+    recv = torch.empty_like(words)
+    coll.all_to_all_single(recv, words)
+    return recv.view(torch.uint8)[:, :nbytes]
 
 
 def _pack(qt: Quantized, dests: int) -> torch.Tensor:

@@ -27,6 +27,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_strategy.accelerator import strict
 from ds_strategy.comm.shm_channel import ShmChannel
 
 _DTYPES = [
@@ -112,7 +113,8 @@ class Link:
         self.device = device
         self.store = store
         self.prefix = ""
-        self.shm_peers = shm_peers if device.type == "cpu" else frozenset()
+        # Only CPU stages; and not in the device-strict mode, which rehearses what a GPU would take (NCCL).
+        self.shm_peers = shm_peers if device.type == "cpu" and not strict.ACTIVE else frozenset()
         self.channel_prefix = channel_prefix
         self.channels: dict[tuple[tuple[str, int, str], int], ShmChannel] = {}
         self.capacity = 1  # micro-batches of the current call: the slots of a channel made during it
