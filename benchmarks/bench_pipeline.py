@@ -129,7 +129,7 @@ def _p2p(rank: int, world: int, item: tuple[str, int], rounds: int) -> float:
     store = dist.distributed_c10d._get_default_store()
     near = frozenset({peer}) if transport == "shm" else frozenset()
     link = Link(torch.device("cpu"), store, shm_peers=near, channel_prefix=f"bench_p2p/{transport}/{nbytes}")
-    link.capacity = 1
+    link.capacity = {peer: 1}
     t = torch.randn(nbytes // 4)
     times = []
     try:

@@ -135,3 +135,15 @@ def _across(rank: int, world: int) -> Any:
 def test_two_processes() -> None:
     _, got = run_distributed(_across, world_size=2, timeout=60)
     assert got == [[float(k)] for k in range(9)]
+
+
+def test_channel_bytes_is_the_segment_size() -> None:
+    """What the pipeline checks against /dev/shm's free space before it creates a channel."""
+    from ds_strategy.comm.shm_channel import channel_bytes
+
+    for slots, slot_bytes in ((1, 1), (3, 100), (8, 4096), (2, 1 << 20)):
+        tx = ShmChannel.create(slots, slot_bytes)
+        name = tx.name
+        assert os.stat(SHM_DIR + name).st_size == channel_bytes(slots, slot_bytes)
+        tx.close()
+        assert not _exists(name)  # a sender closed before anyone attached removes its name

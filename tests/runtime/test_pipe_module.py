@@ -142,3 +142,41 @@ def test_a_model_axis_is_warned_not_silently_ignored() -> None:
     assert run_distributed(_model_axis_warnings, world_size=2, args=(1,), timeout=120) == [[], []]
     for told in run_distributed(_model_axis_warnings, world_size=2, args=(2,), timeout=120):
         assert len(told) == 1 and "{'model': 2}" in told[0]
+
+
+def _most_in_flight(m: int, p: int) -> list[tuple[int, int]]:
+    """Per link (lower stage s): the most activations and the most gradients sent and not yet received,
+    over every reachable state of the stages' 1F1B step lists (a stage may take its next step once the
+    message it receives has been sent; channels unbounded)."""
+    steps = [train_schedule(m, p, s) for s in range(p)]
+    fwd = [[sum(1 for k, _ in st[:n] if k == "forward") for n in range(len(st) + 1)] for st in steps]
+    bwd = [[sum(1 for k, _ in st[:n] if k == "backward") for n in range(len(st) + 1)] for st in steps]
+    best = [(0, 0)] * (p - 1)
+    start = (0,) * p
+    seen, todo = {start}, [start]
+    while todo:
+        pos = todo.pop()
+        f = [fwd[s][pos[s]] for s in range(p)]
+        b = [bwd[s][pos[s]] for s in range(p)]
+        best = [(max(a, f[s] - f[s + 1]), max(g, b[s + 1] - b[s])) for s, (a, g) in enumerate(best)]
+        for s in range(p):
+            if pos[s] == len(steps[s]):
+                continue
+            kind, i = steps[s][pos[s]]
+            if (kind == "forward" and s > 0 and f[s - 1] <= i) or (kind == "backward" and s < p - 1 and b[s + 1] <= i):
+                continue
+            nxt = (*pos[:s], pos[s] + 1, *pos[s + 1 :])
+            if nxt not in seen:
+                seen.add(nxt)
+                todo.append(nxt)
+    return best
+
+
+@pytest.mark.parametrize("p", [2, 3, 4])
+def test_link_depth_bounds_the_messages_in_flight(p: int) -> None:
+    """A channel of ``link_depth`` slots per tensor never makes a send wait, in any timing of the stages."""
+    from ds_strategy.runtime.pipe.schedule import link_depth
+
+    for m in range(1, 7):
+        for s, (acts, grads) in enumerate(_most_in_flight(m, p)):
+            assert acts == grads == link_depth(m, p, s), (m, p, s, acts, grads)

@@ -24,9 +24,17 @@ from tests.runtime.pipe_common import data, pipe_config, reference_run, specs
 STEPS, MICRO, LR = 3, 2, 1e-2
 
 
-def _train(rank: int, world: int, stages: int, gas: int, clip: float, precision: str, zero: int) -> dict[str, Any]:
+def _train(
+    rank: int, world: int, stages: int, gas: int, clip: float, precision: str, zero: int, no_room: bool = False
+) -> dict[str, Any]:
+    import warnings
+
     import ds_strategy
     from ds_strategy.pipe import PipelineEngine, PipelineModule
+    from ds_strategy.runtime.pipe import p2p
+
+    if no_room:  # /dev/shm too small for any channel: every link stays on the process group, with a warning
+        p2p.shm_free_bytes = lambda: 0  # type: ignore[assignment]
 
     dp = world // stages
     module = PipelineModule(
@@ -39,8 +47,14 @@ def _train(rank: int, world: int, stages: int, gas: int, clip: float, precision:
     d = module.topology().get_coord(rank).data
     batches = data(STEPS, dp, gas, MICRO)
     losses = []
-    for step in batches:
-        losses.append(float(engine.train_batch(iter(step[d]))))
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        for step in batches:
+            losses.append(float(engine.train_batch(iter(step[d]))))
+    if no_room:
+        from ds_strategy.comm import shm_channel
+
+        p2p.shm_free_bytes = shm_channel.shm_free_bytes
     from ds_strategy.utils import safe_get_full_fp32_param
 
     weights = {n: safe_get_full_fp32_param(p).clone() for n, p in module.named_parameters()}
@@ -51,20 +65,32 @@ def _train(rank: int, world: int, stages: int, gas: int, clip: float, precision:
         "last": engine.is_last_stage(),
         "negotiations": engine.link.negotiations,
         "channels": len(engine.link.channels),
+        "room_warnings": sum("/dev/shm has" in str(w.message) for w in caught),
         "norm": engine.get_global_grad_norm(),
     }
 
 
 @pytest.mark.parametrize(
     ("world", "gas", "clip", "zero", "shm"),
-    [(2, 4, 0.0, 0, "1"), (2, 4, 0.0, 0, "0"), (2, 3, 0.05, 1, "1"), (4, 4, 0.05, 1, "1")],
-    ids=["pipe2-zero0", "pipe2-zero0-process-group", "pipe2-clip-zero1", "pipe2xdata2-clip-zero1"],
+    [(2, 4, 0.0, 0, "1"), (2, 4, 0.0, 0, "0"), (2, 4, 0.0, 0, "no room"), (2, 3, 0.05, 1, "1"), (4, 4, 0.05, 1, "1")],
+    ids=[
+        "pipe2-zero0",
+        "pipe2-zero0-process-group",
+        "pipe2-zero0-no-shm-room",
+        "pipe2-clip-zero1",
+        "pipe2xdata2-clip-zero1",
+    ],
 )
 def test_pipeline_matches_one_process(world: int, gas: int, clip: float, zero: int, shm: str) -> None:
     """Payloads travel through shared-memory channels (one per link direction on each rank: activations one
-    way, gradients the other), or with DS_STRATEGY_SHM=0 through the process group: the same numbers."""
+    way, gradients the other), or through the process group (DS_STRATEGY_SHM=0, or a /dev/shm without room
+    for a channel, which the sender warns about): the same numbers."""
     results = run_distributed(
-        _train, world_size=world, args=(2, gas, clip, "fp32", zero), timeout=120, env={"DS_STRATEGY_SHM": shm}
+        _train,
+        world_size=world,
+        args=(2, gas, clip, "fp32", zero, shm == "no room"),
+        timeout=120,
+        env={"DS_STRATEGY_SHM": "0" if shm == "0" else "1"},
     )
     dp = world // 2
     ref_losses, ref_weights = reference_run(data(STEPS, dp, gas, MICRO), lr=LR, clip=clip)
@@ -73,6 +99,8 @@ def test_pipeline_matches_one_process(world: int, gas: int, clip: float, zero: i
         # one header per link direction: the activation link and the gradient link, never per micro-batch
         assert r["negotiations"] == 2
         assert r["channels"] == (2 if shm == "1" else 0)
+    if shm == "no room":  # the sending end of each link warned: stage 0 for activations, stage 1 for gradients
+        assert [r["room_warnings"] for r in results] == [1, 1]
         for name, value in r["weights"].items():
             torch.testing.assert_close(value, ref_weights[name], rtol=0, atol=1e-6, msg=name)
     # every parameter of the reference lives on some stage; the tied one on both, identical

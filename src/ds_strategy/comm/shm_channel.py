@@ -14,6 +14,7 @@ the channels off with the shared-memory collectives (:func:`same_host_peers` the
 
 from __future__ import annotations
 
+import shutil
 import time
 from collections.abc import Callable, Iterable
 from typing import Any
@@ -25,6 +26,21 @@ from ds_strategy import env
 from ds_strategy.comm.shm import DEFAULT_TIMEOUT, TIMEOUT_ENV, env_number, host_identity, kernel_class
 
 _SLICE_S = 0.02  # how long one kernel-side wait lasts before ``poll`` runs
+_SHM_DIR = "/dev/shm"
+
+
+def channel_bytes(slots: int, slot_bytes: int) -> int:
+    """The segment size of a channel (the layout of csrc/comm/shm_channel.h: control lines, then per slot a
+    64-byte size word and the payload rounded up to 64 bytes)."""
+    return 4096 + slots * (64 + -(-max(1, slot_bytes) // 64) * 64)
+
+
+def shm_free_bytes() -> int | None:
+    """Free bytes of /dev/shm (None when it cannot be read): a segment larger than that would fault."""
+    try:
+        return shutil.disk_usage(_SHM_DIR).free
+    except OSError:
+        return None
 
 
 def _channel_class() -> Any:

@@ -37,7 +37,7 @@ from ..engine import ZeroEngine
 from ..zero.access import find
 from .module import PipelineModule
 from .p2p import Link, PeerFailed, PipelineStageError
-from .schedule import eval_schedule, train_schedule
+from .schedule import eval_schedule, link_depth, train_schedule
 
 
 def _as_list(x: Any) -> list[torch.Tensor]:
@@ -122,7 +122,7 @@ class PipelineEngine:
         it = self._iterator(data_iter)
         self.module.train()
         start = time.perf_counter()
-        self.link.capacity = self.micro_batches
+        self._size_channels(self.micro_batches)
         losses = self._guarded(lambda: self._run_train(it))
         run_s = time.perf_counter() - start
         self.engine.set_gradient_accumulation_boundary(True)
@@ -156,7 +156,7 @@ class PipelineEngine:
         was_training = self.module.training
         self.module.eval()
         try:
-            self.link.capacity = m
+            self._size_channels(m)
             with torch.no_grad():
                 outputs = self._guarded(lambda: self._run_eval(it, m, compute_loss))
         finally:
@@ -168,6 +168,15 @@ class PipelineEngine:
         return loss
 
     # ------------------------------------------------------------------ the schedules
+    def _size_channels(self, m: int) -> None:
+        """Slots per tensor of a channel made during this call: the link's 1F1B depth (``link_depth``)."""
+        p, s = self.num_stages, self.stage_id
+        self.link.capacity = {
+            peer: link_depth(m, p, lower)
+            for peer, lower in ((self.next_rank, s), (self.prev_rank, s - 1))
+            if peer is not None
+        }
+
     def _iterator(self, data_iter: Iterable[Any] | None) -> Iterator[Any] | None:
         if data_iter is not None:
             return data_iter if isinstance(data_iter, Iterator) else iter(data_iter)

@@ -11,9 +11,11 @@ later micro-batch sends only the payload into buffers of the negotiated shape.
 
 Between CPU stages on one host the payloads go through a shared-memory channel instead of the process
 group (``comm/shm_channel.py``: one copy in, one copy out, no socket): the sender creates it when it
-negotiates the link, sized from the header (one slot per tensor per micro-batch of the call, so a send
-never waits on a full channel within a batch), and publishes its name in the store before the header
-leaves; the receiver attaches after reading the header. ``DS_STRATEGY_SHM=0`` keeps every payload on the
+negotiates the link, sized from the header (per tensor, as many slots as the 1F1B schedule can have
+messages in flight on that link, ``schedule.link_depth``: a send never waits on a full channel), and
+publishes its name in the store before the header leaves; the receiver attaches after reading the
+header. When /dev/shm has no room for the channel, that link stays on the process group (a warning says
+so). ``DS_STRATEGY_SHM=0`` keeps every payload on the
 process group.
 """
 
@@ -21,6 +23,7 @@ from __future__ import annotations
 
 import queue
 import threading
+import warnings
 from collections.abc import Callable, Sequence
 from typing import Any
 
@@ -28,7 +31,7 @@ import torch
 import torch.distributed as dist
 
 from ds_strategy.accelerator import strict
-from ds_strategy.comm.shm_channel import ShmChannel
+from ds_strategy.comm.shm_channel import ShmChannel, channel_bytes, shm_free_bytes
 
 _DTYPES = [
     torch.float32,
@@ -104,6 +107,22 @@ class _Waiter:
             done.set()
 
 
+def _make_channel(slots: int, slot_bytes: int, what: str) -> ShmChannel | None:
+    """A channel for the link, or None (with a warning) when /dev/shm has no room for it."""
+    need = channel_bytes(slots, slot_bytes)
+    free = shm_free_bytes()
+    if free is not None and need > free:
+        warnings.warn(
+            f"pipeline {what}: a shared-memory channel needs {need / 2**20:.1f} MiB but /dev/shm has "
+            f"{free / 2**20:.1f} MiB free; this link uses the process group (enlarge /dev/shm, e.g. docker "
+            "--shm-size, to get the channel back)",
+            RuntimeWarning,
+            stacklevel=3,
+        )
+        return None
+    return ShmChannel.create(slots, slot_bytes)
+
+
 class Link:
     """This rank's sends and receives on the default group, aware of the failure notices under ``prefix``."""
 
@@ -117,7 +136,7 @@ class Link:
         self.shm_peers = shm_peers if device.type == "cpu" and not strict.ACTIVE else frozenset()
         self.channel_prefix = channel_prefix
         self.channels: dict[tuple[tuple[str, int, str], int], ShmChannel] = {}
-        self.capacity = 1  # micro-batches of the current call: the slots of a channel made during it
+        self.capacity: dict[int, int] = {}  # peer -> slots per tensor of a channel made during this call
         self.pending: list[Any] = []
         self.meta: dict[tuple[str, int, str], list[tuple[tuple[int, ...], torch.dtype, bool]]] = {}
         self.negotiations = 0  # headers exchanged (a test checks it stays at one per link and mode)
@@ -163,10 +182,12 @@ class Link:
             self.meta[key] = _unpack_header(header)
             self.negotiations += 1
             if dst in self.shm_peers:
-                slots = max(1, self.capacity) * len(tensors)
-                made = ShmChannel.create(slots, max(t.nbytes for t in tensors))
-                self.channels[(key, dst)] = made
-                self.store.set(self._channel_key(key, dst), made.name)  # before the header: see the docstring
+                slots = self.capacity.get(dst, 1) * len(tensors)
+                made = _make_channel(slots, max(t.nbytes for t in tensors), f"{key[0]} to rank {dst}")
+                if made is not None:
+                    self.channels[(key, dst)] = made
+                # Before the header (see the module docstring); "" tells the receiver to use the process group.
+                self.store.set(self._channel_key(key, dst), made.name if made is not None else "")
             self.pending.append(dist.isend(header.to(self.device), dst=dst))
         else:
             want = self.meta[key]
@@ -192,7 +213,8 @@ class Link:
             self.negotiations += 1
             if src in self.shm_peers:
                 name = self.store.get(self._channel_key(key, dist.get_rank())).decode()
-                self.channels[(key, src)] = ShmChannel.attach(name)
+                if name:
+                    self.channels[(key, src)] = ShmChannel.attach(name)
         chan = self.channels.get((key, src))
         what = f"{key[0]} from rank {src}"
         out = []

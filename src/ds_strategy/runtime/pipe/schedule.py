@@ -25,6 +25,15 @@ def train_schedule(micro_batches: int, stages: int, stage_id: int) -> list[tuple
     return steps
 
 
+def link_depth(micro_batches: int, stages: int, lower_stage: int) -> int:
+    """The most messages of one direction that can be sent and not yet received on the link between
+    ``lower_stage`` and ``lower_stage + 1``, in any timing of the stages: ``min(m, p - lower_stage)`` (a
+    stage runs at most that many forwards ahead of its backwards; checked against every reachable state
+    of the schedule in tests/runtime/test_pipe_module.py). A channel with that many slots per tensor never
+    makes a send wait."""
+    return max(1, min(micro_batches, stages - lower_stage))
+
+
 def eval_schedule(micro_batches: int) -> list[tuple[str, int]]:
     """Forwards only, in order (every stage)."""
     return [("forward", i) for i in range(micro_batches)]
