@@ -76,10 +76,10 @@ def _config(extra: dict[str, Any], micro: int, lr: float) -> dict[str, Any]:
     }
 
 
-def _model(shape: dict[str, int]) -> LossModel:
+def _model(shape: dict[str, int], seed: int = 0) -> LossModel:
     from ds_strategy.demo.model import GPTConfig
 
-    torch.manual_seed(0)
+    torch.manual_seed(seed)
     return LossModel(GPTConfig(block_size=shape["seq"], n_layer=shape["layers"], n_embd=shape["d"], n_head=4))
 
 
@@ -105,28 +105,22 @@ def _node_share(group: Any, node: int) -> float:
 
 
 def install_link_cap(bandwidth: float, node: int) -> Callable[[], None]:
-    """Make every collective of the communicators (and qgZ's all-to-alls) sleep for its cross-node bytes at
-    ``bandwidth`` bytes/s; returns the undo."""
-    import ds_strategy.comm.quantized_all_to_all as a2a
+    """Make every collective of the communicators (qgZ's all-to-alls included: they go through
+    ``Communicator.all_to_all_single``) sleep for its cross-node bytes at ``bandwidth`` bytes/s; returns
+    the undo."""
     from ds_strategy.comm.collectives import Communicator
 
-    issue, exchange = Communicator._issue, a2a.all_to_all_bytes
+    issue = Communicator._issue
 
     @functools.wraps(issue)
     def capped_issue(self: Any, op: str, tensor: torch.Tensor, *args: Any, **kwargs: Any) -> Any:
         time.sleep(tensor.numel() * tensor.element_size() * _node_share(self.group, node) / bandwidth)
         return issue(self, op, tensor, *args, **kwargs)
 
-    def capped_exchange(coll: Any, send: torch.Tensor) -> torch.Tensor:
-        time.sleep(send.numel() * _node_share(coll.group, node) / bandwidth)
-        return exchange(coll, send)
-
     Communicator._issue = capped_issue  # type: ignore[method-assign]
-    a2a.all_to_all_bytes = capped_exchange
 
     def undo() -> None:
         Communicator._issue = issue  # type: ignore[method-assign]
-        a2a.all_to_all_bytes = exchange
 
     return undo
 
@@ -141,7 +135,9 @@ def _bytes_per_step(engine: Any, steps: int) -> dict[str, float]:
 
 def _converge(rank: int, world: int, item: tuple[str, dict[str, Any]], shape: dict[str, int], steps: int) -> Any:
     _, extra = item
-    engine = build_engine("ds_strategy", _model(shape), _config(extra, shape["micro"], 1e-3))
+    extra = dict(extra)
+    seed = extra.pop("_seed", 0)  # the seed runs: plain stage 3 from another initialisation
+    engine = build_engine("ds_strategy", _model(shape, seed), _config(extra, shape["micro"], 1e-3))
     losses = []
     for b in _batches(shape, steps, rank, world):
         loss = engine(b)
@@ -211,8 +207,40 @@ def _window_gap(losses: list[float], base: list[float]) -> float:
     return max(gaps)
 
 
+def _windows(losses: list[float]) -> list[float]:
+    return [sum(losses[i : i + WINDOW]) / len(losses[i : i + WINDOW]) for i in range(0, len(losses), WINDOW)]
+
+
+def _band_excess(losses: list[float], band: list[list[float]]) -> float:
+    """How far (relative) ``losses``' windowed means leave the range of the unquantized runs' (0: inside)."""
+    out = 0.0
+    for w, runs in zip(_windows(losses), zip(*(_windows(b) for b in band), strict=True), strict=True):
+        lo, hi = min(runs), max(runs)
+        out = max(out, (lo - w) / lo if w < lo else (w - hi) / hi if w > hi else 0.0)
+    return out
+
+
+def score_convergence(curves: dict[str, Any]) -> None:
+    """Per case: the largest windowed gap to plain stage 3 and, where seed runs exist, how far the curve
+    leaves the band the unquantized runs span (the trajectory's own sensitivity to a perturbation)."""
+    base = curves["stage 3"]["losses"]
+    band = [c["losses"] for n, c in curves.items() if n.startswith("stage 3") and "losses" in c]
+    for c in curves.values():
+        if "losses" in c:
+            c["window_gap"] = _window_gap(c["losses"], base)
+            c["final_window_loss"] = sum(c["losses"][-WINDOW:]) / len(c["losses"][-WINDOW:])
+            if len(band) > 1:
+                c["band_excess"] = _band_excess(c["losses"], band)
+
+
 def run(
-    quick: bool, steps: int, convergence: bool, timing: bool = True, conv_shape: dict[str, int] | None = None
+    quick: bool,
+    steps: int,
+    convergence: bool,
+    timing: bool = True,
+    conv_shape: dict[str, int] | None = None,
+    seeds: int = 0,
+    only: set[str] | None = None,
 ) -> dict[str, Any]:
     conv_shape = QUICK_SHAPE if quick else (conv_shape or CONV_SHAPE)
     time_shape = QUICK_SHAPE if quick else TIME_SHAPE
@@ -220,16 +248,13 @@ def run(
     payload: dict[str, Any] = {"machine": machine(), "quick": quick, "conv_shape": conv_shape}
     if convergence:
         curves: dict[str, Any] = {}
-        cases = [(n, OPTIONS[n]) for n in ("stage 3", "qwZ+hpZ+qgZ")] if quick else list(OPTIONS.items())
+        options = {**OPTIONS, **{f"stage 3 (init seed {k})": {"_seed": k} for k in range(1, seeds + 1)}}
+        cases = [(n, OPTIONS[n]) for n in ("stage 3", "qwZ+hpZ+qgZ")] if quick else list(options.items())
+        cases = [c for c in cases if not only or c[0] in only]
         world = 2 if quick else 4  # a smoke run: 2 ranks start faster (hpZ is then a no-op)
         for (name, _), ranks in run_each(_converge, world, cases, conv_shape, steps, fresh=False):
             curves[name] = {"error": str(ranks)} if isinstance(ranks, Exception) else ranks[0]
             print(f"convergence {name}: {str(ranks)[-1500:] if isinstance(ranks, Exception) else 'done'}", flush=True)
-        base = curves["stage 3"]["losses"]
-        for c in curves.values():
-            if "losses" in c:
-                c["window_gap"] = _window_gap(c["losses"], base)
-                c["final_window_loss"] = sum(c["losses"][-WINDOW:]) / len(c["losses"][-WINDOW:])
         payload["convergence"] = {"steps": steps, "window": WINDOW, "world": world, "cases": curves}
     payload["time_shape"] = time_shape
     has_ds = importlib.util.find_spec("deepspeed") is not None
@@ -285,11 +310,14 @@ def table(payload: dict[str, Any]) -> str:
             if "error" in c:
                 rows.append((name, "failed", "", c["error"][:80]))
                 continue
-            rows.append((name, f"{c['final_window_loss']:.4f}", f"{c['window_gap']:.2%}", _fmt_bytes(c["bytes"])))
+            band = f"{c['band_excess']:.2%}" if "band_excess" in c else "-"
+            rows.append((name, f"{c['final_window_loss']:.4f}", f"{c['window_gap']:.2%}", band, _fmt_bytes(c["bytes"])))
         parts.append(
             f"Convergence: {conv['steps']} steps, {conv.get('world', 4)} ranks (simulated node size 2), loss of the "
-            f"last {conv['window']} steps, largest gap to stage 3's windowed loss, MiB per step by op@group size\n\n"
-            + markdown_table(("option", "final loss", "max window gap", "MiB/step"), rows)
+            f"last {conv['window']} steps, largest gap to stage 3's windowed loss, largest excursion outside the "
+            f"band of the unquantized runs (plain stage 3 from other initialisations), MiB per step by op@group "
+            "size\n\n"
+            + markdown_table(("option", "final loss", "max window gap", "beyond the seed band", "MiB/step"), rows)
         )
     rows = []
     for t in payload["timings"]:
@@ -317,7 +345,9 @@ def plot(payload: dict[str, Any]) -> None:
     if conv:
         for name, c in conv["cases"].items():
             if "losses" in c:
-                axes[0].plot(c["losses"], label=name, lw=1)
+                seed_run = name.startswith("stage 3 (init seed")  # the unquantized band: grey, dashed
+                style = {"color": "0.6", "ls": "--"} if seed_run else {}
+                axes[0].plot(c["losses"], label=name, lw=1, **style)
         axes[0].set_xlabel("step")
         axes[0].set_ylabel("loss (mean over 4 ranks)")
         axes[0].set_title("stage 3 GPT, 4 ranks: loss with each ZeRO++ option")
@@ -342,8 +372,10 @@ def headlines(payload: dict[str, Any]) -> list[tuple[str, str]]:
     conv = payload.get("convergence")
     if conv:
         for name, c in conv["cases"].items():
-            if "window_gap" in c and name != "stage 3":
+            if "window_gap" in c and not name.startswith("stage 3"):
                 out.append((f"ZeRO++ {name}: loss gap to stage 3 ({conv['steps']} steps)", f"{c['window_gap']:.2%}"))
+            if "band_excess" in c and not name.startswith("stage 3"):
+                out.append((f"ZeRO++ {name}: beyond the unquantized seed band", f"{c['band_excess']:.2%}"))
     return out
 
 
@@ -360,6 +392,12 @@ def main(argv: list[str] | None = None) -> None:
         "--skip-timing", action="store_true", help="convergence only; keep the timings of an existing zeropp.json"
     )
     parser.add_argument(
+        "--seeds", type=int, default=0, help="also train plain stage 3 from this many other initialisations"
+    )
+    parser.add_argument(
+        "--cases", default="", help="comma-separated convergence cases to (re)run, kept beside the previous ones"
+    )
+    parser.add_argument(
         "--conv-shape",
         choices=("small", "e2e"),
         default="small",
@@ -369,9 +407,17 @@ def main(argv: list[str] | None = None) -> None:
     previous = results_dir() / "zeropp.json"
     old = json.loads(previous.read_text()) if previous.exists() else {}
     shape = E2E_CONV_SHAPE if args.conv_shape == "e2e" else CONV_SHAPE
-    payload = run(args.quick, args.steps, not args.skip_convergence, not args.skip_timing, shape)
+    only = {c.strip() for c in args.cases.split(",") if c.strip()}
+    payload = run(args.quick, args.steps, not args.skip_convergence, not args.skip_timing, shape, args.seeds, only)
+    if only and "convergence" in old and "convergence" in payload:  # the other cases from the previous run
+        if old.get("conv_shape") != shape or old["convergence"]["steps"] != args.steps:
+            raise SystemExit("--cases: the previous zeropp.json has another model or step count; rerun every case")
+        payload["convergence"]["cases"] = {**old["convergence"]["cases"], **payload["convergence"]["cases"]}
+    if "convergence" in payload:
+        score_convergence(payload["convergence"]["cases"])
     if args.skip_convergence and "convergence" in old:
         payload["convergence"] = old["convergence"]
+        payload["conv_shape"] = old.get("conv_shape", payload["conv_shape"])  # the model those curves are of
     if args.skip_timing and "timings" in old:
         payload["timings"], payload["time_shape"] = old["timings"], old.get("time_shape")
     text = table(payload)
