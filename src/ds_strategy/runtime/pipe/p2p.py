@@ -15,8 +15,7 @@ negotiates the link, sized from the header (per tensor, as many slots as the 1F1
 messages in flight on that link, ``schedule.link_depth``: a send never waits on a full channel), and
 publishes its name in the store before the header leaves; the receiver attaches after reading the
 header. When /dev/shm has no room for the channel, that link stays on the process group (a warning says
-so). ``DS_STRATEGY_SHM=0`` keeps every payload on the
-process group.
+so). ``DS_STRATEGY_SHM=0`` keeps every payload on the process group.
 """
 
 from __future__ import annotations
