@@ -396,10 +396,10 @@ class PipelineEngine:
         )
 
     # ------------------------------------------------------------------ the rest is the stage's engine
-    def destroy(self) -> None:
-        """Unmap the shared-memory channels, then release the stage engine's resources."""
+    def destroy(self, *, release_params: bool = True) -> None:
+        """Unmap the shared-memory channels, then release the stage engine's resources (``ZeroEngine.destroy``)."""
         self.link.close()
-        self.engine.destroy()
+        self.engine.destroy(release_params=release_params)
 
     def __getattr__(self, name: str) -> Any:
         if name == "engine":
