@@ -58,15 +58,19 @@ def _train(
     from ds_strategy.utils import safe_get_full_fp32_param
 
     weights = {n: safe_get_full_fp32_param(p).clone() for n, p in module.named_parameters()}
+    channels = len(engine.link.channels)
+    norm = engine.get_global_grad_norm()
+    engine.destroy()
     return {
+        "channels_after_destroy": len(engine.link.channels),
         "losses": losses,
         "weights": weights,
         "first": engine.is_first_stage(),
         "last": engine.is_last_stage(),
         "negotiations": engine.link.negotiations,
-        "channels": len(engine.link.channels),
+        "channels": channels,
         "room_warnings": sum("/dev/shm has" in str(w.message) for w in caught),
-        "norm": engine.get_global_grad_norm(),
+        "norm": norm,
     }
 
 
@@ -99,10 +103,11 @@ def test_pipeline_matches_one_process(world: int, gas: int, clip: float, zero: i
         # one header per link direction: the activation link and the gradient link, never per micro-batch
         assert r["negotiations"] == 2
         assert r["channels"] == (2 if shm == "1" else 0)
-    if shm == "no room":  # the sending end of each link warned: stage 0 for activations, stage 1 for gradients
-        assert [r["room_warnings"] for r in results] == [1, 1]
+        assert r["channels_after_destroy"] == 0
         for name, value in r["weights"].items():
             torch.testing.assert_close(value, ref_weights[name], rtol=0, atol=1e-6, msg=name)
+    if shm == "no room":  # the sending end of each link warned: stage 0 for activations, stage 1 for gradients
+        assert [r["room_warnings"] for r in results] == [1, 1]
     # every parameter of the reference lives on some stage; the tied one on both, identical
     names = set().union(*(r["weights"] for r in results))
     assert names == set(ref_weights)
