@@ -200,11 +200,7 @@ def _time_deepspeed(rank: int, world: int, name: str, shape: dict[str, int]) -> 
 
 
 def _window_gap(losses: list[float], base: list[float]) -> float:
-    gaps = []
-    for i in range(0, len(base), WINDOW):
-        a, b = losses[i : i + WINDOW], base[i : i + WINDOW]
-        gaps.append(abs(sum(a) / len(a) - sum(b) / len(b)) / (sum(b) / len(b)))
-    return max(gaps)
+    return max(abs(a - b) / b for a, b in zip(_windows(losses), _windows(base), strict=True))
 
 
 def _windows(losses: list[float]) -> list[float]:

@@ -77,9 +77,6 @@ char* Channel::slot(uint64_t k) const {
          static_cast<int64_t>(k % static_cast<uint64_t>(slots_)) * (kSizeWord + slot_bytes_);
 }
 
-uint64_t Channel::produced() const { return side(true).count.load(std::memory_order_acquire); }
-uint64_t Channel::consumed() const { return side(false).count.load(std::memory_order_acquire); }
-
 bool Channel::wait_for(ChannelSide& other, uint64_t target, double seconds, const char* what) {
   for (int spins = 0; spins < kSpins; ++spins) {  // a peer on another core usually moves within microseconds
     if (other.count.load(std::memory_order_acquire) >= target) return true;
@@ -95,11 +92,7 @@ bool Channel::wait_for(ChannelSide& other, uint64_t target, double seconds, cons
     }
     const double waited = std::chrono::duration<double>(clock::now() - start).count();
     if (waited >= seconds) return false;
-    // seq_cst pairs with the publisher's store-then-load of `sleepers`: either it sees us or we see its count.
-    other.sleepers.fetch_add(1, std::memory_order_seq_cst);
-    const uint64_t seen = other.count.load(std::memory_order_seq_cst);
-    if (seen < target) futex_wait(&other.count, seen, std::min(0.05, seconds - waited));
-    other.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    sleep_below(other.count, other.sleepers, target, std::min(0.05, seconds - waited));
   }
 }
 
@@ -114,8 +107,7 @@ bool Channel::send(const void* data, int64_t bytes, double seconds) {
   *reinterpret_cast<int64_t*>(s) = bytes;
   std::memcpy(s + kSizeWord, data, static_cast<size_t>(bytes));
   ChannelSide& me = side(true);
-  me.count.store(k + 1, std::memory_order_seq_cst);  // release: the bytes above are visible before the count
-  if (me.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&me.count);
+  publish(me.count, me.sleepers, k + 1);  // a release: the bytes above are visible before the count
   next_ = k + 1;
   return true;
 }
@@ -130,8 +122,7 @@ bool Channel::recv(void* data, int64_t bytes, double seconds) {
               " (the two ends disagree on the negotiated shapes)");
   std::memcpy(data, s + kSizeWord, static_cast<size_t>(bytes));
   ChannelSide& me = side(false);
-  me.count.store(k + 1, std::memory_order_seq_cst);
-  if (me.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&me.count);
+  publish(me.count, me.sleepers, k + 1);  // the bytes were read out before the slot is handed back
   next_ = k + 1;
   return true;
 }

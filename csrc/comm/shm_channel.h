@@ -38,12 +38,8 @@ class Channel {
   Channel(const std::string& name, int64_t slots, int64_t slot_bytes);
 
   const std::string& name() const { return name_; }
-  bool producer() const { return producer_; }
   int64_t slots() const { return slots_; }
   int64_t slot_bytes() const { return slot_bytes_; }
-  bool linked() const { return segment_.linked(); }
-  uint64_t produced() const;
-  uint64_t consumed() const;
 
   // Copy `bytes` (at most slot_bytes) into the next slot; false when no slot freed up within `seconds`.
   bool send(const void* data, int64_t bytes, double seconds);

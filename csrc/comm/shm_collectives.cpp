@@ -283,10 +283,7 @@ void Communicator::check_peers(const char* op) const {
 void Communicator::barrier(const char* op) {
   const uint64_t target = ++arrivals_;
   RankControl& me = control(rank_);
-  // seq_cst on both sides (here: store arrived, load sleepers; a sleeper: add sleepers, load arrived) so
-  // that either the sleeper sees the new count or we see the sleeper and wake it: no lost wake-up.
-  me.arrived.store(target, std::memory_order_seq_cst);
-  if (me.sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&me.arrived);
+  publish(me.arrived, me.sleepers, target);  // no lost wake-up: see shm_wait.h
   using clock = std::chrono::steady_clock;
   const auto start = clock::now();
   auto last_liveness = start;
@@ -309,10 +306,7 @@ void Communicator::barrier(const char* op) {
     // rank we wait for may need this very core. Slices of at most 50 ms keep the timeout and the
     // dead-peer check going.
     RankControl& peer = control(next);
-    peer.sleepers.fetch_add(1, std::memory_order_seq_cst);
-    const uint64_t seen = peer.arrived.load(std::memory_order_seq_cst);
-    if (seen < target) futex_wait(&peer.arrived, seen, std::min(0.05, timeout_s_ - waited + 1e-3));
-    peer.sleepers.fetch_sub(1, std::memory_order_seq_cst);
+    sleep_below(peer.arrived, peer.sleepers, target, std::min(0.05, timeout_s_ - waited + 1e-3));
   }
 }
 
@@ -321,9 +315,8 @@ void Communicator::fail_waiting(const char* op, uint64_t target, bool dead_only)
   for (int r = 0; r < world_; ++r) {
     if (control(r).arrived.load(std::memory_order_acquire) >= target) continue;
     missing.push_back(r);
-    if (peer_exited(control(r).pid.load(std::memory_order_relaxed), control(r).pid_ns.load(std::memory_order_relaxed))) {
-      dead.push_back(r);
-    }
+    const RankControl& c = control(r);
+    if (peer_exited(c.pid.load(std::memory_order_relaxed), c.pid_ns.load(std::memory_order_relaxed))) dead.push_back(r);
   }
   if (missing.empty()) return;  // arrived meanwhile
   if (dead_only && dead.empty()) return;

@@ -141,13 +141,8 @@ class ShmChannel : public torch::CustomClassHolder {
       : chan_(std::make_unique<Channel>(name, slots, slot_bytes)) {}
 
   std::string name() { return get("name").name(); }
-  bool producer() { return get("producer").producer(); }
   int64_t slots() { return get("slots").slots(); }
   int64_t slot_bytes() { return get("slot_bytes").slot_bytes(); }
-  bool linked() { return get("linked").linked(); }
-  int64_t produced() { return static_cast<int64_t>(get("produced").produced()); }
-  int64_t consumed() { return static_cast<int64_t>(get("consumed").consumed()); }
-  bool closed() { return chan_ == nullptr; }
   void close() { chan_.reset(); }
 
   bool send(at::Tensor tensor, double seconds) {
@@ -196,13 +191,8 @@ TORCH_LIBRARY_FRAGMENT(ds_strategy, m) {
   m.class_<ShmChannel>("ShmChannel")
       .def(torch::init<std::string, int64_t, int64_t>())
       .def("name", &ShmChannel::name)
-      .def("producer", &ShmChannel::producer)
       .def("slots", &ShmChannel::slots)
       .def("slot_bytes", &ShmChannel::slot_bytes)
-      .def("linked", &ShmChannel::linked)
-      .def("produced", &ShmChannel::produced)
-      .def("consumed", &ShmChannel::consumed)
-      .def("closed", &ShmChannel::closed)
       .def("close", &ShmChannel::close)
       .def("send", &ShmChannel::send)
       .def("recv", &ShmChannel::recv);

@@ -1,6 +1,7 @@
 // shm_wait.h: the waiting primitives shared by the shared-memory collectives and channels: a CPU pause
-// for short spins, a futex sleep / wake on the low half of a 64-bit counter in shared memory, and the
-// dead-peer test (a pid only compares within one pid namespace).
+// for short spins, a futex sleep / wake on the low half of a 64-bit counter in shared memory (and the
+// publish / sleep_below pair built on it), and the dead-peer test (a pid only compares within one pid
+// namespace).
 #pragma once
 
 #include <linux/futex.h>
@@ -44,6 +45,23 @@ inline void futex_wait(std::atomic<uint64_t>* counter, uint64_t seen, double sec
   ts.tv_nsec = static_cast<long>((seconds - static_cast<double>(ts.tv_sec)) * 1e9);
   // Returns at once when the word no longer holds `seen` (EAGAIN), on a wake, a signal or the timeout.
   syscall(SYS_futex, futex_word(counter), FUTEX_WAIT, static_cast<uint32_t>(seen), &ts, nullptr, 0);
+}
+
+// The two halves of a sleep on a shared counter with no lost wake-up. Both sides are seq_cst (the
+// publisher stores the counter, then loads `sleepers`; a sleeper adds itself to `sleepers`, then loads the
+// counter), so either the sleeper sees the new value or the publisher sees the sleeper and wakes it.
+inline void publish(std::atomic<uint64_t>& counter, std::atomic<uint32_t>& sleepers, uint64_t value) {
+  counter.store(value, std::memory_order_seq_cst);  // also a release: writes before it are visible first
+  if (sleepers.load(std::memory_order_seq_cst) != 0) futex_wake_all(&counter);
+}
+
+// Sleep while `counter` is below `target`, at most `seconds`; returns on a change, a wake-up or the timeout.
+inline void sleep_below(std::atomic<uint64_t>& counter, std::atomic<uint32_t>& sleepers, uint64_t target,
+                        double seconds) {
+  sleepers.fetch_add(1, std::memory_order_seq_cst);
+  const uint64_t seen = counter.load(std::memory_order_seq_cst);
+  if (seen < target) futex_wait(&counter, seen, seconds);
+  sleepers.fetch_sub(1, std::memory_order_seq_cst);
 }
 
 inline uint64_t own_pid_namespace() {

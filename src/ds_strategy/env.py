@@ -125,6 +125,11 @@ def get(name: str, default: str | None = None) -> str | None:
     return os.environ.get(name, default)
 
 
+def is_off(name: str) -> bool:
+    """A switch that defaults to on: true when the variable is set to 0, false, no or off (any case)."""
+    return (get(name) or "1").strip().lower() in ("0", "false", "no", "off")
+
+
 def markdown_table() -> str:
     rows = ["| variable | default | meaning | read by |", "| --- | --- | --- | --- |"]
     rows += [f"| `{v.name}` | {v.default} | {v.meaning} | `{v.reader}` |" for v in _VARS]

@@ -10,13 +10,14 @@ time (4 processes on this 2-core machine: shorter, and the exits meet more varie
 from __future__ import annotations
 
 import os
-import socket
 import subprocess
 import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
+
+from tests.launcher.common import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "uneven_exit.py"
 # (KIND, STAGE, PREC, OFFLOAD): the cases the issue names.
@@ -45,9 +46,7 @@ def _launch(index: int, tmp_path: Path) -> tuple[int, str]:
         "CKPT_DIR": str(tmp_path / f"ckpt{index}"),
         "OMP_NUM_THREADS": "1",
     }
-    with socket.socket() as s:  # two launches at a time: each on its own port
-        s.bind(("127.0.0.1", 0))
-        port = s.getsockname()[1]
+    port = free_port()  # two launches at a time: each on its own port
     cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
     cmd.append(str(SCRIPT))
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)

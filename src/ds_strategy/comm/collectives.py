@@ -185,7 +185,7 @@ class Communicator:
         self._device_backends = _parse_backend(self.backend)
         self.fast_path: FastPath | None = self._open_fast_path(fast_path)
         # async_op fast-path calls run on one background thread (see [Note: asynchronous fast path]).
-        off = _env_off(SHM_ASYNC_ENV)
+        off = env.is_off(SHM_ASYNC_ENV)
         # Not for an injected fast path: a test double may itself use torch.distributed, which must stay
         # on the caller's thread.
         injected = fast_path is not None and not isinstance(fast_path, bool)
@@ -207,7 +207,7 @@ class Communicator:
             return None
         if fast_path is not None and fast_path is not True:
             return fast_path  # injected
-        if fast_path is None and _env_off(SHM_ENV):
+        if fast_path is None and env.is_off(SHM_ENV):
             return None
         opened = None if self.world_size == 1 else _create_shm(self.group)
         if opened is None and fast_path is True:
@@ -524,10 +524,6 @@ def _overlap(a: torch.Tensor, b: torch.Tensor) -> bool:
         return False
     a0, b0 = a.data_ptr(), b.data_ptr()
     return a0 < b0 + b.numel() * b.element_size() and b0 < a0 + a.numel() * a.element_size()
-
-
-def _env_off(name: str) -> bool:
-    return (env.get(name) or "1").strip().lower() in ("0", "false", "no", "off")
 
 
 def reduce_op_name(op: ReduceOpLike) -> str:

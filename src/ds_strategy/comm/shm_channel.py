@@ -45,12 +45,19 @@ def shm_free_bytes() -> int | None:
 
 def _channel_class() -> Any:
     """The compiled ``ShmChannel`` class, or None when the CPU kernels cannot be loaded or shm is off."""
-    if (env.get(env.SHM) or "1").strip().lower() in ("0", "false", "no", "off"):
+    if env.is_off(env.SHM):
         return None
     try:
         return torch.classes.ds_strategy.ShmChannel if kernel_class() is not None else None
     except Exception:  # a failed build: the process-group path carries the messages instead
         return None
+
+
+def _available_class() -> Any:
+    kernel = _channel_class()
+    if kernel is None:
+        raise RuntimeError("shared-memory channels are unavailable (DS_STRATEGY_SHM=0 or no CPU kernels)")
+    return kernel
 
 
 def same_host_peers(peers: Iterable[int | None], group: dist.ProcessGroup | None = None) -> frozenset[int]:
@@ -75,18 +82,12 @@ class ShmChannel:
     @classmethod
     def create(cls, slots: int, slot_bytes: int, timeout: float | None = None) -> ShmChannel:
         """The sending end, with room for ``slots`` unread messages of up to ``slot_bytes`` bytes each."""
-        kernel = _channel_class()
-        if kernel is None:
-            raise RuntimeError("shared-memory channels are unavailable (DS_STRATEGY_SHM=0 or no CPU kernels)")
-        return cls(kernel("", int(slots), max(1, int(slot_bytes))), timeout)
+        return cls(_available_class()("", int(slots), max(1, int(slot_bytes))), timeout)
 
     @classmethod
     def attach(cls, name: str, timeout: float | None = None) -> ShmChannel:
         """The receiving end of the channel the sender published as ``name``."""
-        kernel = _channel_class()
-        if kernel is None:
-            raise RuntimeError("shared-memory channels are unavailable (DS_STRATEGY_SHM=0 or no CPU kernels)")
-        return cls(kernel(name, 0, 0), timeout)
+        return cls(_available_class()(name, 0, 0), timeout)
 
     @property
     def name(self) -> str:
