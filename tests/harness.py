@@ -151,6 +151,10 @@ def _worker_main(
                     # which fails that peer's init ("Connection closed by peer" in connectFullMesh; seen in CI).
                     dist.barrier()
                 value = task.fn(rank, world_size, *task.args, **task.kwargs)
+                if dist.is_initialized():
+                    # No rank tears its groups down while a peer is still connecting one the body made
+                    # (dist.new_group without a collective after it; "Connection closed by peer", seen in CI).
+                    dist.barrier()
                 results.put((task.task_id, rank, _OK, _dumps(value)))
             except pytest.skip.Exception as skipped:
                 results.put((task.task_id, rank, _SKIPPED, skipped.msg))
