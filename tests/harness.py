@@ -108,6 +108,19 @@ def _patched_env(env: dict[str, str]) -> Iterator[None]:
 _OK, _FAILED, _SKIPPED = "ok", "failed", "skipped"
 
 
+def _all_ranks_done(timeout: float, world_size: int) -> None:
+    """Wait (in the rendezvous store, not a collective that could pair with one a peer is stuck in) until
+    every rank has finished the body, or the task's time is up. Without it a rank could tear its groups
+    down while a peer is still connecting one the body made with ``dist.new_group`` and no collective after
+    it ("Connection closed by peer" in connectFullMesh; seen in CI). Results are already sent: a peer that
+    never arrives (failed, hanging) delays only this worker, whose pool is then replaced."""
+    store = dist.distributed_c10d._get_default_store()
+    deadline = time.monotonic() + timeout
+    store.add("harness_done", 1)
+    while store.add("harness_done", 0) < world_size and time.monotonic() < deadline:
+        time.sleep(0.005)
+
+
 def _worker_main(
     rank: int,
     world_size: int,
@@ -151,10 +164,6 @@ def _worker_main(
                     # which fails that peer's init ("Connection closed by peer" in connectFullMesh; seen in CI).
                     dist.barrier()
                 value = task.fn(rank, world_size, *task.args, **task.kwargs)
-                if dist.is_initialized():
-                    # No rank tears its groups down while a peer is still connecting one the body made
-                    # (dist.new_group without a collective after it; "Connection closed by peer", seen in CI).
-                    dist.barrier()
                 results.put((task.task_id, rank, _OK, _dumps(value)))
             except pytest.skip.Exception as skipped:
                 results.put((task.task_id, rank, _SKIPPED, skipped.msg))
@@ -162,6 +171,7 @@ def _worker_main(
                 results.put((task.task_id, rank, _FAILED, traceback.format_exc()))
             finally:
                 if dist.is_initialized():
+                    _all_ranks_done(task.timeout, world_size)
                     dist.destroy_process_group()
 
 

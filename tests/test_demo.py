@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import gc
+import mmap
 import os
 import subprocess
 import sys
@@ -153,10 +154,14 @@ def test_rank_memory_sees_an_allocation_and_resets() -> None:
     if not reset_peak_memory():
         pytest.skip("this platform cannot reset the peak RSS")
     rss_before, _ = rank_memory()
-    block = torch.ones(64 * MIB // 4)  # 64 MiB, touched
+    # 64 MiB of fresh pages, touched: a tensor could reuse a block glibc kept resident from an earlier test
+    # (seen in CI: RSS unchanged), a new anonymous mapping cannot.
+    mapping = mmap.mmap(-1, 64 * MIB)
+    block = torch.frombuffer(mapping, dtype=torch.uint8).fill_(1)
     rss, peak = rank_memory()
     assert rss >= rss_before + 60 * MIB and peak >= rss
     del block
+    mapping.close()
     assert reset_peak_memory()
     rss, peak = rank_memory()
     assert peak < rss + 16 * MIB  # the mark restarted from the current RSS
