@@ -40,6 +40,20 @@ def peak_rss_bytes() -> int:
     return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
 
 
+def file_backed_rss_bytes() -> int:
+    """This process's resident pages that map files (RssFile: shared libraries' code and data, mapped
+    files; not /dev/shm segments, which count as RssShmem). They only grow as new code paths run, so at
+    the end of a run this bounds what they were at its peak; 0 where /proc is missing."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("RssFile:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return 0
+
+
 def peak_step_tensor_bytes(step: Callable[[], None]) -> int:
     """Peak bytes of CPU tensor memory that ``step()`` allocates and has not yet freed, from the profiler's
     per-allocation records in time order: what the step's tensors need, without the allocator's retention
