@@ -85,6 +85,7 @@ OVERHEAD_MAX = 1.4  # issue 20, criterion 4: within 1.4x of the same stage witho
 
 NONE, NON_REENTRANT, REENTRANT = "none", "non-reentrant", "reentrant"
 Case = tuple[str, str, int, str]  # (label, peer, stage, checkpointing)
+Group = tuple[int, tuple[str, ...]]  # (stage, peers): engines interleaved in one pair of processes
 
 
 def label(peer: str, stage: int | None, ckpt: str) -> str:
@@ -171,10 +172,10 @@ def _flavours(peer: str) -> tuple[str, ...]:
     )
 
 
-def _paired(rank: int, world: int, group: tuple[str, ...], shape: dict[str, int], steps: int) -> dict:
+def _paired(rank: int, world: int, group: Group, shape: dict[str, int], steps: int) -> dict:
     """One engine per (peer, checkpointing flavour) of ``group`` (peers at one stage) in the same
     processes, their steps interleaved in an order that rotates every step: per-step seconds of each."""
-    stage, peers = int(group[0]), group[1:]
+    stage, peers = group
     runs, batches = {}, []
     for peer in peers:
         for ckpt in _flavours(peer):
@@ -192,19 +193,19 @@ def _paired(rank: int, world: int, group: tuple[str, ...], shape: dict[str, int]
     return {f"{peer}\t{ckpt}": v for (peer, ckpt), v in times.items()}
 
 
-def paired_groups(cases: list[Case]) -> list[tuple[str, ...]]:
-    """(stage, peers...) per stage, every peer measured at it; torch FSDP2 in a group of its own."""
-    out = []
+def paired_groups(cases: list[Case]) -> list[Group]:
+    """(stage, peers) per stage, every peer measured at it; torch FSDP2 in a group of its own."""
+    out: list[Group] = []
     for stage in STAGES:
         peers = sorted({peer for _, peer, st, _ in cases if st == stage and peer != "torch FSDP2"}, reverse=True)
         if peers:
-            out.append((str(stage), *peers))
+            out.append((stage, tuple(peers)))
     if any(peer == "torch FSDP2" for _, peer, _, _ in cases):
-        out.append(("3", "torch FSDP2"))
+        out.append((3, ("torch FSDP2",)))
     return out
 
 
-def run_paired(groups: list[tuple[str, ...]], shape: dict[str, int], steps: int, fresh: bool) -> dict[str, Any]:
+def run_paired(groups: list[Group], shape: dict[str, int], steps: int, fresh: bool) -> dict[str, Any]:
     """Per (peer, stage): the slowest rank's seconds per step of each flavour and the median over steps of
     the ratio with / without checkpointing. Every peer of a stage runs in the same two processes, its
     steps interleaved with the others': load from other work hits all of a step's engines alike, so these
@@ -212,14 +213,13 @@ def run_paired(groups: list[tuple[str, ...]], shape: dict[str, int], steps: int,
     the peak RSS."""
     out: dict[str, Any] = {}
     for group, per_rank in run_each(_paired, WORLD, groups, shape, steps, fresh=fresh):
-        stage, peers = int(group[0]), group[1:]
-        if isinstance(per_rank, Exception):
-            for peer in peers:
-                print(f"{_key({'peer': peer, 'stage': stage})} (interleaved): failed: {per_rank}", flush=True)
-                out[_key({"peer": peer, "stage": stage})] = {"error": str(per_rank)}
-            continue
+        stage, peers = group
         for peer in peers:
             name = _key({"peer": peer, "stage": stage})
+            if isinstance(per_rank, Exception):
+                print(f"{name} (interleaved): failed: {per_rank}", flush=True)
+                out[name] = {"error": str(per_rank)}
+                continue
             slowest = {
                 ckpt: [max(r[f"{peer}\t{ckpt}"][i] for r in per_rank) for i in range(steps)] for ckpt in _flavours(peer)
             }

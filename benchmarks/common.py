@@ -26,32 +26,31 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+def _status_bytes(field: str) -> int | None:
+    """A size field of /proc/self/status (reported in KiB) in bytes; None where it is missing."""
+    try:
+        with open("/proc/self/status", encoding="ascii") as f:
+            for line in f:
+                if line.startswith(f"{field}:"):
+                    return int(line.split()[1]) * 1024
+    except OSError:
+        pass
+    return None
+
+
 def peak_rss_bytes() -> int:
     """This process's peak RSS. Linux: VmHWM, the high-water mark of the current address space. Not
     ru_maxrss: that keeps the RSS of the pre-exec copy of the parent, so a rank spawned by a parent that has
     grown (run_all runs the optimizer benchmark in-process first) would report the parent's size."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("VmHWM:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux reports KiB
+    hwm = _status_bytes("VmHWM")
+    return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
 
 
 def file_backed_rss_bytes() -> int:
     """This process's resident pages that map files (RssFile: shared libraries' code and data, mapped
     files; not /dev/shm segments, which count as RssShmem). They only grow as new code paths run, so at
     the end of a run this bounds what they were at its peak; 0 where /proc is missing."""
-    try:
-        with open("/proc/self/status", encoding="ascii") as f:
-            for line in f:
-                if line.startswith("RssFile:"):
-                    return int(line.split()[1]) * 1024
-    except OSError:
-        pass
-    return 0
+    return _status_bytes("RssFile") or 0
 
 
 def peak_step_tensor_bytes(step: Callable[[], None]) -> int:
