@@ -45,7 +45,17 @@ COLUMNS = (
     "bucket all-gathers per call",
     "tokens = DDP",
 )
-CASES = ("torch DDP", "ds_strategy stage 3 (plain hooks)", "ds_strategy stage 3 + hybrid engine")
+CASES = (
+    "torch DDP",
+    "ds_strategy stage 3 (plain hooks)",
+    "ds_strategy stage 3 + hybrid engine",
+    "ds_strategy stage 3 + hybrid engine, inference_tp_size 2",
+)
+TP_CASE = CASES[3]  # needs 2 ranks: not in the one-GPU run
+
+
+def _cases(world: int) -> tuple[str, ...]:
+    return CASES if world >= 2 else CASES[:3]
 
 
 def _config(case: str) -> dict[str, Any]:
@@ -55,9 +65,11 @@ def _config(case: str) -> dict[str, Any]:
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
         "zero_optimization": zero,
     }
-    if case.endswith("hybrid engine"):
+    if "hybrid engine" in case:
         zero["stage3_max_live_parameters"] = 1_000_000_000  # the memory rule: the whole model may be live
         cfg["hybrid_engine"] = {"enabled": True, "pin_parameters": False, "max_out_tokens": 256}
+    if case == TP_CASE:  # the two ranks generate their 8 prompts together, each reading half of every weight
+        cfg["hybrid_engine"]["inference_tp_size"] = 2
     return cfg
 
 
@@ -88,11 +100,11 @@ def _generate(rank: int, world: int, _item: str, quick: bool, device: str) -> di
     prompt = torch.randint(0, 256, (BATCH, PROMPT), generator=torch.Generator().manual_seed(100 + rank))
     prompt = prompt.to(device)  # the engines place the model where they run (the current CUDA device)
     callers = {}
-    for case in CASES:
+    for case in _cases(world):
         model, _ = model_and_batches(shape, 0, rank)  # seed 0: the same weights in every case
         callers[case] = _caller(case, model.gpt, prompt)
         callers[case][0](2)  # warm-up: allocator, kernels, the host pool
-    times: dict[str, list[float]] = {case: [] for case in CASES}
+    times: dict[str, list[float]] = {case: [] for case in callers}
     gathers: dict[str, int] = {}
     tokens: dict[str, list[Any]] = {}
     for _ in range(REPEATS):
@@ -113,7 +125,7 @@ def _generate(rank: int, world: int, _item: str, quick: bool, device: str) -> di
     return {
         case: {"seconds": min(times[case]), "all_seconds": times[case], "tokens": tokens[case],
                "gathers_per_call": gathers.get(case)}
-        for case in CASES
+        for case in callers
     }  # fmt: skip
 
 
@@ -124,7 +136,7 @@ def run(quick: bool, device: str = "cpu", world: int | None = None) -> dict[str,
     backend = "nccl" if device == "cuda" else "gloo"
     records = []
     for _, result in run_each(_generate, world, ["all cases"], quick, device, backend=backend):
-        for case in CASES:
+        for case in _cases(world):
             if isinstance(result, Exception):
                 records.append({"case": case, "error": f"{type(result).__name__}: {result}"})
                 continue
@@ -158,6 +170,15 @@ def run(quick: bool, device: str = "cpu", world: int | None = None) -> dict[str,
         derived["median_ddp_speedup_vs_hybrid"] = (
             ddp["median_tokens_per_s_per_rank"] / hybrid["median_tokens_per_s_per_rank"]
         )
+    tp = by.get(TP_CASE)
+    if plain and tp:
+        derived["tp_speedup_vs_plain_stage3"] = tp["tokens_per_s_per_rank"] / plain["tokens_per_s_per_rank"]
+        derived["median_tp_speedup_vs_plain_stage3"] = (
+            tp["median_tokens_per_s_per_rank"] / plain["median_tokens_per_s_per_rank"]
+        )
+    if ddp and tp:
+        derived["ddp_speedup_vs_tp"] = ddp["tokens_per_s_per_rank"] / tp["tokens_per_s_per_rank"]
+        derived["median_ddp_speedup_vs_tp"] = ddp["median_tokens_per_s_per_rank"] / tp["median_tokens_per_s_per_rank"]
     for r in records:
         r.pop("tokens", None)
     return {
@@ -200,6 +221,10 @@ def table(payload: dict[str, Any]) -> str:
     if "ddp_speedup_vs_hybrid" in d:
         lines.append(f"DDP vs hybrid engine: {d['ddp_speedup_vs_hybrid']:.2f}x best, "
                      f"{d['median_ddp_speedup_vs_hybrid']:.2f}x median (target <= 1.2x).")  # fmt: skip
+    if "tp_speedup_vs_plain_stage3" in d:
+        lines.append(f"Hybrid engine with inference_tp_size 2 vs plain stage 3: {d['tp_speedup_vs_plain_stage3']:.2f}x "
+                     f"best, {d['median_tp_speedup_vs_plain_stage3']:.2f}x median; DDP vs it: "
+                     f"{d['ddp_speedup_vs_tp']:.2f}x best, {d['median_ddp_speedup_vs_tp']:.2f}x median.")  # fmt: skip
     return "\n".join(lines)
 
 
@@ -234,6 +259,9 @@ def headlines(payload: dict[str, Any]) -> list[tuple[str, str]]:
         out.append(("hybrid engine vs plain stage 3: tokens/s", f"{d['hybrid_speedup_vs_plain_stage3']:.2f}x"))
     if "ddp_speedup_vs_hybrid" in d:
         out.append(("torch DDP vs hybrid engine: tokens/s", f"{d['ddp_speedup_vs_hybrid']:.2f}x"))
+    if "tp_speedup_vs_plain_stage3" in d:
+        out.append(("hybrid engine, inference_tp_size 2, vs plain stage 3: tokens/s",
+                    f"{d['tp_speedup_vs_plain_stage3']:.2f}x"))  # fmt: skip
     for r in payload.get("cases", []):
         if "error" not in r:
             out.append((f"{r['case']}: tokens/s per rank", f"{r['tokens_per_s_per_rank']:.1f}"))

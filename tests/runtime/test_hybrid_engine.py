@@ -277,12 +277,13 @@ def test_max_out_tokens_generate_fn_partition_size_and_memory_rule() -> None:
         assert r["pool_cached_False"] > 0 and r["pool_cached_True"] == 0
 
 
-def test_config_refuses_tensor_parallel_generation_and_types_the_block() -> None:
+def test_config_accepts_tensor_parallel_generation_and_types_the_block() -> None:
     from ds_strategy.config import ConfigError, load_config
 
-    with pytest.raises(ConfigError, match=r"hybrid_engine\.inference_tp_size") as err:
-        load_config({"train_micro_batch_size_per_gpu": 1, "hybrid_engine": {"inference_tp_size": 2}}, world_size=1)
-    assert "no tensor parallelism" in str(err.value)
+    cfg = load_config({"train_micro_batch_size_per_gpu": 1, "hybrid_engine": {"inference_tp_size": 2}}, world_size=2)
+    assert cfg.hybrid_engine.inference_tp_size == 2
+    with pytest.raises(ConfigError, match=r"hybrid_engine\.inference_tp_size"):
+        load_config({"train_micro_batch_size_per_gpu": 1, "hybrid_engine": {"inference_tp_size": 0}}, world_size=1)
     with pytest.raises(ConfigError, match=r"hybrid_engine\.max_out_tokens"):
         load_config({"train_micro_batch_size_per_gpu": 1, "hybrid_engine": {"max_out_tokens": 0}}, world_size=1)
     cfg = load_config(
@@ -291,6 +292,128 @@ def test_config_refuses_tensor_parallel_generation_and_types_the_block() -> None
     )
     assert cfg.hybrid_engine.enabled and not cfg.hybrid_engine.pin_parameters
     assert cfg.hybrid_engine.max_out_tokens == 512 and cfg.hybrid_engine.tp_gather_partition_size == 8
+
+
+TP = {"enabled": True, "pin_parameters": False, "inference_tp_size": 2}
+
+
+def _generate_split(engine: Any, model: Any, rank: int) -> tuple[torch.Tensor, list[tuple[int, int]], torch.Tensor]:
+    """Greedy tokens; the (rows of the MLP's first weight, batch) seen inside the call; the joint batch a
+    sampling call generated (both ranks of the group must sample it alike: one seed per call)."""
+    widths: list[tuple[int, int]] = []
+    hook = (
+        model.blocks[0].mlp[0].register_forward_hook(lambda m, i, o: widths.append((m.weight.shape[0], i[0].shape[0])))
+    )
+    got = engine.generate(_prompt(rank), NEW, do_sample=False)
+    hook.remove()
+    joint: list[torch.Tensor] = []
+    engine.generate(_prompt(rank), NEW, generate_fn=lambda p, n: joint.append(model.generate(p, n)) or p)
+    return got, widths, joint[0]
+
+
+def _tensor_parallel(rank: int, world: int) -> dict[str, Any]:
+    import ds_strategy
+    from ds_strategy.config import ConfigError
+
+    out: dict[str, Any] = {"expected": _gpt().eval().generate(_prompt(rank), NEW, do_sample=False)}
+    for name, cfg in (
+        ("stage2", _config(2, TP)),
+        ("stage3", _config(3, TP)),
+        ("stage3-pinned", _config(3, {**TP, "pin_parameters": True})),
+    ):
+        model = _gpt()
+        engine, *_ = ds_strategy.initialize(model=model, config=cfg)
+        engine.eval()
+        got, widths, joint = _generate_split(engine, model, rank)
+        out[name] = {
+            "got": got,
+            "widths": sorted(set(widths)),
+            "restored": [tuple(p.shape) for p in model.parameters()],
+            "sampled": joint,
+        }
+        engine.train()  # a training step after generating: the weights are whole again
+        loss = engine(_prompt(rank)).float().mean()
+        engine.backward(loss)
+        engine.step()
+        out[name]["trained"] = True
+        engine.destroy()
+
+    # Prompts of different shapes in one group: every rank raises (no hang).
+    engine, *_ = ds_strategy.initialize(model=_gpt(), config=_config(3, TP))
+    with pytest.raises(ValueError, match="different shapes") as err:
+        engine.generate(_prompt(rank, batch=1 + rank), 2, do_sample=False)
+    out["shape_error"] = str(err.value)
+    engine.destroy()
+    # A model without a plan, or a size that does not divide the ranks: a ConfigError naming the key.
+    errors = []
+    for model, size in ((torch.nn.Sequential(torch.nn.Linear(4, 4)), 2), (_gpt(), 3)):
+        with pytest.raises(ConfigError, match=r"hybrid_engine\.inference_tp_size") as err:
+            ds_strategy.initialize(model=model, config=_config(3, {**TP, "inference_tp_size": size}))
+        errors.append(str(err.value))
+    out["config_errors"] = errors
+    return out
+
+
+def test_tensor_parallel_generation_equals_single_process_with_half_the_weights() -> None:
+    results = run_distributed(_tensor_parallel, world_size=2, timeout=180)
+    for r in results:
+        for name in ("stage2", "stage3", "stage3-pinned"):
+            got = r[name]
+            torch.testing.assert_close(got["got"], r["expected"], rtol=0, atol=0, msg=name)
+            # Inside the call: half of the 128 hidden units per rank, the two ranks' prompts as one batch.
+            assert got["widths"] == [(64, 4)], (name, got["widths"])
+            assert got["trained"]
+        assert r["stage2"]["restored"] == [tuple(p.shape) for p in _gpt().parameters()]
+        assert all(shape == (0,) for shape in r["stage3"]["restored"])  # back to 0-element shards
+        assert "pad the prompts" in r["shape_error"]
+        assert "has no tensor-parallel plan" in r["config_errors"][0]
+        assert "3 does not divide the 2 ranks" in r["config_errors"][1]
+    for name in ("stage2", "stage3", "stage3-pinned"):
+        torch.testing.assert_close(results[0][name]["sampled"], results[1][name]["sampled"], rtol=0, atol=0)
+        assert results[0][name]["sampled"].shape == (4, 4 + NEW)
+
+
+def _hf_tensor_parallel(rank: int, world: int) -> dict[str, Any]:
+    import ds_strategy
+
+    prompt = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(rank))
+    mask = torch.ones_like(prompt)
+    expected = tiny_llama().generate(prompt, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    model = tiny_llama()
+    engine, *_ = ds_strategy.initialize(model=model, config=_config(3, TP))
+    engine.eval()
+    rows: list[int] = []
+    hook = model.model.layers[0].mlp.down_proj.register_forward_hook(lambda m, i, o: rows.append(m.weight.shape[1]))
+    got = engine.generate(prompt, attention_mask=mask, max_new_tokens=4, do_sample=False)
+    hook.remove()
+    dict_out = engine.generate(prompt, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
+    engine.destroy()
+    return {"expected": expected, "got": got, "rows": sorted(set(rows)), "sequences": dict_out.sequences}
+
+
+def test_hf_llama_generates_tensor_parallel_from_its_own_plan() -> None:
+    for r in run_distributed(_hf_tensor_parallel, world_size=2, timeout=180):
+        torch.testing.assert_close(r["got"], r["expected"], rtol=0, atol=0)
+        assert r["rows"] == [32]  # down_proj reads half of the 64 intermediate features per rank
+        torch.testing.assert_close(r["sequences"], r["expected"][:, :7], rtol=0, atol=0)
+
+
+def _four_ranks(rank: int, world: int) -> dict[str, Any]:
+    import ds_strategy
+
+    engine, *_ = ds_strategy.initialize(model=_gpt(), config=_config(3, TP))
+    engine.eval()
+    got = engine.generate(_prompt(rank), NEW, do_sample=False)
+    group = engine.hybrid.tensor_parallel.comm.group
+    members = torch.distributed.get_process_group_ranks(group)
+    engine.destroy()
+    return {"got": got, "expected": _gpt().eval().generate(_prompt(rank), NEW, do_sample=False), "group": members}
+
+
+def test_tensor_parallel_groups_are_consecutive_ranks_of_four() -> None:
+    for rank, r in enumerate(run_distributed(_four_ranks, world_size=4, timeout=180)):
+        torch.testing.assert_close(r["got"], r["expected"], rtol=0, atol=0)
+        assert r["group"] == ([0, 1] if rank < 2 else [2, 3])
 
 
 def _no_generate(rank: int, world: int) -> str:

@@ -359,10 +359,9 @@ SUPPORT: dict[str, Support] = {
     "hybrid_engine": _acted("engine.generate() (docs/hybrid_engine.md)"),
     "hybrid_engine.enabled": _acted("stage 3: gather every partitioned parameter once per engine.generate() call"),
     "hybrid_engine.max_out_tokens": _acted("prompt + new tokens above it make engine.generate() raise"),
-    "hybrid_engine.inference_tp_size": _refused(
-        "ds_strategy has no tensor parallelism: generation runs data-parallel, each rank on its own prompts "
-        "with the whole model (gathered once at stage 3)",
-        when=lambda v: isinstance(v, int) and v > 1,
+    "hybrid_engine.inference_tp_size": _acted(
+        "engine.generate() runs tensor-parallel over groups of this many consecutive ranks, following the "
+        "model's tensor-parallel plan (runtime/inference_tp.py)"
     ),
     "hybrid_engine.release_inference_cache": _acted(
         "after each generate the cached gathered-bucket buffers (host pool, CUDA cache) are returned"

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import nn
@@ -56,10 +56,11 @@ class CachedSelfAttention(nn.MultiheadAttention):
     ) -> tuple[torch.Tensor, torch.Tensor | None]:
         if kv_cache is None:
             return super().forward(query, *args, **kwargs)
-        b, t, d = query.shape
-        heads = self.num_heads
+        b, t, _ = query.shape
+        # Heads counted from the projection's width (not num_heads): tensor-parallel generation gives each
+        # rank a slice of them (runtime/inference_tp.py).
         q, k, v = (
-            y.view(b, t, heads, d // heads).transpose(1, 2)
+            y.view(b, t, -1, self.head_dim).transpose(1, 2)
             for y in F.linear(query, self.in_proj_weight, self.in_proj_bias).chunk(3, dim=-1)
         )
         past = kv_cache.length
@@ -68,8 +69,7 @@ class CachedSelfAttention(nn.MultiheadAttention):
         # position, the usual decoding step, attends to everything: no mask).
         allowed = None if t == 1 else torch.ones(t, past + t, dtype=torch.bool, device=query.device).tril(past)
         out = F.scaled_dot_product_attention(q, k, v, attn_mask=allowed)
-        out = F.linear(out.transpose(1, 2).reshape(b, t, d), self.out_proj.weight, self.out_proj.bias)
-        return out, None
+        return self.out_proj(out.transpose(1, 2).reshape(b, t, -1)), None
 
 
 class Block(nn.Module):
@@ -96,6 +96,16 @@ class Block(nn.Module):
 
 
 class GPT(nn.Module):
+    # How generation splits over hybrid_engine.inference_tp_size ranks (runtime/inference_tp.py): each rank
+    # keeps its heads of the packed q/k/v projection and its columns of the MLP's first layer; the layers
+    # after them read those shares and their partial sums are added across the ranks.
+    tp_plan: ClassVar[dict[str, str]] = {
+        "blocks.*.attn": "packed_qkv_colwise",
+        "blocks.*.attn.out_proj": "rowwise",
+        "blocks.*.mlp.0": "colwise",
+        "blocks.*.mlp.2": "rowwise",
+    }
+
     def __init__(self, cfg: GPTConfig) -> None:
         super().__init__()
         self.cfg = cfg
@@ -135,13 +145,16 @@ class GPT(nn.Module):
     ) -> torch.Tensor:
         """``idx`` followed by ``max_new_tokens`` tokens, sampled (``do_sample``) or greedy. While the sequence
         fits ``block_size`` each step runs the new token only, on a cache of the attention keys and values;
-        beyond it every step reruns the last ``block_size`` tokens."""
+        beyond it every step reruns the last ``block_size`` tokens (through a fresh cache: generation always
+        takes the cached attention path, the one tensor-parallel generation can split)."""
         total = idx.size(1) + max_new_tokens
-        cache = [KVCache(total) for _ in self.blocks] if total <= self.cfg.block_size else None
+        windowed = total > self.cfg.block_size
+        cache = [KVCache(min(total, self.cfg.block_size)) for _ in self.blocks]
         step_input = idx
         for _ in range(max_new_tokens):
-            if cache is None:
+            if windowed:
                 step_input = idx[:, -self.cfg.block_size :]
+                cache = [KVCache(self.cfg.block_size) for _ in self.blocks]
             logits = self(step_input, cache)[:, -1]
             if do_sample:
                 token = torch.multinomial(F.softmax(logits / temperature, dim=-1), 1)

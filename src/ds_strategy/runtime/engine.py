@@ -33,6 +33,7 @@ from ds_strategy.runtime.activation_checkpointing import ModelParallelUnit
 from .compile import Backend, CompiledForwards, check_backend, check_kwargs, compile_regions, mark_leaves
 from .counters import StepCounters
 from .hybrid import GenerateFn, HybridEngine
+from .inference_tp import build_tensor_parallel
 from .moe.engine_moe import EngineMoE
 from .params import (
     OptimizerArg,
@@ -175,6 +176,11 @@ class ZeroEngine(nn.Module):
             max_live_numel=int(config.zero_optimization.stage3_max_live_parameters),
             rank=self.coll.rank,
             report=config.wall_clock_breakdown,
+            tensor_parallel=build_tensor_parallel(
+                module,
+                size=config.hybrid_engine.inference_tp_size if config.hybrid_engine.enabled else 1,
+                coll=self.coll,
+            ),
         )
         if config.compile.enabled:
             self.compile(backend=config.compile.backend, compile_kwargs=dict(config.compile.kwargs))
@@ -653,6 +659,7 @@ class ZeroEngine(nn.Module):
         self.stage.close_swap()  # NVMe offload: its swap files go with the engine
         if self.moe is not None:
             self.moe.close()
+        self.hybrid.close()
         self.coll.close()
 
     def __getattr__(self, name: str) -> Any:

@@ -39,6 +39,7 @@ from torch import nn
 from ds_strategy.accelerator import get_accelerator
 from ds_strategy.config.model import HybridEngineConfig
 
+from .inference_tp import TensorParallelGeneration
 from .zero.base import ZeroStage
 
 log = logging.getLogger("ds_strategy.runtime")
@@ -50,15 +51,25 @@ class HybridEngine:
     """``engine.generate`` and the eval/train bookkeeping of a ``ZeroEngine`` (see the module docstring)."""
 
     def __init__(
-        self, stage: ZeroStage, config: HybridEngineConfig, *, max_live_numel: int, rank: int, report: bool = False
+        self,
+        stage: ZeroStage,
+        config: HybridEngineConfig,
+        *,
+        max_live_numel: int,
+        rank: int,
+        report: bool = False,
+        tensor_parallel: TensorParallelGeneration | None = None,
     ) -> None:
         self.stage = stage
+        # inference_tp_size > 1: generate tensor-parallel (runtime/inference_tp.py); None otherwise.
+        self.tensor_parallel = tensor_parallel if config.enabled else None
         self.config = config
         self.max_live_numel = max_live_numel
         self.rank = rank
         self.report = report  # wall_clock_breakdown: log each cycle's times on rank 0
         self.last_cycle: dict[str, float] = {}  # the last train/generate cycle's seconds (see mode_changed)
         self._warned_fallback = False
+        self._warned_tp_fallback = False
         # Seconds spent since the last eval(): gathering, generating, training (DeepSpeed's latency report).
         self.gather_s = 0.0
         self.generate_s = 0.0
@@ -97,7 +108,7 @@ class HybridEngine:
         start = time.perf_counter()
         if not self.holds_all:
             with self.stage.forward_context():
-                out = fn(*args, **kwargs)
+                out = self._run(fn, args, kwargs, whole=self.stage.partitioned_numel() == 0)
             self.generate_s += time.perf_counter() - start
             return out
         if not self.stage.holding:
@@ -105,7 +116,7 @@ class HybridEngine:
         gathered = time.perf_counter()
         self.gather_s += gathered - start
         try:
-            out = fn(*args, **kwargs)
+            out = self._run(fn, args, kwargs, whole=True)
         finally:
             if not self.config.pin_parameters:
                 self.stage.release_held()
@@ -115,10 +126,31 @@ class HybridEngine:
         self.generate_s += time.perf_counter() - gathered
         return out
 
+    def _run(self, fn: GenerateFn, args: Any, kwargs: dict[str, Any], *, whole: bool) -> Any:
+        """``fn`` itself, or tensor-parallel when asked and every parameter is whole for the call (stages
+        0-2, or stage 3's one-time gather): per-module stage-3 gathers would overwrite the slices."""
+        if self.tensor_parallel is None:
+            return fn(*args, **kwargs)
+        if whole:
+            return self.tensor_parallel.generate(fn, args, kwargs)
+        if not self._warned_tp_fallback and self.rank == 0:
+            log.warning(
+                "hybrid_engine.inference_tp_size: generating data-parallel instead, because stage 3 gathers "
+                "module by module here (the model is above stage3_max_live_parameters); raise it to allow the "
+                "one-time gather that tensor-parallel generation slices"
+            )
+        self._warned_tp_fallback = True
+        return fn(*args, **kwargs)
+
     def release(self) -> None:
         """Free a pinned hold (before the partitions change: optimizer step, checkpoint load, destroy)."""
         if self.stage.holding:
             self.stage.release_held()
+
+    def close(self) -> None:
+        """Close the tensor-parallel group's communicator (engine.destroy)."""
+        if self.tensor_parallel is not None:
+            self.tensor_parallel.close()
 
     def _check_max_out_tokens(self, fn: GenerateFn, args: Any, kwargs: dict[str, Any]) -> None:
         total = requested_length(fn, args, kwargs)
