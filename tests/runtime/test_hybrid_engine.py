@@ -338,6 +338,20 @@ def _tensor_parallel(rank: int, world: int) -> dict[str, Any]:
         out[name]["trained"] = True
         engine.destroy()
 
+    # Above the memory rule stage 3 gathers module by module, which would overwrite the slices: it generates
+    # data-parallel instead, with one warning on rank 0.
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logging.getLogger("ds_strategy.runtime").addHandler(handler)
+    try:
+        engine, *_ = ds_strategy.initialize(model=_gpt(), config=_config(3, TP, stage3_max_live_parameters=20_000))
+        out["fallback"] = engine.generate(_prompt(rank), NEW, do_sample=False)
+        engine.destroy()
+    finally:
+        logging.getLogger("ds_strategy.runtime").removeHandler(handler)
+    out["fallback_warnings"] = [m for m in records if "generating data-parallel instead" in m]
+
     # Prompts of different shapes in one group: every rank raises (no hang).
     engine, *_ = ds_strategy.initialize(model=_gpt(), config=_config(3, TP))
     with pytest.raises(ValueError, match="different shapes") as err:
@@ -365,6 +379,8 @@ def test_tensor_parallel_generation_equals_single_process_with_half_the_weights(
             assert got["trained"]
         assert r["stage2"]["restored"] == [tuple(p.shape) for p in _gpt().parameters()]
         assert all(shape == (0,) for shape in r["stage3"]["restored"])  # back to 0-element shards
+        torch.testing.assert_close(r["fallback"], r["expected"], rtol=0, atol=0)
+        assert len(r["fallback_warnings"]) == (1 if r is results[0] else 0), r["fallback_warnings"]
         assert "pad the prompts" in r["shape_error"]
         assert "has no tensor-parallel plan" in r["config_errors"][0]
         assert "3 does not divide the 2 ranks" in r["config_errors"][1]
@@ -388,7 +404,37 @@ def _hf_tensor_parallel(rank: int, world: int) -> dict[str, Any]:
     hook.remove()
     dict_out = engine.generate(prompt, max_new_tokens=2, do_sample=False, return_dict_in_generate=True)
     engine.destroy()
-    return {"expected": expected, "got": got, "rows": sorted(set(rows)), "sequences": dict_out.sequences}
+    families = {}
+    for family in ("gpt_neox", "phi3", "gemma", "qwen2"):  # fused qkv; rowwise_split_input; head_dim; biases
+        expected_f = _hf_family(family).generate(prompt, max_new_tokens=4, do_sample=False)
+        engine, *_ = ds_strategy.initialize(model=_hf_family(family), config=_config(3, TP))
+        families[family] = torch.equal(engine.generate(prompt, max_new_tokens=4, do_sample=False), expected_f)
+        engine.destroy()
+    return {
+        "expected": expected,
+        "got": got,
+        "rows": sorted(set(rows)),
+        "sequences": dict_out.sequences,
+        "families": families,
+    }
+
+
+def _hf_family(family: str) -> Any:
+    """A tiny Hugging Face causal LM of ``family`` (4 heads, 2 layers, seed 0) that never stops early."""
+    transformers = pytest.importorskip("transformers")
+    sizes = {"hidden_size": 32, "intermediate_size": 64, "num_hidden_layers": 2, "num_attention_heads": 4}
+    common = {"vocab_size": 64, "max_position_embeddings": 64, "pad_token_id": 0, "eos_token_id": None}
+    config = {
+        "gpt_neox": lambda: transformers.GPTNeoXConfig(**sizes, **common),
+        "phi3": lambda: transformers.Phi3Config(**sizes, num_key_value_heads=2, **common),
+        "gemma": lambda: transformers.GemmaConfig(**sizes, num_key_value_heads=2, head_dim=8, **common),
+        "qwen2": lambda: transformers.Qwen2Config(**sizes, num_key_value_heads=2, **common),
+    }[family]()
+    torch.manual_seed(0)
+    model = transformers.AutoModelForCausalLM.from_config(config)
+    model.generation_config.pad_token_id = 0
+    model.generation_config.eos_token_id = None
+    return model.eval()
 
 
 def test_hf_llama_generates_tensor_parallel_from_its_own_plan() -> None:
@@ -396,6 +442,7 @@ def test_hf_llama_generates_tensor_parallel_from_its_own_plan() -> None:
         torch.testing.assert_close(r["got"], r["expected"], rtol=0, atol=0)
         assert r["rows"] == [32]  # down_proj reads half of the 64 intermediate features per rank
         torch.testing.assert_close(r["sequences"], r["expected"][:, :7], rtol=0, atol=0)
+        assert r["families"] == {"gpt_neox": True, "phi3": True, "gemma": True, "qwen2": True}, r["families"]
 
 
 def _four_ranks(rank: int, world: int) -> dict[str, Any]:

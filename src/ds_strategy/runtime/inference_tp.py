@@ -46,7 +46,8 @@ from ds_strategy.config.errors import ConfigError, ConfigProblem
 # Packed projections: how many blocks one weight stacks (each split alike): Hugging Face's packed_colwise is
 # [gate; up], ours packed_qkv_colwise is [q; k; v] (nn.MultiheadAttention's in_proj_weight).
 PACKED = {"packed_colwise": 2, "packed_qkv_colwise": 3}
-SPLIT = ("colwise", "rowwise", *PACKED)
+# rowwise_split_input: a rowwise layer whose input arrives whole (after a layer kept whole): it reads its share.
+SPLIT = ("colwise", "rowwise", "rowwise_split_input", *PACKED)
 # Styles whose layers stay whole here (replicated: the same result, without the saving).
 WHOLE = (
     "replicate",
@@ -176,9 +177,10 @@ class _Planner:
             )
         rows, cols = _full_shape(sub)
         blocks = PACKED.get(style, 1)
-        extent = cols if style == "rowwise" else (rows // blocks if rows % blocks == 0 else -1)
+        rowwise = style.startswith("rowwise")
+        extent = cols if rowwise else (rows // blocks if rows % blocks == 0 else -1)
         if extent <= 0 or extent % self.size:
-            dim = "input" if style == "rowwise" else "output"
+            dim = "input" if rowwise else "output"
             raise TensorParallelPlanError(
                 f"is {self.size} but {name!r} ({style}) has {extent} {dim} "
                 f"features{' per packed block' if blocks > 1 else ''}, not divisible by it"
@@ -203,8 +205,17 @@ class TensorParallelGeneration:
         batch = self._check_batches(args, kwargs)
         joint_args = tuple(self._joined(a) for a in args)
         joint_kwargs = {k: self._joined(v) for k, v in kwargs.items()}
-        with self._one_seed(), self.split():
-            out = fn(*joint_args, **joint_kwargs)
+        try:
+            with self._one_seed(), self.split():
+                out = fn(*joint_args, **joint_kwargs)
+        except RuntimeError as err:  # most likely a shape error: say where it comes from
+            err.add_note(
+                f"(raised during tensor-parallel generation, hybrid_engine.inference_tp_size={self.size}: each rank "
+                "held a share of the heads and features of the layers the model's plan splits; a model whose "
+                "forward counts heads from its config instead of its weights cannot generate this way: set "
+                "inference_tp_size to 1)"
+            )
+            raise
         return _rows(out, self.rank * batch, batch, batch * self.size)
 
     def _check_batches(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
@@ -256,8 +267,10 @@ class TensorParallelGeneration:
             with torch.no_grad():
                 for s in self.splits:
                     saved += self._slice(s)
-                    if s.style == "rowwise":
+                    if s.style.startswith("rowwise"):
                         hooks.append(s.module.register_forward_hook(self._reduce))
+                    if s.style == "rowwise_split_input":
+                        hooks.append(s.module.register_forward_pre_hook(self._own_share))
             yield
         finally:
             for h in hooks:
@@ -276,7 +289,7 @@ class TensorParallelGeneration:
             weight.data = weight.data[r * rows // n : (r + 1) * rows // n]
             if bias is not None:
                 bias.data = bias.data[r * rows // n : (r + 1) * rows // n]
-        elif s.style == "rowwise":
+        elif s.style.startswith("rowwise"):
             weight.data = weight.data[:, r * cols // n : (r + 1) * cols // n]
             if bias is not None and r != 0:  # the partial sums are added: the bias once, by the first rank
                 bias.data = torch.zeros_like(bias.data)
@@ -289,6 +302,12 @@ class TensorParallelGeneration:
             if bias is not None:
                 bias.data = bias.data.index_select(0, index)
         return saved
+
+    def _own_share(self, _module: nn.Module, inputs: tuple[Any, ...]) -> tuple[Any, ...]:
+        """rowwise_split_input: this rank's columns of the whole input."""
+        x, *rest = inputs
+        width = x.shape[-1] // self.size
+        return (x[..., self.rank * width : (self.rank + 1) * width], *rest)
 
     def _reduce(self, _module: nn.Module, _inputs: Any, output: torch.Tensor) -> torch.Tensor:
         """A rowwise layer's partial sums, all-gathered and added in rank order (bit-identical on every rank)."""
