@@ -195,6 +195,7 @@ class TensorParallelGeneration:
         self.comm = comm
         self.size = comm.world_size
         self.rank = comm.rank
+        self._device = torch.device("cpu")  # where the last call's prompts were (its small collectives go there)
 
     def close(self) -> None:
         self.comm.close()
@@ -225,13 +226,15 @@ class TensorParallelGeneration:
                 "engine.generate() with hybrid_engine.inference_tp_size > 1 needs the prompts as a tensor argument "
                 "with the batch in dim 0 (the group's ranks generate their prompts together)"
             )
-        shapes = torch.tensor([d for t in tensors for d in (t.dim(), *t.shape)], dtype=torch.int64)
-        sizes = torch.tensor([shapes.numel()], dtype=torch.int64)
-        all_sizes = torch.empty(self.size, dtype=torch.int64)
+        # On the prompts' device: an NCCL group moves no CPU tensors.
+        device = tensors[0].device
+        shapes = torch.tensor([d for t in tensors for d in (t.dim(), *t.shape)], dtype=torch.int64, device=device)
+        sizes = torch.tensor([shapes.numel()], dtype=torch.int64, device=device)
+        all_sizes = torch.empty(self.size, dtype=torch.int64, device=device)
         self.comm.all_gather_into_tensor(all_sizes, sizes)
         same = bool((all_sizes == sizes).all())
         if same:
-            every = torch.empty(self.size * shapes.numel(), dtype=torch.int64)
+            every = torch.empty(self.size * shapes.numel(), dtype=torch.int64, device=device)
             self.comm.all_gather_into_tensor(every, shapes)
             same = bool((every.view(self.size, -1) == shapes).all())
         if not same:  # every rank of the group sees the same gathered shapes: all raise together
@@ -239,6 +242,7 @@ class TensorParallelGeneration:
                 "engine.generate() with hybrid_engine.inference_tp_size > 1: the ranks of a tensor-parallel group "
                 "passed tensors of different shapes; pad the prompts to one length and batch size on every rank"
             )
+        self._device = device
         return int(tensors[0].shape[0])
 
     def _joined(self, value: Any) -> Any:
@@ -252,6 +256,7 @@ class TensorParallelGeneration:
     @contextlib.contextmanager
     def _one_seed(self) -> Iterator[None]:
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)  # advances each rank's stream by one draw
+        seed = seed.to(self._device)
         self.comm.broadcast(seed, src=0)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         with torch.random.fork_rng(devices=devices):
