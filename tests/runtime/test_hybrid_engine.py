@@ -338,6 +338,14 @@ def _tensor_parallel(rank: int, world: int) -> dict[str, Any]:
         out[name]["trained"] = True
         engine.destroy()
 
+    # A wrapper without a plan of its own (a LightningModule holding the GPT) takes the GPT's, prefixed.
+    wrapper = torch.nn.Module()
+    wrapper.gpt = _gpt()
+    engine, *_ = ds_strategy.initialize(model=wrapper, config=_config(3, TP))
+    out["wrapped"] = engine.generate(_prompt(rank), NEW, do_sample=False, generate_fn=wrapper.gpt.generate)
+    out["wrapped_splits"] = [s.name for s in engine.hybrid.tensor_parallel.splits][:2]
+    engine.destroy()
+
     # Above the memory rule stage 3 gathers module by module, which would overwrite the slices: it generates
     # data-parallel instead, with one warning on rank 0.
     records: list[str] = []
@@ -380,6 +388,8 @@ def test_tensor_parallel_generation_equals_single_process_with_half_the_weights(
         assert r["stage2"]["restored"] == [tuple(p.shape) for p in _gpt().parameters()]
         assert all(shape == (0,) for shape in r["stage3"]["restored"])  # back to 0-element shards
         torch.testing.assert_close(r["fallback"], r["expected"], rtol=0, atol=0)
+        torch.testing.assert_close(r["wrapped"], r["expected"], rtol=0, atol=0)
+        assert r["wrapped_splits"] == ["gpt.blocks.0.attn", "gpt.blocks.0.attn.out_proj"], r["wrapped_splits"]
         assert len(r["fallback_warnings"]) == (1 if r is results[0] else 0), r["fallback_warnings"]
         assert "pad the prompts" in r["shape_error"]
         assert "has no tensor-parallel plan" in r["config_errors"][0]

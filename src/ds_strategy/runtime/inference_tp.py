@@ -65,7 +65,18 @@ class TensorParallelPlanError(ValueError):
 
 
 def tp_plan(module: nn.Module) -> dict[str, str]:
-    """The module's tensor-parallel plan (pattern -> style), or {} when it has none (see the module notes)."""
+    """The module's tensor-parallel plan (pattern -> style), or {} when it has none (see the module notes).
+    A module without one of its own (a LightningModule, a wrapper) takes its submodules' plans, prefixed with
+    their names."""
+    own = _own_plan(module)
+    if own:
+        return own
+    return {
+        f"{name}.{glob}": style for name, child in module.named_children() for glob, style in tp_plan(child).items()
+    }
+
+
+def _own_plan(module: nn.Module) -> dict[str, str]:
     own = getattr(module, "tp_plan", None)
     if isinstance(own, Mapping) and own:
         return dict(own)
