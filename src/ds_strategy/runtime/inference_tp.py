@@ -170,14 +170,16 @@ class _Planner:
         return splits
 
     def _check_heads(self, module: nn.Module) -> None:
-        config = getattr(module, "config", None)
-        for key in _HEAD_KEYS:
-            heads = getattr(config, key, None)
-            if isinstance(heads, int) and heads % self.size:
-                raise TensorParallelPlanError(
-                    f"is {self.size} but the model's {key} is {heads}: each rank needs whole heads; choose a size "
-                    f"that divides {heads}"
-                )
+        """Every (Hugging Face) config in the module tree, the model's own or one inside a wrapper."""
+        configs = {id(c): c for sub in module.modules() if (c := getattr(sub, "config", None)) is not None}
+        for config in configs.values():
+            for key in _HEAD_KEYS:
+                heads = getattr(config, key, None)
+                if isinstance(heads, int) and heads % self.size:
+                    raise TensorParallelPlanError(
+                        f"is {self.size} but the model's {key} is {heads}: each rank needs whole heads; choose a "
+                        f"size that divides {heads}"
+                    )
 
     def _check_shape(self, name: str, sub: nn.Module, style: str) -> None:
         weight = _weight(sub, style)  # its data may be a stage-3 placeholder: the shape comes from the module
