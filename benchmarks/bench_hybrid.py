@@ -159,26 +159,11 @@ def run(quick: bool, device: str = "cpu", world: int | None = None) -> dict[str,
     for r in by.values():
         r["tokens_equal_ddp"] = ddp is not None and r["tokens"] == ddp["tokens"]
     derived: dict[str, Any] = {}
-    plain, hybrid = by.get(CASES[1]), by.get(CASES[2])
-    if plain and hybrid:
-        derived["hybrid_speedup_vs_plain_stage3"] = hybrid["tokens_per_s_per_rank"] / plain["tokens_per_s_per_rank"]
-        derived["median_hybrid_speedup_vs_plain_stage3"] = (
-            hybrid["median_tokens_per_s_per_rank"] / plain["median_tokens_per_s_per_rank"]
-        )
-    if ddp and hybrid:
-        derived["ddp_speedup_vs_hybrid"] = ddp["tokens_per_s_per_rank"] / hybrid["tokens_per_s_per_rank"]
-        derived["median_ddp_speedup_vs_hybrid"] = (
-            ddp["median_tokens_per_s_per_rank"] / hybrid["median_tokens_per_s_per_rank"]
-        )
-    tp = by.get(TP_CASE)
-    if plain and tp:
-        derived["tp_speedup_vs_plain_stage3"] = tp["tokens_per_s_per_rank"] / plain["tokens_per_s_per_rank"]
-        derived["median_tp_speedup_vs_plain_stage3"] = (
-            tp["median_tokens_per_s_per_rank"] / plain["median_tokens_per_s_per_rank"]
-        )
-    if ddp and tp:
-        derived["ddp_speedup_vs_tp"] = ddp["tokens_per_s_per_rank"] / tp["tokens_per_s_per_rank"]
-        derived["median_ddp_speedup_vs_tp"] = ddp["median_tokens_per_s_per_rank"] / tp["median_tokens_per_s_per_rank"]
+    plain, hybrid, tp = by.get(CASES[1]), by.get(CASES[2]), by.get(TP_CASE)
+    _speedup(derived, "hybrid_speedup_vs_plain_stage3", hybrid, plain)
+    _speedup(derived, "ddp_speedup_vs_hybrid", ddp, hybrid)
+    _speedup(derived, "tp_speedup_vs_plain_stage3", tp, plain)
+    _speedup(derived, "ddp_speedup_vs_tp", ddp, tp)
     for r in records:
         r.pop("tokens", None)
     return {
@@ -194,6 +179,14 @@ def run(quick: bool, device: str = "cpu", world: int | None = None) -> dict[str,
         "cases": records,
         "derived": derived,
     }
+
+
+def _speedup(derived: dict[str, Any], name: str, faster: dict[str, Any] | None, slower: dict[str, Any] | None) -> None:
+    """``derived[name]``: ``faster``'s tokens/s over ``slower``'s, best call (and ``median_<name>``, median
+    calls); nothing when either case failed."""
+    if faster and slower:
+        derived[name] = faster["tokens_per_s_per_rank"] / slower["tokens_per_s_per_rank"]
+        derived[f"median_{name}"] = faster["median_tokens_per_s_per_rank"] / slower["median_tokens_per_s_per_rank"]
 
 
 def table(payload: dict[str, Any]) -> str:

@@ -2,7 +2,10 @@
 
 from __future__ import annotations
 
+import contextlib
 import copy
+import logging
+from collections.abc import Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -287,3 +290,22 @@ def tiny_llama() -> Any:
 def llama_prompt(rank: int) -> torch.Tensor:
     """Rank ``rank``'s prompt for ``tiny_llama``: 5 + rank tokens."""
     return torch.randint(1, 64, (1, 5 + rank), generator=torch.Generator().manual_seed(rank))
+
+
+@contextlib.contextmanager
+def runtime_log_messages(level: int | None = None) -> Iterator[list[str]]:
+    """The messages logged on ``ds_strategy.runtime`` inside the block (its level set to ``level`` there,
+    when given)."""
+    records: list[str] = []
+    handler = logging.Handler()
+    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
+    logger = logging.getLogger("ds_strategy.runtime")
+    before = logger.level
+    logger.addHandler(handler)
+    if level is not None:
+        logger.setLevel(level)
+    try:
+        yield records
+    finally:
+        logger.removeHandler(handler)
+        logger.setLevel(before)

@@ -9,7 +9,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
-from tests.runtime.common import batches, config, groups_of, make_model, micro_slice
+from tests.runtime.common import batches, config, groups_of, make_model, micro_slice, runtime_log_messages
 
 pytestmark = pytest.mark.multiprocess
 
@@ -162,21 +162,15 @@ def _api(rank: int, world: int) -> dict[str, Any]:
             pass
     except RuntimeError as exc:
         out["no_sync_stage2"] = str(exc)
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logger = logging.getLogger("ds_strategy.runtime")
-    logger.addHandler(handler)
-    logger.setLevel(logging.INFO)
-    x, y = micro_slice(data[0], 2, world, 0, rank)
-    engine.set_gradient_accumulation_boundary(False)
-    engine.backward(engine(x, y))
-    engine.step()
-    out["no_step_when_not_boundary"] = engine.global_steps == 0 and engine.micro_steps == 1
-    for _ in range(4):
+    with runtime_log_messages(logging.INFO) as records:
+        x, y = micro_slice(data[0], 2, world, 0, rank)
+        engine.set_gradient_accumulation_boundary(False)
         engine.backward(engine(x, y))
         engine.step()
-    logger.removeHandler(handler)
+        out["no_step_when_not_boundary"] = engine.global_steps == 0 and engine.micro_steps == 1
+        for _ in range(4):
+            engine.backward(engine(x, y))
+            engine.step()
     out["records"] = records
     out["global"] = (engine.global_steps, engine.global_samples, engine.micro_steps)
     out["lr"] = engine.get_lr()

@@ -7,14 +7,13 @@ module is the whole model), and a torch DDP run of the same generate-train-gener
 
 from __future__ import annotations
 
-import logging
 from typing import Any
 
 import pytest
 import torch
 
 from tests.harness import run_distributed
-from tests.runtime.common import llama_prompt, tiny_llama
+from tests.runtime.common import llama_prompt, runtime_log_messages, tiny_llama
 
 pytestmark = pytest.mark.multiprocess
 
@@ -233,11 +232,7 @@ def _rules(rank: int, world: int) -> dict[str, Any]:
     engine.destroy()
 
     # The memory rule: a model above stage3_max_live_parameters generates through the hooks, with a warning.
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("ds_strategy.runtime").addHandler(handler)
-    try:
+    with runtime_log_messages() as records:
         engine, *_ = ds_strategy.initialize(
             model=_gpt(), config=_config(3, {"enabled": True}, stage3_max_live_parameters=20_000)
         )
@@ -246,8 +241,6 @@ def _rules(rank: int, world: int) -> dict[str, Any]:
         out["fallback_gathers"] = engine.stage.gatherer.gathers - before
         out["fallback_held"] = engine.stage.holding
         engine.destroy()
-    finally:
-        logging.getLogger("ds_strategy.runtime").removeHandler(handler)
     out["warnings"] = [m for m in records if "hybrid_engine" in m]
 
     # release_inference_cache: the host pool's cached gathered-bucket buffers are returned after the call.
@@ -348,16 +341,10 @@ def _tensor_parallel(rank: int, world: int) -> dict[str, Any]:
 
     # Above the memory rule stage 3 gathers module by module, which would overwrite the slices: it generates
     # data-parallel instead, with one warning on rank 0.
-    records: list[str] = []
-    handler = logging.Handler()
-    handler.emit = lambda record: records.append(record.getMessage())  # type: ignore[method-assign]
-    logging.getLogger("ds_strategy.runtime").addHandler(handler)
-    try:
+    with runtime_log_messages() as records:
         engine, *_ = ds_strategy.initialize(model=_gpt(), config=_config(3, TP, stage3_max_live_parameters=20_000))
         out["fallback"] = engine.generate(_prompt(rank), NEW, do_sample=False)
         engine.destroy()
-    finally:
-        logging.getLogger("ds_strategy.runtime").removeHandler(handler)
     out["fallback_warnings"] = [m for m in records if "generating data-parallel instead" in m]
 
     # Prompts of different shapes in one group: every rank raises (no hang).

@@ -208,7 +208,6 @@ class TensorParallelGeneration:
         self.comm = comm
         self.size = comm.world_size
         self.rank = comm.rank
-        self._device = torch.device("cpu")  # where the last call's prompts were (its small collectives go there)
 
     def close(self) -> None:
         self.comm.close()
@@ -216,11 +215,11 @@ class TensorParallelGeneration:
     # ------------------------------------------------------------------ one call
     def generate(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:
         """``fn`` on the group's joint batch; this rank's rows of the result."""
-        batch = self._check_batches(args, kwargs)
+        batch, device = self._check_batches(args, kwargs)
         joint_args = tuple(self._joined(a) for a in args)
         joint_kwargs = {k: self._joined(v) for k, v in kwargs.items()}
         try:
-            with self._one_seed(), self.split():
+            with self._one_seed(device), self.split():
                 out = fn(*joint_args, **joint_kwargs)
         except RuntimeError as err:  # most likely a shape error: say where it comes from
             err.add_note(
@@ -232,7 +231,8 @@ class TensorParallelGeneration:
             raise
         return _rows(out, self.rank * batch, batch, batch * self.size)
 
-    def _check_batches(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> int:
+    def _check_batches(self, args: tuple[Any, ...], kwargs: dict[str, Any]) -> tuple[int, torch.device]:
+        """This rank's batch size and the prompts' device (where the call's small collectives go)."""
         tensors = [t for t in (*args, *kwargs.values()) if isinstance(t, torch.Tensor)]
         if not tensors or tensors[0].dim() == 0:
             raise TypeError(
@@ -255,8 +255,7 @@ class TensorParallelGeneration:
                 "engine.generate() with hybrid_engine.inference_tp_size > 1: the ranks of a tensor-parallel group "
                 "passed tensors of different shapes; pad the prompts to one length and batch size on every rank"
             )
-        self._device = device
-        return int(tensors[0].shape[0])
+        return int(tensors[0].shape[0]), device
 
     def _joined(self, value: Any) -> Any:
         if not isinstance(value, torch.Tensor) or value.dim() == 0:
@@ -267,9 +266,9 @@ class TensorParallelGeneration:
         return out.bool() if value.dtype == torch.bool else out
 
     @contextlib.contextmanager
-    def _one_seed(self) -> Iterator[None]:
+    def _one_seed(self, device: torch.device) -> Iterator[None]:
         seed = torch.randint(0, 2**62, (1,), dtype=torch.int64)  # advances each rank's stream by one draw
-        seed = seed.to(self._device)
+        seed = seed.to(device)
         self.comm.broadcast(seed, src=0)
         devices = [torch.cuda.current_device()] if torch.cuda.is_available() and torch.cuda.is_initialized() else []
         with torch.random.fork_rng(devices=devices):
