@@ -8,14 +8,37 @@ made with init_process_group), checkpoint (an engine run that saves a
 sharded checkpoint), lightning (a Trainer fit with strategy zero2/zero3 under torchrun). LATE picks the
 rank that keeps working for about SECONDS after training (as a script that evaluates or reports on one
 rank does); every launch must exit 0 on every rank.
+
+The deterministic half of the check: the atexit handler registered here, first, runs last, after
+ds_strategy's. By then the group must be destroyed for real, its gloo threads joined while the interpreter
+was whole; a thread still alive would be torn down in finalisation (the rare abort). It exits 3 if any is.
 """
 
+import atexit
 import os
 import sys
 import tempfile
 import time
 
-import torch
+
+def _gloo_threads_left() -> None:
+    tasks = os.listdir("/proc/self/task") if os.path.isdir("/proc/self/task") else []
+    names = []
+    for task in tasks:
+        try:
+            with open(f"/proc/self/task/{task}/comm") as f:
+                names.append(f.read().strip())
+        except OSError:  # the thread ended meanwhile
+            pass
+    alive = sorted(n for n in names if "gloo" in n)
+    if alive:
+        print(f"gloo threads alive after ds_strategy's exit handler: {alive}", file=sys.stderr, flush=True)
+        os._exit(3)
+
+
+atexit.register(_gloo_threads_left)
+
+import torch  # noqa: E402  (after the handler above, so that it runs last)
 
 KIND = os.environ.get("KIND", "engine")
 STAGE = int(os.environ.get("STAGE", "1"))
