@@ -597,6 +597,8 @@ def test_references_to_destroyed_groups_are_dropped(clean_env: pytest.MonkeyPatc
             return group
 
         class Holder:
+            shared = world  # a class attribute: replaced through setattr, which keeps the type's cache right
+
             def __init__(self) -> None:
                 self.group, self.rank = world, 0
 
@@ -613,9 +615,10 @@ def test_references_to_destroyed_groups_are_dropped(clean_env: pytest.MonkeyPatc
         clean_env.setitem(sys.modules, fake.__name__, fake)
         groups = list(dist.distributed_c10d._world.pg_map)
         dist.destroy_process_group()
-        assert release_group_references(groups) >= 9
+        assert release_group_references(groups) >= 10
         assert positional(torch.zeros(1)) is None and keyword() is None and Holder.method() is None
         assert keyword.__kwdefaults__ == {"group": None, "other": 1}
+        assert Holder.shared is None and Holder().shared is None
         assert (holder.group, holder.rank, listed, keyed, closure()) == (
             None,
             0,

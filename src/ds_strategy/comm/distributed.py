@@ -449,7 +449,12 @@ def _without_groups(value: object, ids: set[int]) -> object:
 
 def _drop_from(holder: object, ids: set[int]) -> int:
     replaced = 0
-    if isinstance(holder, dict):
+    if isinstance(holder, dict) and (owner := _type_owning(holder)) is not None:
+        for name, value in list(holder.items()):  # through setattr: the type's attribute cache is updated
+            if (clean := _without_groups(value, ids)) is not value:
+                setattr(owner, name, clean)
+                replaced += 1
+    elif isinstance(holder, dict):
         for key in [k for k in holder if id(k) in ids]:  # a cache keyed by group
             del holder[key]
             replaced += 1
@@ -481,6 +486,11 @@ def _drop_from(holder: object, ids: set[int]) -> int:
         except (AttributeError, TypeError):  # a read-only mapping, slots: left as is
             pass
     return replaced
+
+
+def _type_owning(namespace: dict[Any, Any]) -> type | None:
+    """The class whose namespace ``namespace`` is (written to only through setattr), else None."""
+    return next((t for t in gc.get_referrers(namespace) if isinstance(t, type) and t.__dict__ == namespace), None)
 
 
 def _release_torch_defaults(ids: set[int]) -> int:
