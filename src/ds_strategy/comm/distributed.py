@@ -380,14 +380,16 @@ def _destroy_if_clean() -> None:
         _meet_peers_before_teardown()
         groups = list(dist.distributed_c10d._world.pg_map)  # the default group and every new_group
         dist.destroy_process_group()
-        released = release_group_references(groups)
-        del groups
-        gc.collect()  # the groups die here, their gloo threads joined while the interpreter is whole
     except Exception as err:  # at exit: report, never raise
         log.debug("init_distributed: destroying the process group at exit failed: %s", err)
         return
-    if released:
+    try:
+        released = release_group_references(groups)
         log.debug("exit: dropped %d reference(s) to the destroyed process groups", released)
+    except Exception as err:  # never worse off than without: the groups then die in finalisation
+        log.debug("exit: dropping references to the destroyed process groups failed: %s", err)
+    del groups
+    gc.collect()  # the groups die here, their gloo threads joined while the interpreter is whole
 
 
 # [Note: dropping references to destroyed groups]
@@ -508,7 +510,7 @@ def _release_torch_defaults_quietly(ids: set[int]) -> int:
             for member in (value, *vars(value).values()) if isinstance(value, type) else (value,):
                 try:
                     fn = inspect.unwrap(member) if callable(member) else member  # a functools.wraps original
-                except ValueError:  # a __wrapped__ cycle
+                except Exception:  # a __wrapped__ cycle, an attribute lookup that raises: not a function
                     continue
                 replaced += _release_defaults(fn, ids)
     return replaced
