@@ -27,6 +27,7 @@ CASES = [
     ("engine", 0, "fp32", "none"),
     ("engine", 2, "bf16", "none"),
     ("usergroup", 2, "fp32", "cpu"),
+    ("selfdestroy", 1, "fp32", "none"),
     ("checkpoint", 3, "fp32", "none"),
     ("lightning", 3, "fp32", "none"),
 ]

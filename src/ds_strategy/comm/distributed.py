@@ -374,7 +374,10 @@ EXIT_WAIT_ENV = env.EXIT_WAIT
 
 
 def _destroy_if_clean() -> None:
-    if _exiting_after_uncaught_exception() or not dist.is_initialized():
+    if _exiting_after_uncaught_exception():
+        return
+    if not dist.is_initialized():  # the script destroyed its groups itself: torch may still hold them
+        _release_quietly(_groups_in_torch_defaults())
         return
     try:
         _meet_peers_before_teardown()
@@ -383,12 +386,16 @@ def _destroy_if_clean() -> None:
     except Exception as err:  # at exit: report, never raise
         log.debug("init_distributed: destroying the process group at exit failed: %s", err)
         return
+    _release_quietly(groups)
+
+
+def _release_quietly(groups: list[Any]) -> None:
     try:
         released = release_group_references(groups)
         log.debug("exit: dropped %d reference(s) to the destroyed process groups", released)
     except Exception as err:  # never worse off than without: the groups then die in finalisation
         log.debug("exit: dropping references to the destroyed process groups failed: %s", err)
-    del groups
+    groups.clear()
     gc.collect()  # the groups die here, their gloo threads joined while the interpreter is whole
 
 
@@ -496,24 +503,36 @@ def _type_owning(namespace: dict[Any, Any]) -> type | None:
 
 
 def _release_torch_defaults(ids: set[int]) -> int:
+    return sum(_release_defaults(fn, ids) for fn in _torch_distributed_functions())
+
+
+def _groups_in_torch_defaults() -> list[Any]:
+    """Process groups held as default argument values by torch.distributed functions (no duplicates)."""
+    found: dict[int, Any] = {}
+    for fn in _torch_distributed_functions():
+        for value in (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()):
+            if isinstance(value, dist.ProcessGroup):
+                found[id(value)] = value
+    return list(found.values())
+
+
+def _torch_distributed_functions() -> list[types.FunctionType]:
+    """The functions of the loaded torch.distributed modules and of their classes (unwrapped)."""
+    functions = []
     with warnings.catch_warnings():  # touching deprecated module attributes (reduce_op) warns
         warnings.simplefilter("ignore")
-        return _release_torch_defaults_quietly(ids)
-
-
-def _release_torch_defaults_quietly(ids: set[int]) -> int:
-    replaced = 0
-    for name, module in list(sys.modules.items()):
-        if module is None or not name.startswith("torch.distributed"):
-            continue
-        for value in list(vars(module).values()):
-            for member in (value, *vars(value).values()) if isinstance(value, type) else (value,):
-                try:
-                    fn = inspect.unwrap(member) if callable(member) else member  # a functools.wraps original
-                except Exception:  # a __wrapped__ cycle, an attribute lookup that raises: not a function
-                    continue
-                replaced += _release_defaults(fn, ids)
-    return replaced
+        for name, module in list(sys.modules.items()):
+            if module is None or not name.startswith("torch.distributed"):
+                continue
+            for value in list(vars(module).values()):
+                for member in (value, *vars(value).values()) if isinstance(value, type) else (value,):
+                    try:
+                        fn = inspect.unwrap(member) if callable(member) else member  # a functools.wraps original
+                    except Exception:  # a __wrapped__ cycle, an attribute lookup that raises: not a function
+                        continue
+                    if isinstance(fn, types.FunctionType):
+                        functions.append(fn)
+    return functions
 
 
 def _release_defaults(fn: object, ids: set[int]) -> int:

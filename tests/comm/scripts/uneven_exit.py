@@ -1,13 +1,13 @@
 """A successful 2-process job whose ranks reach interpreter exit at different times (issue 18's clean-exit
-case); the script does nothing special at its end: no barrier, no destroy_process_group.
+case); the script does nothing special at its end (no barrier, no destroy_process_group) unless KIND says so.
 
     python -m torch.distributed.run --nproc_per_node 2 uneven_exit.py
 
 KIND picks what runs: engine (STAGE, PREC, OFFLOAD as below), usergroup (the same on a group the script
-made with init_process_group), checkpoint (an engine run that saves a
-sharded checkpoint), lightning (a Trainer fit with strategy zero2/zero3 under torchrun). LATE picks the
-rank that keeps working for about SECONDS after training (as a script that evaluates or reports on one
-rank does); every launch must exit 0 on every rank.
+made with init_process_group), selfdestroy (an engine run that calls destroy_process_group() at its end),
+checkpoint (an engine run that saves a sharded checkpoint), lightning (a Trainer fit with strategy
+zero2/zero3 under torchrun). LATE picks the rank that keeps working for about SECONDS after training (as
+a script that evaluates or reports on one rank does); every launch must exit 0 on every rank.
 
 The deterministic half of the check: the atexit handler registered here, first, runs last, after
 ds_strategy's. By then the group must be destroyed for real, its gloo threads joined while the interpreter
@@ -93,7 +93,10 @@ def engine_run() -> int:
     if KIND == "checkpoint":
         root = os.environ.get("CKPT_DIR") or tempfile.mkdtemp(prefix="uneven_exit_")
         engine.save_checkpoint(root, tag="last")
-    return dist.get_rank()
+    rank = dist.get_rank()
+    if KIND == "selfdestroy":  # the script tears its group down itself (torch.optim's lazy imports still hold it)
+        dist.destroy_process_group()
+    return rank
 
 
 def lightning_run() -> int:
