@@ -61,8 +61,9 @@ class HybridEngine:
         tensor_parallel: TensorParallelGeneration | None = None,
     ) -> None:
         self.stage = stage
-        # inference_tp_size > 1: generate tensor-parallel (runtime/inference_tp.py); None otherwise.
-        self.tensor_parallel = tensor_parallel if config.enabled else None
+        # inference_tp_size > 1 with enabled (the engine builds it only then): generate tensor-parallel
+        # (runtime/inference_tp.py); None otherwise.
+        self.tensor_parallel = tensor_parallel
         self.config = config
         self.max_live_numel = max_live_numel
         self.rank = rank
