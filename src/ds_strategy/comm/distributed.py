@@ -456,8 +456,14 @@ def _without_groups(value: object, ids: set[int]) -> object:
     return value
 
 
+def _holds_group(namespace: dict[Any, Any], ids: set[int]) -> bool:
+    return any(id(k) in ids or _without_groups(v, ids) is not v for k, v in namespace.items())
+
+
 def _drop_from(holder: object, ids: set[int]) -> int:
     replaced = 0
+    if isinstance(holder, dict) and not _holds_group(holder, ids):  # the common case, and cheap
+        return 0
     if isinstance(holder, dict) and (owner := _type_owning(holder)) is not None:
         for name, value in list(holder.items()):  # through setattr: the type's attribute cache is updated
             if (clean := _without_groups(value, ids)) is not value:
