@@ -410,7 +410,7 @@ def _release_quietly(groups: list[Any]) -> None:
 # lazily (through torch._dynamo), usually after the group exists. So, after destroying them, every
 # reference to those groups is replaced with None (None is the default group in every torch.distributed
 # signature; the groups are unusable by then anyway), and the last reference dies inside this handler.
-# A group held only from C++ or an immutable container stays; it is no worse off than before.
+# A group held only from C++, from slots or from a tuple nothing mutable holds stays; it is no worse off.
 
 
 def release_group_references(groups: list[Any]) -> int:
@@ -541,18 +541,13 @@ def _torch_distributed_functions() -> list[types.FunctionType]:
     return functions
 
 
-def _release_defaults(fn: object, ids: set[int]) -> int:
-    if not isinstance(fn, types.FunctionType):
-        return 0
+def _release_defaults(fn: types.FunctionType, ids: set[int]) -> int:
     replaced = 0
-    if fn.__defaults__ and any(id(v) in ids for v in fn.__defaults__):
+    if fn.__defaults__ and (clean := _without_groups(fn.__defaults__, ids)) is not fn.__defaults__:
         replaced += sum(id(v) in ids for v in fn.__defaults__)
-        fn.__defaults__ = tuple(None if id(v) in ids else v for v in fn.__defaults__)
+        fn.__defaults__ = clean  # type: ignore[assignment]  # a tuple, as given
     if fn.__kwdefaults__:
-        for key, v in list(fn.__kwdefaults__.items()):
-            if id(v) in ids:
-                fn.__kwdefaults__[key] = None
-                replaced += 1
+        replaced += _drop_from(fn.__kwdefaults__, ids)
     return replaced
 
 
