@@ -36,7 +36,7 @@ def tests(session: nox.Session) -> None:
     session.run("python", "-m", "pytest", "tests", "-q", "--durations=40", *session.posargs, env={"DS_STRATEGY_REQUIRE_KERNELS": "1"})
 
 
-CUDA_SUITE = ["tests/cuda", "tests/ops/test_fused_adam_cuda.py"]
+CUDA_SUITE = ["tests/cuda", "tests/ops/test_fused_adam_cuda.py", "tests/ops/test_quant_cuda.py"]
 
 
 def _gpu_listed() -> str:

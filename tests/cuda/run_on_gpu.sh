@@ -109,7 +109,7 @@ build_rc=${PIPESTATUS[0]}
 # ---- 4. the CUDA suite, then the benchmark ----------------------------------------------------------
 log "CUDA suite"
 # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
-DS_STRATEGY_REQUIRE_KERNELS=1 "$PYTHON" -m pytest tests/cuda tests/ops/test_fused_adam_cuda.py -q -rs \
+DS_STRATEGY_REQUIRE_KERNELS=1 "$PYTHON" -m pytest tests/cuda tests/ops/test_fused_adam_cuda.py tests/ops/test_quant_cuda.py -q -rs \
     -p no:cacheprovider --junitxml="$OUT_DIR/cuda-suite.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT_DIR/cuda-suite.log"
 suite_rc=${PIPESTATUS[0]}
 log "CUDA suite: rc $suite_rc"
