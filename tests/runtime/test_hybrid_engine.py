@@ -46,6 +46,10 @@ def _partitioned_buckets(engine: Any) -> int:
     return sum(len(gs.full) - len(gs.persistent) for gs in getattr(engine.stage, "storages", []))
 
 
+def _module_hooks(model: torch.nn.Module) -> int:
+    return sum(len(m._forward_pre_hooks) + len(m._forward_hooks) for m in model.modules())
+
+
 def _generate_each_way(rank: int, world: int) -> dict[str, Any]:
     import ds_strategy
 
@@ -75,6 +79,12 @@ def _generate_each_way(rank: int, world: int) -> dict[str, Any]:
             "gathered_bytes": engine.memory_breakdown()["gathered_params"],
             "full_bytes": sum(p.numel() for p in _gpt().parameters()) * 4,
         }
+        # Module hooks: removed for a held call (torch's fast path), back after it (pinned: after the release).
+        hooks_before = _module_hooks(model)
+        during = engine.generate(_prompt(rank), generate_fn=lambda prompt: _module_hooks(model))
+        after = _module_hooks(model)
+        engine.hybrid.release()
+        out[name]["hooks"] = (hooks_before, during, after, _module_hooks(model))
         engine.train()
         assert model.training
         engine.destroy()
@@ -98,6 +108,10 @@ def test_generate_equals_single_process_and_hybrid_gathers_once_per_bucket() -> 
         # Held copy: every parameter in fp32, tied head counted once, plus bucket padding (< 1 element/rank each).
         assert pinned["full_bytes"] <= pinned["gathered_bytes"] <= pinned["full_bytes"] + 4 * 2 * pinned["buckets"]
         assert r["stage0"]["gathered_bytes"] == 0
+        # The hooks stand aside for a held call and come back with the release; plain stage 3 keeps them.
+        assert plain["hooks"][0] > 0 and plain["hooks"] == (plain["hooks"][0],) * 4, plain["hooks"]
+        assert hybrid["hooks"] == (plain["hooks"][0], 0, plain["hooks"][0], plain["hooks"][0]), hybrid["hooks"]
+        assert pinned["hooks"] == (0, 0, 0, plain["hooks"][0]), pinned["hooks"]
 
 
 def _loop(engine_or_ddp: Any, rank: int, *, engine: bool) -> dict[str, Any]:

@@ -34,12 +34,14 @@ keeps its frozen buckets until ``end_backward``, which frees everything.
 
 [Note: held buckets]
 The hybrid engine's generate (runtime/hybrid.py) gathers every partitioned bucket once, ``in_flight``
-buckets in flight at a time, and *holds* them: while anything is held the module hooks do nothing (no
+buckets in flight at a time, and *holds* them: while anything is held the module hooks are removed (no
 gather, no release, no divergence label: ranks may run different numbers of forwards, so generation
-needs no ``synced_gpus``), and ``_free`` leaves held buckets alone, so a training forward and backward
+needs no ``synced_gpus``; removed rather than made to return early, because a module with no hooks takes
+torch's fast call path: hooks that only return cost a 64-token generation ~15% on a GPU, where each
+decoding step is launch-bound), and ``_free`` leaves held buckets alone, so a training forward and backward
 under a pinned hold (``pin_parameters``) read the held copy and its post-accumulate-grad frees are moot.
 ``unhold`` ends it (after generate, or before the optimizer step updates the partitions the held copy
-was gathered from) and frees the buckets.
+was gathered from), puts the hooks back if they were attached, and frees the buckets.
 
 [Note: compiled regions]
 Under ``compile`` (runtime/compile.py) stage 3 compiles each repeated block's forward and marks the block
@@ -129,6 +131,7 @@ class ParamGatherer:
         self.unhooked: set[int] = set()  # modules inside compiled regions: see [Note: compiled regions]
         self.held: set[BucketKey] = set()  # see [Note: held buckets]
         self.suspended = False
+        self._reattach = False  # unhold puts the hooks back (they were attached when the hold began)
         self.gathers = 0  # bucket all-gathers issued (for tests and reports) ...
         self.misses = 0  # ... fetches that found a bucket neither gathered nor prefetched ...
         self.peak_live = 0  # ... and the most partitioned-bucket elements gathered at once
@@ -170,6 +173,9 @@ class ParamGatherer:
             self._cursor = None
 
     def attach(self) -> None:
+        if self.suspended:  # during a hold: attached when it ends (see [Note: held buckets])
+            self._reattach = True
+            return
         self._hooks.append(self.root.register_forward_pre_hook(self._on_root_start))
         for m in self.root.modules():
             if id(m) in self.unhooked:
@@ -187,6 +193,7 @@ class ParamGatherer:
             self.attach()
 
     def detach(self) -> None:
+        self._reattach = False
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
@@ -299,12 +306,19 @@ class ParamGatherer:
             self.acquire(chunk, "hybrid engine")
             self.held.update(chunk)
         self.peak_live = max(self.peak_live, self.live_numel())
+        if not self.suspended:
+            attached = bool(self._hooks)
+            self.detach()
+            self._reattach = attached
         self.suspended = True
 
     def unhold(self) -> None:
         """End the hold: the hooks work again and the held buckets are freed."""
         keys, self.held = sorted(self.held), set()
         self.suspended = False
+        if self._reattach:
+            self._reattach = False
+            self.attach()
         self.release_keys(keys)
 
     def release_keys(self, keys: Sequence[BucketKey]) -> None:
