@@ -81,7 +81,7 @@ def _generate_each_way(rank: int, world: int) -> dict[str, Any]:
         }
         # Module hooks: removed for a held call (torch's fast path), back after it (pinned: after the release).
         hooks_before = _module_hooks(model)
-        during = engine.generate(_prompt(rank), generate_fn=lambda prompt: _module_hooks(model))
+        during = engine.generate(_prompt(rank), generate_fn=lambda prompt, m=model: _module_hooks(m))
         after = _module_hooks(model)
         engine.hybrid.release()
         out[name]["hooks"] = (hooks_before, during, after, _module_hooks(model))
