@@ -16,6 +16,7 @@ from __future__ import annotations
 import importlib.util
 import os
 import time
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -115,9 +116,15 @@ def _run_case(rank: int, world: int, case: Case, shape: dict[str, int], steps: i
     }
 
 
-def run(case_list: list[Case], shape: dict[str, int], steps: int, device: str = "cuda") -> list[dict[str, Any]]:
+def run(
+    case_list: list[Case],
+    shape: dict[str, int],
+    steps: int,
+    device: str = "cuda",
+    progress: Callable[[list[dict[str, Any]]], None] | None = None,
+) -> list[dict[str, Any]]:
     """Every case in a fresh process of its own (world size 1, NCCL on CUDA); a peer that fails is recorded
-    with its error."""
+    with its error. ``progress(records so far)`` after each case."""
     records = []
     backend = "nccl" if device == "cuda" else "gloo"
     for (name, peer, stage, offload), per_rank in run_each(
@@ -127,11 +134,15 @@ def run(case_list: list[Case], shape: dict[str, int], steps: int, device: str = 
         if isinstance(per_rank, Exception):
             print(f"{name}: failed: {per_rank}", flush=True)
             records.append({**record, "error": str(per_rank)})
+            if progress is not None:
+                progress(records)
             continue
         record.update(per_rank[0])
         records.append(record)
         gib = record["peak_allocated"] / 2**30
         print(f"{name}: {record['seconds_per_step'] * 1e3:.1f} ms/step, peak allocated {gib:.2f} GiB", flush=True)
+        if progress is not None:
+            progress(records)
     return records
 
 
@@ -201,13 +212,30 @@ def main(quick: bool, only: set[str], name: str, device: str = "cuda") -> None:
     unknown = only - {c[0] for c in all_cases}
     if unknown:
         raise SystemExit(f"--only: unknown case(s) {sorted(unknown)}; cases: {[c[0] for c in all_cases]}")
-    records = run([c for c in all_cases if not only or c[0] in only], shape, steps, device)
-    text = table(records)
-    text += (
-        "\n\nOne GPU, world size 1 over NCCL: nothing is partitioned, so this is per-step overhead and buffer memory, "
-        "not ZeRO's saving."
-    )
-    payload = {
+    chosen = [c for c in all_cases if not only or c[0] in only]
+
+    def report(records: list[dict[str, Any]]) -> str:
+        """Write NAME.{json,md}: after every case (a run stopped by a time limit keeps the cases it finished)
+        and at the end."""
+        text = table(records)
+        if len(records) < len(chosen):
+            text += f"\n\nPartial: {len(records)} of {len(chosen)} cases so far."
+        text += (
+            "\n\nOne GPU, world size 1 over NCCL: nothing is partitioned, so this is per-step overhead and buffer "
+            "memory, not ZeRO's saving."
+        )
+        write_results(name, _payload(records, shape, steps, device), text)
+        return text
+
+    records = run(chosen, shape, steps, device, progress=report)
+    text = report(records)
+    if not plot(records, name):
+        print(f"matplotlib is not installed: no {name}.png", flush=True)
+    print(text)
+
+
+def _payload(records: list[dict[str, Any]], shape: dict[str, int], steps: int, device: str) -> dict[str, Any]:
+    return {
         "machine": machine(),
         "device": device,
         "gpu": next((r["device_name"] for r in records if "device_name" in r), None),
@@ -218,7 +246,3 @@ def main(quick: bool, only: set[str], name: str, device: str = "cuda") -> None:
         "params": next((r["params"] for r in records if "params" in r), None),
         "cases": records,
     }
-    write_results(name, payload, text)
-    if not plot(records, name):
-        print(f"matplotlib is not installed: no {name}.png", flush=True)
-    print(text)

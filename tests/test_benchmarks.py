@@ -143,17 +143,27 @@ def test_e2e_device_cuda_refuses_at_once_without_a_gpu(tmp_path: Path) -> None:
 @pytest.mark.multiprocess
 def test_e2e_cuda_pipeline_on_the_cpu(tmp_path: Path) -> None:
     """benchmarks/e2e_cuda.py's plumbing (a fresh process per case, timing, records, table, JSON, PNG) with
-    the CPU in place of the GPU: what --device cuda runs, short of the CUDA calls."""
+    the CPU in place of the GPU: what --device cuda runs, short of the CUDA calls. The results are written
+    after every case (a run stopped by a time limit keeps what it finished), marked partial until the end."""
     script = (
+        "import json\n"
         "from benchmarks import e2e_cuda\n"
+        "writes, write = [], e2e_cuda.write_results\n"
+        "def spy(name, payload, text):\n"
+        "    writes.append([len(payload['cases']), 'Partial' in text])\n"
+        "    write(name, payload, text)\n"
+        "e2e_cuda.write_results = spy\n"
         "if __name__ == '__main__':\n"
         "    e2e_cuda.main(True, {'torch FSDP2', 'ds_strategy stage 3'}, 'e2e_cuda', device='cpu')\n"
+        "    print('WRITES', json.dumps(writes))\n"
     )
     proc = subprocess.run(
         [sys.executable, "-c", script],
         cwd=ROOT, env=_bench_env(tmp_path), capture_output=True, text=True, timeout=300, check=False,
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    writes = json.loads(next(line for line in proc.stdout.splitlines() if line.startswith("WRITES "))[7:])
+    assert writes == [[1, True], [2, False], [2, False]], writes
     payload = json.loads((tmp_path / "e2e_cuda.json").read_text())
     assert payload["device"] == "cpu" and payload["world_size"] == 1 and payload["params"] > 0
     cases = {r["case"]: r for r in payload["cases"]}

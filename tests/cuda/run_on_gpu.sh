@@ -9,9 +9,12 @@
 #
 # Environment: PYTHON (default python3), WHEELS (default .whl/), DEPS (default .gpu-deps/, rebuilt each run),
 # FORCE_WHEELS=1 (install every wheel brought, even where the environment has the package),
-# BENCH=0 (skip the benchmark), PYTEST_ARGS (extra pytest arguments).
-# Writes into OUTPUT_DIR: run.log, environment.txt, cuda-suite.log/.xml, e2e_cuda.{json,md,png}, bench.log,
-# hybrid_cuda.{json,md,png}, bench_hybrid.log.
+# BENCH=0 (skip the benchmark), PYTEST_ARGS (extra pytest arguments), STEP_TIMEOUT=S (stop the suite and
+# each benchmark after S seconds: a lease-limited machine still returns the rest; the e2e benchmark keeps the
+# cases it finished), ARCHIVE=1 (leave only run.log and gpu-results.tgz, holding everything, in OUTPUT_DIR:
+# for tools that bring few files back).
+# Writes into OUTPUT_DIR: run.log, environment.txt, cuda-suite.log/.xml, hybrid_cuda.{json,md,png},
+# bench_hybrid.log, e2e_cuda.{json,md,png}, bench.log.
 # Exit status: 0 when the suite and the benchmark both succeeded.
 set -uo pipefail
 
@@ -107,25 +110,32 @@ build_rc=${PIPESTATUS[0]}
 ((build_rc == 0)) || log "kernel build failed (rc $build_rc): the suite will report the kernel tests"
 
 # ---- 4. the CUDA suite, then the benchmark ----------------------------------------------------------
+limit=()
+[[ "${STEP_TIMEOUT:-0}" != "0" ]] && limit=(timeout "$STEP_TIMEOUT")
 log "CUDA suite"
 # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
-DS_STRATEGY_REQUIRE_KERNELS=1 "$PYTHON" -m pytest tests/cuda tests/ops/test_fused_adam_cuda.py tests/ops/test_quant_cuda.py -q -rs \
+DS_STRATEGY_REQUIRE_KERNELS=1 ${limit[@]+"${limit[@]}"} "$PYTHON" -m pytest tests/cuda tests/ops/test_fused_adam_cuda.py tests/ops/test_quant_cuda.py -q -rs \
     -p no:cacheprovider --junitxml="$OUT_DIR/cuda-suite.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT_DIR/cuda-suite.log"
 suite_rc=${PIPESTATUS[0]}
 log "CUDA suite: rc $suite_rc"
 bench_rc=0
 if [[ "${BENCH:-1}" != "0" ]]; then
-    log "GPU benchmark (benchmarks/bench_e2e.py --device cuda)"
-    DS_ACCELERATOR=cuda DS_STRATEGY_BENCH_RESULTS="$OUT_DIR" \
-        "$PYTHON" -m benchmarks.bench_e2e --device cuda --name e2e_cuda 2>&1 | tee "$OUT_DIR/bench.log"
-    bench_rc=${PIPESTATUS[0]}
-    log "GPU benchmark: rc $bench_rc"
+    # Generation first: it takes seconds, the e2e benchmark minutes (DeepSpeed JIT-builds its optimizer).
     log "GPU generation benchmark (benchmarks/bench_hybrid.py --device cuda)"
-    DS_ACCELERATOR=cuda DS_STRATEGY_BENCH_RESULTS="$OUT_DIR" \
+    DS_ACCELERATOR=cuda DS_STRATEGY_BENCH_RESULTS="$OUT_DIR" ${limit[@]+"${limit[@]}"} \
         "$PYTHON" -m benchmarks.bench_hybrid --device cuda 2>&1 | tee "$OUT_DIR/bench_hybrid.log"
-    hybrid_rc=${PIPESTATUS[0]}
-    log "GPU generation benchmark: rc $hybrid_rc"
-    ((hybrid_rc == 0)) || bench_rc=$hybrid_rc
+    bench_rc=${PIPESTATUS[0]}
+    log "GPU generation benchmark: rc $bench_rc"
+    log "GPU benchmark (benchmarks/bench_e2e.py --device cuda)"
+    DS_ACCELERATOR=cuda DS_STRATEGY_BENCH_RESULTS="$OUT_DIR" ${limit[@]+"${limit[@]}"} \
+        "$PYTHON" -m benchmarks.bench_e2e --device cuda --name e2e_cuda 2>&1 | tee "$OUT_DIR/bench.log"
+    e2e_rc=${PIPESTATUS[0]}
+    log "GPU benchmark: rc $e2e_rc"
+    ((e2e_rc == 0)) || bench_rc=$e2e_rc
 fi
 log "results in $OUT_DIR"
+if [[ "${ARCHIVE:-0}" == "1" ]]; then
+    archive="$(mktemp -d)/gpu-results.tgz"
+    tar czf "$archive" -C "$OUT_DIR" . && find "$OUT_DIR" -mindepth 1 ! -name run.log -delete && mv "$archive" "$OUT_DIR/"
+fi
 ((suite_rc == 0 && bench_rc == 0))
