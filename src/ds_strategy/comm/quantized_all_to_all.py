@@ -19,13 +19,23 @@ one byte row (its int bytes, then its fp32 scales), so each step is one ``all_to
 
 The all-to-all itself is the communicator's ``all_to_all_single`` (the shared-memory kernel on one host,
 else the process group), logged in its comms logger as ``all_to_all`` with the bytes this rank sends.
+
+With ``async_op``, when only one step runs (one node, the common case, or one rank per node), its
+all-to-all is issued and the call returns: the chunks are quantized at once (so ``input`` may be reused),
+and the handle's ``wait`` sums what arrived into ``output``, so the exchange overlaps with whatever the
+caller does before waiting (the rest of backward, for ZeRO-3's gradient buckets). With both steps the call
+stays blocking: step 2 is a collective that could only be issued at ``wait``, and ranks wait at different
+points of their other groups' collectives (a stage lands whichever bucket completed first), so the ranks
+would issue collectives of different groups in different orders and deadlock (seen: 4 ranks in 2 nodes).
 """
 
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
-from ds_strategy.comm.collectives import Communicator
+from ds_strategy.comm.collectives import CommHandle, Communicator
 from ds_strategy.ops.quant import Quantized, dequantize_sum, num_blocks, packed_numel, quantize
 
 
@@ -35,14 +45,27 @@ def all_to_all_bytes(coll: Communicator, send: torch.Tensor) -> torch.Tensor:
     Through the communicator's ``all_to_all_single``, so on one host the shared-memory kernel moves the
     rows: they travel as float32 words (padded to whole words), which an all-to-all only copies, so every
     bit pattern arrives intact; the communicator's comms logger records it as ``all_to_all``."""
+    _, received = _start_all_to_all_bytes(coll, send, async_op=False)
+    return received()
+
+
+def _start_all_to_all_bytes(
+    coll: Communicator, send: torch.Tensor, *, async_op: bool
+) -> tuple[CommHandle | None, Callable[[], torch.Tensor]]:
+    """``all_to_all_bytes`` issued: (its handle, None when nothing travels; the result, valid after it)."""
     if coll.world_size == 1:
-        return send.clone()
+        copy = send.clone()
+        return None, lambda: copy
     nbytes = send.shape[1]
     pad = (-nbytes) % 4
     words = (torch.nn.functional.pad(send, (0, pad)) if pad else send.contiguous()).view(torch.float32)
     recv = torch.empty_like(words)
-    coll.all_to_all_single(recv, words)
-    return recv.view(torch.uint8)[:, :nbytes]
+    handle = coll.all_to_all_single(recv, words, async_op=async_op)
+
+    def received(words: torch.Tensor = words) -> torch.Tensor:  # words: alive until the exchange is read
+        return recv.view(torch.uint8)[:, :nbytes]
+
+    return handle, received
 
 
 def _pack(qt: Quantized, dests: int) -> torch.Tensor:
@@ -61,17 +84,23 @@ def _unpack(rows: torch.Tensor, k: int, n: int, block_size: int, bits: int) -> t
     return q, s
 
 
-def _exchange_and_sum(coll: Communicator, chunks: torch.Tensor, block_size: int, bits: int) -> torch.Tensor:
-    """``chunks`` (dests x k x n): quantize, send row d to group rank d, and return the fp32 (k x n) sum of
-    the k-chunk rows every rank sent here."""
+def _exchange_and_sum(
+    coll: Communicator, chunks: torch.Tensor, block_size: int, bits: int, *, async_op: bool = False
+) -> tuple[CommHandle | None, Callable[[], torch.Tensor]]:
+    """``chunks`` (dests x k x n): quantize, send row d to group rank d; returns (the exchange's handle, a
+    function giving the fp32 (k x n) sum of the k-chunk rows every rank sent here, once it completed)."""
     dests, k, n = chunks.shape
     qt = quantize(chunks.reshape(dests * k, n), block_size, bits)
-    recv = all_to_all_bytes(coll, _pack(qt, dests))
-    q, s = _unpack(recv, k, n, block_size, bits)
-    out = torch.empty(k, n, dtype=torch.float32, device=chunks.device)
-    for j in range(k):  # chunk j of every source: one fp32 sum over the sources
-        dequantize_sum(Quantized(q[:, j].contiguous(), s[:, j].contiguous(), block_size, bits), out[j])
-    return out
+    handle, received = _start_all_to_all_bytes(coll, _pack(qt, dests), async_op=async_op)
+
+    def summed() -> torch.Tensor:
+        q, s = _unpack(received(), k, n, block_size, bits)
+        out = torch.empty(k, n, dtype=torch.float32, device=chunks.device)
+        for j in range(k):  # chunk j of every source: one fp32 sum over the sources
+            dequantize_sum(Quantized(q[:, j].contiguous(), s[:, j].contiguous(), block_size, bits), out[j])
+        return out
+
+    return handle, summed
 
 
 def quantized_reduce_scatter(
@@ -83,9 +112,12 @@ def quantized_reduce_scatter(
     block_size: int,
     intra_bits: int = 4,
     inter_bits: int = 8,
-) -> None:
+    async_op: bool = False,
+) -> CommHandle | None:
     """``output`` = this rank's chunk of the sum of every rank's ``input`` (see the module note); ``intra``
-    and ``inter`` are this rank's node group and cross-node group (either may have one rank)."""
+    and ``inter`` are this rank's node group and cross-node group (either may have one rank). With
+    ``async_op``: a handle whose ``wait`` completes ``output`` (None when nothing is left to wait for);
+    without: None, ``output`` complete."""
     h, nodes = intra.world_size, inter.world_size
     n = output.numel()
     if input.numel() != h * nodes * n:
@@ -93,15 +125,34 @@ def quantized_reduce_scatter(
             f"quantized_reduce_scatter: input has {input.numel()} elements; {h} x {nodes} ranks x {n} expected"
         )
     if n == 0:
-        return
+        return None
     chunks = input.reshape(nodes, h, n)
     if h > 1:  # to local peer l: chunks node' * h + l of every node'
-        partial = _exchange_and_sum(intra, chunks.transpose(0, 1), block_size, intra_bits)
-    else:
-        partial = chunks[:, 0].float()
-    # then to node n': its partial sum of chunk n' * h + local
-    total = _exchange_and_sum(inter, partial.unsqueeze(1), block_size, inter_bits)[0] if nodes > 1 else partial[0]
-    output.copy_(total)
+        rest = nodes > 1
+        handle, partial = _exchange_and_sum(
+            intra, chunks.transpose(0, 1), block_size, intra_bits, async_op=async_op and not rest
+        )
+    elif nodes > 1:  # one rank per node: step 2 is the first
+        partials = chunks[:, 0].float().unsqueeze(1)
+        handle, partial = _exchange_and_sum(inter, partials, block_size, inter_bits, async_op=async_op)
+        rest = False
+    else:  # a group of one: nothing travels, nothing is quantized
+        output.copy_(chunks[0, 0])
+        return None
+
+    def land() -> None:
+        if rest:  # then to node n': its partial sum of chunk n' * h + local
+            _, total = _exchange_and_sum(inter, partial().unsqueeze(1), block_size, inter_bits)
+            output.copy_(total()[0])
+        else:
+            output.copy_(partial()[0])
+
+    if async_op and handle is not None and not rest:
+        return CommHandle(children=[handle], finish=land)  # wait: the exchange, then the sum lands
+    if handle is not None:
+        handle.wait()
+    land()
+    return None
 
 
 def wire_bytes(n: int, block_size: int, bits: int) -> int:

@@ -281,7 +281,7 @@ class Stage3(Stage2):
         self, output: torch.Tensor, input: torch.Tensor, *, group: int = 0, async_op: bool = False
     ) -> Handle:
         if self.zeropp is not None and self.zeropp.quantized_grads:  # qgZ: see [Note: ZeRO++] in zeropp.py
-            return self.zeropp.reduce_scatter(output, input)
+            return self.zeropp.reduce_scatter(output, input, async_op=async_op)
         return super()._reduce_scatter(output, input, group=group, async_op=async_op)
 
     @contextmanager

@@ -102,12 +102,13 @@ class ZeroPP:
             c.close()
 
     # ------------------------------------------------------------------ qgZ
-    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor) -> Handle:
-        """``output`` = this rank's shard of the group-wide sum of ``input`` through quantized all-to-alls
-        (blocking; the returned handle is done)."""
+    def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Handle:
+        """``output`` = this rank's shard of the group-wide sum of ``input`` through quantized all-to-alls;
+        with ``async_op`` the first all-to-all overlaps with what the caller does until ``wait`` (see
+        comm/quantized_all_to_all.py)."""
         assert self.grad_intra is not None and self.grad_inter is not None
         one_node = self.grad_inter.world_size == 1
-        quantized_reduce_scatter(
+        handle = quantized_reduce_scatter(
             output,
             input,
             intra=self.grad_intra,
@@ -115,8 +116,9 @@ class ZeroPP:
             block_size=GRAD_BLOCK,
             intra_bits=8 if one_node else GRAD_INTRA_BITS,
             inter_bits=GRAD_INTER_BITS,
+            async_op=async_op,
         )
-        return _Then(None, None)
+        return _Then(handle, None)
 
 
 def _divisors(n: int) -> str:
