@@ -134,13 +134,11 @@ def run(
         if isinstance(per_rank, Exception):
             print(f"{name}: failed: {per_rank}", flush=True)
             records.append({**record, "error": str(per_rank)})
-            if progress is not None:
-                progress(records)
-            continue
-        record.update(per_rank[0])
-        records.append(record)
-        gib = record["peak_allocated"] / 2**30
-        print(f"{name}: {record['seconds_per_step'] * 1e3:.1f} ms/step, peak allocated {gib:.2f} GiB", flush=True)
+        else:
+            record.update(per_rank[0])
+            records.append(record)
+            gib = record["peak_allocated"] / 2**30
+            print(f"{name}: {record['seconds_per_step'] * 1e3:.1f} ms/step, peak allocated {gib:.2f} GiB", flush=True)
         if progress is not None:
             progress(records)
     return records
