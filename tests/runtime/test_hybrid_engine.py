@@ -99,8 +99,8 @@ def test_generate_equals_single_process_and_hybrid_gathers_once_per_bucket() -> 
         # One all-gather per partitioned bucket for the whole call ...
         assert hybrid["buckets"] > 0 and hybrid["gathers"] == hybrid["buckets"], hybrid
         assert pinned["gathers"] == pinned["buckets"], pinned
-        # ... against every module's unit at every decoding step through the hooks.
-        assert plain["gathers"] >= NEW * plain["units"] > 5 * hybrid["gathers"], plain
+        # ... against every bucket at every decoding step through the hooks.
+        assert plain["gathers"] >= NEW * hybrid["gathers"] and plain["units"] > 0, plain
         # Released after the call (back to 0-element shards), unless pinned: then the whole model is held.
         assert plain["smallest_param_after"] == 0 and hybrid["smallest_param_after"] == 0
         assert hybrid["gathered_bytes"] == 0 and plain["gathered_bytes"] == 0

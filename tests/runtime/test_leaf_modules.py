@@ -29,7 +29,8 @@ from tests.runtime.common import config, engine_run, token_batches
 
 D, HIDDEN, EXPERTS, VOCAB, SEQ = 16, 24, 8, 20, 6
 STEPS, MICRO, GAS, WORLD, LR = 6, 2, 2, 2, 1e-2
-# Everything partitioned; an expert (~800 elements) spans two buckets, the block several.
+# Everything partitioned. A marked block is one fetch unit, hence one bucket ([Note: fetch units]); under
+# per-module units ("modules") an expert (~800 elements) spans two 500-element buckets.
 STAGE3_KEYS = {"stage3_param_persistence_threshold": 0, "stage3_prefetch_bucket_size": 2000}
 FP32_TOL = {"rtol": 1e-5, "atol": 1e-6}
 
@@ -159,7 +160,7 @@ def test_leaf_moe_block_trains_like_stage0_fp32(how: str) -> None:
     for r in ranks:
         assert r["leaves"] == ["moe"], r["leaves"]
         if how != "after-build":  # built marked: the block's buckets hold nothing else, and nothing but them
-            assert r["leaf_unit"] == r["moe_buckets"] and len(r["leaf_unit"]) > 2, r["leaf_unit"]
+            assert r["leaf_unit"] == r["moe_buckets"] and len(r["leaf_unit"]) == 1, r["leaf_unit"]
         else:  # marked later: the unit is the union of the module-aligned buckets of its subtree
             assert set(r["moe_buckets"]) == set(r["leaf_unit"]), r["leaf_unit"]
         assert all(unit == [] for unit in r["expert_units"]), r["expert_units"]
@@ -206,7 +207,9 @@ def _unmark_after_build(rank: int, world: int) -> None:
 
     model = make_moe()
     set_z3_leaf_modules(model, [MoEBlock])
-    engine, *_ = rt.initialize(model=model, config=_config(3))
+    # Per-module units: unmarked, each expert gathers its own buckets again (under block units the whole
+    # block was laid out as one bucket, which every expert would then share).
+    engine, *_ = rt.initialize(model=model, config=_config(3, stage3_fetch_units="modules"))
     data = token_batches(STEPS, MICRO * GAS * world, vocab=VOCAB, seq=SEQ)
     engine_run(engine, data[:1], micro=MICRO, gas=GAS)
     unset_z3_leaf_modules(model, [MoEBlock])  # the experts gather on their own again: the ranks diverge

@@ -106,6 +106,8 @@ class ZeroConfig:
     stage3_model_persistence_threshold: int = sys.maxsize
     stage3_max_live_parameters: int = 1_000_000_000
     stage3_max_reuse_distance: int = 1_000_000_000
+    # Stage 3 fetch units (runtime/zero/units.py): "blocks", "modules" or class names.
+    stage3_fetch_units: str | tuple[str, ...] = "blocks"
     stage3_gather_16bit_weights_on_model_save: bool = False
     load_from_fp32_weights: bool = True
     ignore_unused_parameters: bool = True

@@ -71,8 +71,10 @@ from ds_strategy import env
 from .base import BucketKey
 from .collectives import Collectives, Handle
 from .divergence import DivergenceCheck
-from .leaf import leaf_generation, outermost_leaves
+from .leaf import leaf_generation
 from .sharded import ShardedGroup
+from .streams import GatherStream
+from .units import MODULES, FetchUnitPolicy, unit_owners
 
 EXTERNAL_ATTR = "_ds_external_params"
 # torch modules whose forward reads their children's parameters without calling the children
@@ -94,12 +96,15 @@ class ParamGatherer:
         max_live_numel: int,
         reuse_distance: int,
         timeout_s: float | None = None,
+        policy: FetchUnitPolicy = MODULES,
     ) -> None:
+        self.policy = policy
         self.groups = groups
         self.root = root
         self.coll = coll
         # The headers travel where the gathered buckets do: the compute device (NCCL takes nothing else).
         self.device = next((gs.device for gs in groups if gs.full), torch.device("cpu"))
+        self.stream = GatherStream(self.device)  # [Note: gather stream] in streams.py
         self.prefetch_numel = prefetch_numel
         self.max_live_numel = max_live_numel
         self.reuse_distance = reuse_distance
@@ -127,7 +132,8 @@ class ParamGatherer:
         self.trace: list[int] | None = None
         self._recording: list[int] | None = None
         self._cursor: int | None = None
-        self._hooks: list[RemovableHandle] = []
+        self._hooks: list[RemovableHandle] = []  # the root's
+        self._module_hooks: list[RemovableHandle] = []  # the other unit modules'
         self.unhooked: set[int] = set()  # modules inside compiled regions: see [Note: compiled regions]
         self.held: set[BucketKey] = set()  # see [Note: held buckets]
         self.suspended = False
@@ -141,18 +147,25 @@ class ParamGatherer:
         return sorted({self.bucket_of[id(p)] for p in params if p is not None and id(p) in self.bucket_of})
 
     def _compute_units(self) -> None:
-        """Every module's unit (see [Note: gather units and hooks]); a leaf module's is its whole subtree and
-        its descendants have none (see [Note: leaf modules] in leaf.py). Externals registered on a
-        descendant of a leaf join the leaf's unit."""
+        """Every module's unit (see [Note: gather units and hooks] and [Note: fetch units] in units.py): a
+        unit module's is its whole subtree, the modules inside it have none; a leaf module is a unit under
+        every policy. Externals registered on a module inside a unit join that unit. The modules owning
+        parameters of the rest unit directly fetch it too (calls outside the root's forward)."""
         self._leaf_generation = leaf_generation()
-        leaves = outermost_leaves(self.root)
+        owners = unit_owners(self.root, self.policy)
         params: dict[int, list[torch.Tensor | None]] = defaultdict(list)
+        holders: list[nn.Module] = []
         for m in self.root.modules():
-            owner = leaves.get(id(m), m)
-            params[id(owner)] += list(m._parameters.values()) + list(getattr(m, EXTERNAL_ATTR, []))
+            owner = owners[id(m)]
+            direct = list(m._parameters.values()) + list(getattr(m, EXTERNAL_ATTR, []))
+            params[id(owner)] += direct
             if owner is m and isinstance(m, READS_CHILD_PARAMETERS):
                 params[id(m)] += list(m.parameters())
+            if owner is self.root and m is not self.root and self.keys_of(direct):
+                holders.append(m)
         self.units = {id(m): self.keys_of(params.get(id(m), [])) for m in self.root.modules()}
+        for m in holders:
+            self.units[id(m)] = self.units[id(self.root)]
         self.frozen_units = {
             mid: frozen for mid, keys in self.units.items() if (frozen := [k for k in keys if self.groups[k[0]].frozen])
         }
@@ -171,18 +184,33 @@ class ParamGatherer:
             self.trace = None
             self._recording = None
             self._cursor = None
+            if self._hooks:  # other modules may be units now (the root's own hooks are running: kept)
+                self._unhook_modules()
+                self._hook_modules()
 
     def attach(self) -> None:
         if self.suspended:  # during a hold: attached when it ends (see [Note: held buckets])
             self._reattach = True
             return
-        self._hooks.append(self.root.register_forward_pre_hook(self._on_root_start))
+        root = self.root
+        self._hooks.append(root.register_forward_pre_hook(self._on_root_start))
+        self._hooks.append(root.register_forward_pre_hook(self._pre_forward))
+        self._hooks.append(root.register_forward_hook(self._post_forward, with_kwargs=True))
+        self._hooks.append(root.register_forward_hook(self._on_root_end))
+        self._hook_modules()
+
+    def _hook_modules(self) -> None:
+        """Hooks on the modules with a unit only: the modules inside a unit take torch's fast call path."""
         for m in self.root.modules():
-            if id(m) in self.unhooked:
+            if m is self.root or id(m) in self.unhooked or not self.units.get(id(m)):
                 continue
-            self._hooks.append(m.register_forward_pre_hook(self._pre_forward))
-            self._hooks.append(m.register_forward_hook(self._post_forward, with_kwargs=True))
-        self._hooks.append(self.root.register_forward_hook(self._on_root_end))
+            self._module_hooks.append(m.register_forward_pre_hook(self._pre_forward))
+            self._module_hooks.append(m.register_forward_hook(self._post_forward, with_kwargs=True))
+
+    def _unhook_modules(self) -> None:
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks.clear()
 
     def unhook_inside(self, regions: Iterable[nn.Module]) -> None:
         """Hook no module strictly inside ``regions``, leaf modules compiled as a whole (see [Note: compiled
@@ -197,6 +225,7 @@ class ParamGatherer:
         for h in self._hooks:
             h.remove()
         self._hooks.clear()
+        self._unhook_modules()
 
     def _numel(self, key: BucketKey) -> int:
         return self.groups[key[0]].full[key[1]].numel()
@@ -426,7 +455,8 @@ class ParamGatherer:
     def _gather(self, key: BucketKey, tag: int, mid: int, *, exact: bool = False) -> _Gather:
         """All-gather one bucket (asynchronously); its failure will name this rank's module and the others'."""
         try:
-            return _Gather(self, self.groups[key[0]].gather(key[1], async_op=True, tag=tag, exact=exact), tag, mid)
+            handle = self.groups[key[0]].gather(key[1], async_op=True, tag=tag, exact=exact, stream=self.stream)
+            return _Gather(self, handle, tag, mid)
         except RuntimeError as err:
             raise self.divergence.gather_failed(err, tag, mid) from err
 

@@ -33,6 +33,7 @@ from . import host_memory
 from .buffers import GroupStorage
 from .collectives import DONE, Collectives, Handle
 from .init import gather_init_param, init_shard, release_init_shard
+from .streams import GatherStream
 from .zeropp import ZeroPP, quantize_shard, quantized_all_gather, then
 
 
@@ -129,6 +130,7 @@ class ShardedGroup(GroupStorage):
         # storage is dropped as soon as its bucket is partitioned.
         self.full: list[torch.Tensor] = []
         self.live: list[bool] = []
+        self._live_numel = 0
         self._placeholder = torch.empty(0, dtype=compute_dtype, device=self.device)
         # Two scratch buffers serve every bucket (the bucket in fp32, one gathered zero.Init parameter):
         # per-bucket temporaries of alternating lifetimes would fragment the host heap, which then keeps
@@ -239,15 +241,25 @@ class ShardedGroup(GroupStorage):
             self.params[i].data = self.in_bucket(self.full[bucket], i)
 
     # ------------------------------------------------------------------ gather / free (see the note)
-    def gather(self, bucket: int, *, async_op: bool, tag: int = 0, exact: bool = False) -> Handle:
+    def gather(
+        self, bucket: int, *, async_op: bool, tag: int = 0, exact: bool = False, stream: GatherStream | None = None
+    ) -> Handle:
         """Allocate the bucket's gathered tensor and all-gather it; the parameters point into it at once.
-        ``exact``: from the primary partitions, unquantized (GatheredParameters, full state dicts)."""
+        ``exact``: from the primary partitions, unquantized (GatheredParameters, full state dicts);
+        ``stream``: issue the device work on the gather stream ([Note: gather stream] in streams.py)."""
         if self.live[bucket]:
             return DONE
         full = self.full[bucket]
-        host_memory.allocate(full)
+        host_memory.allocate(full)  # on the compute stream: see the note
         self.live[bucket] = True
+        self._live_numel += full.numel()  # persistent buckets are always live: never gathered here
         self._point_params(bucket)
+        if stream is None:
+            return self._gather_into(full, bucket, async_op=async_op, tag=tag, exact=exact)
+        with stream.issue():
+            return stream.ordered(self._gather_into(full, bucket, async_op=async_op, tag=tag, exact=exact))
+
+    def _gather_into(self, full: torch.Tensor, bucket: int, *, async_op: bool, tag: int, exact: bool) -> Handle:
         if exact:
             mine = full.view(self.coll.world_size, -1)[self.rank]
             self.read_part(bucket, mine, trace=True)
@@ -294,6 +306,7 @@ class ShardedGroup(GroupStorage):
             self.params[i].data = self._placeholder
         host_memory.release(self.full[bucket])
         self.live[bucket] = False
+        self._live_numel -= self.full[bucket].numel()
 
     def write_back(self, bucket: int) -> None:
         """After an edit of the gathered (live) bucket on every rank: keep this rank's shard of it as the new
@@ -376,7 +389,8 @@ class ShardedGroup(GroupStorage):
         self._part_views, self.part = kept, torch.empty(0, dtype=self.compute_dtype, device=self._param_device)
 
     def live_numel(self) -> int:
-        return sum(self.full[b].numel() for b, live in enumerate(self.live) if live and b not in self.persistent)
+        """Elements of the partitioned (not persistent) buckets gathered now (kept by gather / free)."""
+        return self._live_numel
 
     # ------------------------------------------------------------------ GroupStorage interface
     @torch.no_grad()

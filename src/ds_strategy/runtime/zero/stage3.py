@@ -44,11 +44,11 @@ from .base import BucketKey, StageOptions, ZeroStage
 from .buffers import GroupStorage
 from .collectives import Collectives, Handle
 from .init import init_shard, keep_shard, unpartition_param
-from .leaf import outermost_leaves
 from .offload import HOST, Offload
 from .param_gather import ParamGatherer
 from .sharded import ShardedGroup
 from .stage2 import Stage2
+from .units import MODULES, check_policy, policy_of, unit_owners
 from .zeropp import ZeroPP
 
 log = logging.getLogger("ds_strategy.runtime")
@@ -73,6 +73,7 @@ class Stage3Options:
     zero_quantized_nontrainable_weights: bool = False
     zero_hpz_partition_size: int = 1
     zero_quantized_gradients: bool = False
+    fetch_units: Any = None  # stage3_fetch_units (see [Note: fetch units] in units.py); None: "blocks"
 
     @classmethod
     def from_config(cls, config: Any, offload: Offload) -> Stage3Options:
@@ -90,6 +91,7 @@ class Stage3Options:
             zero_quantized_nontrainable_weights=bool(zero.zero_quantized_nontrainable_weights),
             zero_hpz_partition_size=int(zero.zero_hpz_partition_size),
             zero_quantized_gradients=bool(zero.zero_quantized_gradients),
+            fetch_units=_config_policy(zero.stage3_fetch_units),
         )
 
 
@@ -140,11 +142,16 @@ class Stage3(Stage2):
             host_memory.return_freed_memory_to_os()  # see [Note: gathered buckets and host memory]
         owner: dict[int, int] = {}
         position = {id(m): n for n, m in enumerate(module.modules())}
-        leaves = outermost_leaves(module)  # a leaf's subtree counts as the leaf's: see [Note: leaf modules]
+        # Each parameter belongs to its fetch unit ([Note: fetch units] in units.py; a leaf's subtree is the
+        # leaf's: [Note: leaf modules]); under block units a unit is one bucket, whatever its size.
+        self.fetch_policy = policy_of(module, s3.fetch_units)
+        owners = unit_owners(module, self.fetch_policy)
+        self.block_units = any(owners[id(m)] is not m for m in module.modules() if m._parameters)
+        self.block_units = self.block_units and self.fetch_policy != MODULES
         for m in module.modules():
             for p in m._parameters.values():
                 if p is not None:
-                    owner.setdefault(id(p), position[id(leaves.get(id(m), m))])
+                    owner.setdefault(id(p), position[id(owners[id(m)])])
         trainable = {id(p) for named in groups for _, p in named}
         frozen = _frozen(module, trainable)
         persistent = _persistent(module, trainable | {id(p) for _, p in frozen}, s3)
@@ -180,6 +187,7 @@ class Stage3(Stage2):
             prefetch_numel=s3.prefetch_numel,
             max_live_numel=s3.max_live_numel,
             reuse_distance=s3.reuse_distance,
+            policy=self.fetch_policy,
         )
         if self.swap is not None:
             trim_heap()  # the build's freed blocks ([Note: host memory under NVMe offload], runtime/swap)
@@ -191,9 +199,19 @@ class Stage3(Stage2):
         (see [Note: module-aligned buckets])."""
         big = [(n, p) for n, p in named if id(p) not in persistent]
         small = [(n, p) for n, p in named if id(p) in persistent]
+        if self.block_units:  # one bucket per unit: its parameters side by side (the rest's are spread out)
+            first: dict[int, int] = {}
+            for _, p in big:
+                first.setdefault(owner[id(p)], len(first))
+            big.sort(key=lambda item: first[owner[id(item[1])]])
         items = big + small
+        # Persistent parameters are never gathered: under block units they share buckets across units, so a
+        # model's small parameters (norms, biases) cost one reduce-scatter, not one per block.
+        last = len(items) if not self.block_units else len(big)
         breaks = {
-            i for i in range(1, len(items)) if owner[id(items[i][1])] != owner[id(items[i - 1][1])] or i == len(big)
+            i
+            for i in range(1, len(items))
+            if i == len(big) or (i < last and owner[id(items[i][1])] != owner[id(items[i - 1][1])])
         }
         self._plans.append((breaks, set(range(len(big), len(items)))))
         return items
@@ -220,7 +238,8 @@ class Stage3(Stage2):
             index,
             named,
             coll=self.coll,
-            bucket_numel=self.options.bucket_numel,
+            # Block units are never split by reduce_bucket_size: one unit, one all-gather, one reduce-scatter.
+            bucket_numel=sys.maxsize if self.block_units else self.options.bucket_numel,
             breaks=breaks,
             persistent=persistent,
             compute_dtype=self.options.compute_dtype,
@@ -479,6 +498,13 @@ class Stage3(Stage2):
                     self.release_for_user([(g, b)], None)
                     for i in bucket.params:  # release_for_user pointed them at this stage's placeholder
                         gs.params[i].data = torch.empty(0, dtype=gs.params[i].dtype, device=gs.device)
+
+
+def _config_policy(value: Any) -> Any:
+    """``stage3_fetch_units`` as a policy: ``"blocks"``, ``"modules"`` or a tuple of class names."""
+    policy = value if isinstance(value, str) or value is None else tuple(value)
+    check_policy(policy, "zero_optimization.stage3_fetch_units")
+    return policy
 
 
 def _frozen(module: nn.Module, trainable: set[int]) -> list[tuple[str, nn.Parameter]]:
