@@ -24,6 +24,15 @@ room). When a unit's users drop to 0 it stays gathered if the record says it is 
 dropped: no prefetch or reuse until the next iteration. All of this depends only on what every rank
 executes, so all ranks issue the same collectives in the same order.
 
+[Note: reshard after use]
+DeepSpeed's defaults (``stage3_max_reuse_distance`` = ``stage3_max_live_parameters`` = 1e9) keep every unit
+of a model below 1e9 parameters gathered from its forward to its backward: stage 3 then holds the whole
+model, as stage 2 does. So when the config does not state ``stage3_max_reuse_distance``, a unit is freed
+after use unless one of the next ``REUSE_UNITS`` distinct units of the recorded order uses it again (the
+last block of the forward, whose backward comes next; the rest unit between the root's forward and its
+backward): FSDP2's reshard-after-forward, the re-gather hidden by the backward prefetch. A config that
+states the key keeps DeepSpeed's meaning (elements gathered in between).
+
 [Note: frozen buckets in backward]
 Buckets of frozen parameters (see [Note: frozen parameters] in stage3.py) get no gradient, so no
 post-accumulate-grad hook frees them. Backward still needs them (the gradient w.r.t. a frozen Linear's
@@ -81,6 +90,7 @@ EXTERNAL_ATTR = "_ds_external_params"
 # (MultiheadAttention passes ``out_proj.weight`` to the functional attention): their unit is the subtree.
 READS_CHILD_PARAMETERS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 TIMEOUT_ENV = env.GATHER_TIMEOUT
+REUSE_UNITS = 2  # [Note: reshard after use]: kept when one of the next this many units uses it again
 
 
 class ParamGatherer:
@@ -94,7 +104,7 @@ class ParamGatherer:
         *,
         prefetch_numel: int,
         max_live_numel: int,
-        reuse_distance: int,
+        reuse_distance: int | None,
         timeout_s: float | None = None,
         policy: FetchUnitPolicy = MODULES,
     ) -> None:
@@ -421,6 +431,8 @@ class ParamGatherer:
         return plan
 
     def _reused_soon(self, key: BucketKey) -> bool:
+        if self.reuse_distance is None:  # [Note: reshard after use]
+            return self._in_next_units(key, REUSE_UNITS)
         distance = 0
         for mid in self._upcoming():
             keys = self.units.get(mid, [])
@@ -428,6 +440,20 @@ class ParamGatherer:
                 return True
             distance += sum(self._numel(k) for k in keys if not self._live(k))
             if distance > self.reuse_distance:
+                return False
+        return False
+
+    def _in_next_units(self, key: BucketKey, count: int) -> bool:
+        """Whether ``key`` belongs to one of the next ``count`` distinct units of the recorded order."""
+        seen: list[list[BucketKey]] = []
+        for mid in self._upcoming():
+            keys = self.units.get(mid, [])
+            if not keys or keys in seen:
+                continue
+            if key in keys:
+                return True
+            seen.append(keys)
+            if len(seen) >= count:
                 return False
         return False
 

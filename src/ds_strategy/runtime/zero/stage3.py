@@ -64,7 +64,7 @@ class Stage3Options:
     model_persistence_numel: int = sys.maxsize  # stage3_model_persistence_threshold: see ``_persistent``
     prefetch_numel: int = 50_000_000
     max_live_numel: int = 1_000_000_000
-    reuse_distance: int = 1_000_000_000
+    reuse_distance: int | None = 1_000_000_000  # None: the key was not given, see [Note: reshard after use]
     param_device: torch.device | None = None  # offload_param: where the shards live (None: compute device)
     param_pin: bool = False  # offload_param.pin_memory: page-locked host shards (used with a CUDA device)
     gather_on_save: bool = False
@@ -83,7 +83,7 @@ class Stage3Options:
             model_persistence_numel=int(zero.stage3_model_persistence_threshold),
             prefetch_numel=int(zero.stage3_prefetch_bucket_size),
             max_live_numel=int(zero.stage3_max_live_parameters),
-            reuse_distance=int(zero.stage3_max_reuse_distance),
+            reuse_distance=int(zero.stage3_max_reuse_distance) if _given(config, "stage3_max_reuse_distance") else None,
             param_device=HOST if offload.params else None,
             param_pin=offload.params and offload.pin_params,
             gather_on_save=bool(zero.stage3_gather_16bit_weights_on_model_save),
@@ -498,6 +498,14 @@ class Stage3(Stage2):
                     self.release_for_user([(g, b)], None)
                     for i in bucket.params:  # release_for_user pointed them at this stage's placeholder
                         gs.params[i].data = torch.empty(0, dtype=gs.params[i].dtype, device=gs.device)
+
+
+def _given(config: Any, key: str) -> bool:
+    """Whether the user's config states ``zero_optimization.<key>`` (rather than taking the default)."""
+    given = getattr(config, "input_config", None)
+    if given is None:
+        return True  # built in code, not from a dict: every value counts as stated
+    return key in (given.get("zero_optimization") or {})
 
 
 def _config_policy(value: Any) -> Any:
