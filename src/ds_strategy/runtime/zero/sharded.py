@@ -254,10 +254,17 @@ class ShardedGroup(GroupStorage):
         self.live[bucket] = True
         self._live_numel += full.numel()  # persistent buckets are always live: never gathered here
         self._point_params(bucket)
-        if stream is None:
+        if stream is None or self._compute_stream_only(bucket, exact):
             return self._gather_into(full, bucket, async_op=async_op, tag=tag, exact=exact)
         with stream.issue():
             return stream.ordered(self._gather_into(full, bucket, async_op=async_op, tag=tag, exact=exact))
+
+    def _compute_stream_only(self, bucket: int, exact: bool) -> bool:
+        """Gathers whose temporaries outlive the issue (ZeRO++'s int8 buffers, dequantized at wait; hpZ's
+        secondary copy) or that read the swap file stay on the compute stream: the gather stream's memory
+        would be handed back to it while the compute stream still reads it."""
+        quantized = not exact and self.quantized_gather and self.coll.world_size > 1
+        return quantized or self.hpz is not None or bucket in self.swapped
 
     def _gather_into(self, full: torch.Tensor, bucket: int, *, async_op: bool, tag: int, exact: bool) -> Handle:
         if exact:
