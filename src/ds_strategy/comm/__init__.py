@@ -8,6 +8,10 @@
 - ``CommsLogger(config.comms_logger)``: per-op counts, bytes, latency, algorithm / bus bandwidth and the
   path taken; ``log_summary()`` prints a table. See ``comm.logger``.
 
+Under torch's fake process group (one process simulating rank r of N, no peers) ``is_fake_group()`` is
+True, communicators report ``has_peers`` False and skip the shared-memory paths (see [Note: the fake
+process group] in ``comm.distributed``).
+
 Environment variables: ``DS_STRATEGY_DIST_TIMEOUT`` (seconds, init timeout), ``DS_STRATEGY_SHM=0``
 (disable the shared-memory fast path), plus the launcher variables listed in ``comm.distributed``.
 """
@@ -20,6 +24,8 @@ from ds_strategy.comm.distributed import (
     DistributedInfo,
     destroy_at_normal_exit,
     init_distributed,
+    is_fake_backend,
+    is_fake_group,
     resolve_timeout,
 )
 from ds_strategy.comm.logger import CommsLogger, CommsStat, bus_factor
@@ -36,6 +42,8 @@ __all__ = [
     "bus_factor",
     "destroy_at_normal_exit",
     "init_distributed",
+    "is_fake_backend",
+    "is_fake_group",
     "reduce_op_name",
     "resolve_timeout",
 ]

@@ -50,6 +50,16 @@ input can be skipped with ``input_is_scratch=True`` when the caller no longer ne
 
 gloo has no AVG: avg is a sum followed by a division by the group size (on the shard only, for
 reduce_scatter); nccl reduces with AVG natively.
+
+[Note: a group without peers]
+Under torch's fake process group (one process standing for rank r of N; [Note: the fake process group] in
+comm/distributed.py) ``is_fake`` is True and ``has_peers`` False: no shared-memory path is opened (its
+barriers would wait for peers that do not exist; ``fast_path=True`` is an error there), and every
+collective goes to torch.distributed as is (path ``"fake"`` in the comms log, no gloo emulation), which
+returns at once. The collectives issued, their sizes and their order are those of a real rank of N; the
+values received are not (an all_reduce leaves the tensor as it was), so code that compares what the ranks
+sent must not count on the other ranks' values where ``has_peers`` is False (stage 3's divergence headers
+compare only the slots a rank filled).
 """
 
 from __future__ import annotations
@@ -67,6 +77,7 @@ from torch.profiler import record_function
 
 from ds_strategy import env
 from ds_strategy.accelerator import strict
+from ds_strategy.comm.distributed import FAKE_BACKEND, is_fake_backend
 from ds_strategy.comm.logger import CommsLogger, Timing
 from ds_strategy.comm.paths import (
     REDUCE_OPS,
@@ -180,6 +191,8 @@ class Communicator:
         if self.rank < 0:
             raise ValueError(f"Communicator: global rank {dist.get_rank()} is not a member of the given group")
         self.backend = str(dist.get_backend(group))
+        # torch's fake process group: N ranks simulated by this one process (see [Note: a group without peers]).
+        self.is_fake = is_fake_backend(self.backend)
         self.logger = logger
         self.emulate_gloo = emulate_gloo
         self._device_backends = _parse_backend(self.backend)
@@ -201,12 +214,25 @@ class Communicator:
         self._shm = None if self.fast_path is None else ShmPath(self.fast_path, self._worker)
         self._torch: dict[str, CollectivePath] = {}
 
+    @property
+    def has_peers(self) -> bool:
+        """Whether other processes receive what this one sends: False for a group of one and for a fake
+        group, where what a collective returns is not the other ranks' data (do not compare it)."""
+        return self.world_size > 1 and not self.is_fake
+
     # ---- lifecycle -----------------------------------------------------------------------------------
     def _open_fast_path(self, fast_path: FastPath | bool | None) -> FastPath | None:
         if fast_path is False:
             return None
         if fast_path is not None and fast_path is not True:
             return fast_path  # injected
+        if self.is_fake:
+            if fast_path is True:
+                raise RuntimeError(
+                    f"Communicator(fast_path=True): the group's backend is {FAKE_BACKEND!r} (torch's fake process "
+                    "group): there are no peer processes to share memory with"
+                )
+            return None
         if fast_path is None and env.is_off(SHM_ENV):
             return None
         opened = None if self.world_size == 1 else _create_shm(self.group)
@@ -283,7 +309,7 @@ class Communicator:
     def _torch_path_named(self, backend: str) -> CollectivePath:
         path = self._torch.get(backend)
         if path is None:
-            kind = GlooPath if backend == "gloo" and self.emulate_gloo else TorchPath
+            kind = GlooPath if backend == "gloo" and self.emulate_gloo and not self.is_fake else TorchPath
             path = self._torch[backend] = kind(self.group, backend, self.rank, self.world_size)
         return path
 

@@ -25,6 +25,22 @@ communicate through it. The order (DeepSpeed's, extended):
 5. ``single``: none of the above: a one-process group on a free local port, so the same script runs
    alone. The environment is left untouched (a later Lightning Trainer must not think it was launched).
 
+[Note: the fake process group]
+torch's fake backend (``torch.testing._internal.distributed.fake_pg``:
+``init_process_group("fake", store=FakeStore(), rank=r, world_size=N)``) makes one process rank ``r`` of
+``N`` with no peer behind it: every collective returns at once, moving nothing (an all_reduce or broadcast
+leaves the tensor as it was, an all_gather writes this rank's input into every rank's slot, a
+reduce_scatter keeps this rank's slice of its own input). The real code then runs at world size N in one
+process, so one device shows what each of N ranks does: its step time, the collectives it issues, its
+memory. ds_strategy recognises the group by its backend name (``is_fake_group``; ``Communicator.is_fake``,
+``Communicator.has_peers``) and steps aside where a peer would be needed: the shared-memory paths are
+not opened (their first barrier would wait for peers that never come), collectives go through plain
+torch.distributed (which the fake group answers), an existing fake group is reused (LOCAL_RANK defaults
+to 0: every simulated rank computes on this process's device), ``init_distributed(dist_backend="fake",
+rank=r, world_size=N)`` creates one, and the exit meeting through the store is skipped (the fake store
+holds nothing). What a collective returns is therefore not the other ranks' data: checks comparing ranks
+must not count on it (``has_peers`` is False). docs/zero3.md has the recipe.
+
 A partial environment (say RANK without WORLD_SIZE) that discovery cannot complete is an error naming the
 missing variables. The timeout is the ``timeout`` argument (a ``timedelta`` or seconds), else
 ``$DS_STRATEGY_DIST_TIMEOUT`` (seconds), else torch's default. The backend is ``dist_backend``, else the
@@ -63,9 +79,27 @@ log = logging.getLogger(__name__)
 
 TIMEOUT_ENV = env.DIST_TIMEOUT
 DEFAULT_PORT = 29500
+FAKE_BACKEND = "fake"  # torch's fake process group (torch.testing._internal.distributed.fake_pg)
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
-Source = Literal["existing", "init_method", "env", "mpi", "launcher", "single"]
+Source = Literal["existing", "init_method", "env", "mpi", "launcher", "single", "fake"]
+
+
+def is_fake_backend(backend: str) -> bool:
+    """Whether ``backend`` (a name as ``dist.get_backend`` gives it, ``"fake"`` or a device map such as
+    ``"cpu:fake,cuda:fake"``) is torch's fake process group (see [Note: the fake process group])."""
+    return any(item.split(":", 1)[-1].strip().lower() == FAKE_BACKEND for item in str(backend).split(","))
+
+
+def is_fake_group(group: dist.ProcessGroup | None = None) -> bool:
+    """Whether ``group`` (None: the default group) is a fake process group: one process, no peers behind it."""
+    if not (dist.is_available() and dist.is_initialized()):
+        return False
+    try:
+        backend = dist.get_backend(group)
+    except (RuntimeError, ValueError):  # not a member of ``group``, or no default group after all
+        return False
+    return is_fake_backend(str(backend))
 
 
 @dataclass(frozen=True)
@@ -126,6 +160,8 @@ def init_distributed(
     pg_timeout = resolve_timeout(timeout)
     if dist.is_initialized():
         return _reuse(dist_backend, timeout, init_method)
+    if dist_backend is not None and is_fake_backend(dist_backend):
+        return _init_fake(rank, world_size, pg_timeout)
 
     accelerator = get_accelerator()
     device_type = accelerator.device_type if set_device else "none"  # _finish places only "cuda"
@@ -213,13 +249,39 @@ def _reuse(dist_backend: str | None, timeout: object, init_method: str | None) -
         )
     destroy_at_normal_exit()
     local = os.environ.get("LOCAL_RANK")
+    # A fake group's simulated ranks all compute on this process's device (see [Note: the fake process group]).
+    alone = dist.get_world_size() == 1 or is_fake_backend(backend)
     return DistributedInfo(
         rank=dist.get_rank(),
         world_size=dist.get_world_size(),
-        local_rank=int(local) if local not in (None, "") else (0 if dist.get_world_size() == 1 else None),
+        local_rank=int(local) if local not in (None, "") else (0 if alone else None),
         backend=backend,
         source="existing",
     )
+
+
+def _init_fake(rank: int, world_size: int, timeout: datetime.timedelta | None) -> DistributedInfo:
+    """``init_distributed(dist_backend="fake", rank=r, world_size=N)``: this process as rank r of N, no peers."""
+    if world_size < 1:
+        raise ValueError(
+            f"init_distributed(dist_backend={FAKE_BACKEND!r}): pass world_size (the number of ranks to simulate)"
+        )
+    rank = max(rank, 0)
+    if rank >= world_size:
+        raise ValueError(f"init_distributed: rank={rank} is outside [0, world_size={world_size})")
+    from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the backend
+
+    dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=world_size, timeout=timeout)
+    local = _int_env(os.environ, "LOCAL_RANK")
+    info = DistributedInfo(
+        rank=rank,
+        world_size=world_size,
+        local_rank=0 if local is None else local,
+        backend=str(dist.get_backend()),
+        source="fake",
+        timeout=timeout,
+    )
+    return _finish(info, "none")
 
 
 def _from_env(env: Mapping[str, str], rank: int, world_size: int, port: int) -> _Found | None:
@@ -557,7 +619,7 @@ def _release_defaults(fn: types.FunctionType, ids: set[int]) -> int:
 
 def _meet_peers_before_teardown() -> None:
     world = dist.get_world_size()
-    if world == 1:
+    if world == 1 or is_fake_group():  # a fake group has no peers to meet, and its store holds nothing
         return
     seconds = float(env.get(EXIT_WAIT_ENV) or "300")
     if seconds <= 0:

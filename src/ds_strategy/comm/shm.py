@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ds_strategy import env
+from ds_strategy.comm.distributed import is_fake_group
 
 TIMEOUT_ENV = env.SHM_TIMEOUT
 SLOT_BYTES_ENV = env.SHM_SLOT_BYTES
@@ -87,11 +88,12 @@ class ShmCommunicator:
     @staticmethod
     def create(group: dist.ProcessGroup | None = None, *, timeout: float | None = None) -> ShmCommunicator | None:
         """Collective over ``group`` (default: the world). Returns a communicator on every rank, or None on
-        every rank when the group spans several hosts, has one rank, or the CPU kernels do not load."""
+        every rank when the group spans several hosts, has one rank, is torch's fake group (no peers), or the
+        CPU kernels do not load."""
         if not (dist.is_available() and dist.is_initialized()):
             return None
         world_size = dist.get_world_size(group)
-        if world_size < 2:
+        if world_size < 2 or is_fake_group(group):  # a fake group: no peer process would ever attach
             return None
         rank = dist.get_rank(group)
         seconds = float(timeout) if timeout is not None else env_number(TIMEOUT_ENV, DEFAULT_TIMEOUT)

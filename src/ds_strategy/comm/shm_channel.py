@@ -23,6 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ds_strategy import env
+from ds_strategy.comm.distributed import is_fake_group
 from ds_strategy.comm.shm import DEFAULT_TIMEOUT, TIMEOUT_ENV, env_number, host_identity, kernel_class
 
 _SLICE_S = 0.02  # how long one kernel-side wait lasts before ``poll`` runs
@@ -62,7 +63,10 @@ def _available_class() -> Any:
 
 def same_host_peers(peers: Iterable[int | None], group: dist.ProcessGroup | None = None) -> frozenset[int]:
     """Collective over ``group`` (its ranks are global ranks here): which of ``peers`` this rank can reach
-    through a channel, i.e. share this host (same host name and boot id) and can both load the kernels."""
+    through a channel, i.e. share this host (same host name and boot id) and can both load the kernels.
+    No peer under torch's fake process group (its other ranks are not processes)."""
+    if is_fake_group(group):
+        return frozenset()
     world = dist.get_world_size(group)
     facts: list[Any] = [None] * world
     dist.all_gather_object(facts, (host_identity(), _channel_class() is not None), group=group)

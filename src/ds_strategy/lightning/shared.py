@@ -7,7 +7,9 @@ below that they do the same things, and those live here:
 - Lightning's precision flags mapped onto the engine's fp16 / bf16 / fp32 (``precision_flag``);
 - building a ``ZeroEngine`` from the raw config and the face's context (``build_engine``);
 - the sharded checkpoint of one engine (``save_engine`` / ``load_engine``, the tag of checkpoint.py);
-- the object collectives (barrier, broadcast of a picklable object).
+- the object collectives (barrier, broadcast of a picklable object);
+- torch's fake process group, initialised by the user before fit: one process (``devices=1``) stands for
+  rank r of N (see [Note: one process for N ranks]).
 
 Nothing here imports ``lightning.pytorch``: the Fabric face must not need the Trainer's modules.
 """
@@ -30,7 +32,7 @@ from torch.nn import Module
 from torch.optim import Optimizer
 
 from ds_strategy.accelerator import get_accelerator
-from ds_strategy.comm import init_distributed
+from ds_strategy.comm import init_distributed, is_fake_group
 from ds_strategy.config import OnConflict
 
 from . import checkpoint as lckpt
@@ -86,6 +88,9 @@ def default_backend(device: torch.device) -> str:
 def init_process_group(env: ClusterEnvironment, backend: str, timeout: timedelta | None) -> None:
     """torch.distributed's default group from Lightning's cluster environment (torchelastic, SLURM, LSF,
     MPI, plain); a group that already exists (an earlier fit, a user's own) is reused."""
+    if is_fake_group():  # nothing to rendezvous with: no address to publish (see [Note: one process for N ranks])
+        init_distributed(set_device=False)
+        return
     # env:// (not tcp://) so that under torchrun the workers join the elastic agent's store.
     os.environ["MASTER_ADDR"] = env.main_address
     os.environ["MASTER_PORT"] = str(env.main_port)
@@ -98,6 +103,33 @@ def init_process_group(env: ClusterEnvironment, backend: str, timeout: timedelta
         timeout=None if reused_default else timeout,
         set_device=False,  # Lightning placed this rank on its device (devices=[2, 3] is not LOCAL_RANK)
     )
+
+
+# [Note: one process for N ranks]
+# torch's fake process group ([Note: the fake process group] in comm/distributed.py), initialised before
+# fit with ``init_process_group("fake", store=FakeStore(), rank=r, world_size=N)``, lets one process run what
+# rank r of N does. Lightning launches that one process (``devices=1``) and would count a world of one; the
+# strategy instead takes the group's rank and size (``fake_ranks``) for everything that depends on them:
+# Lightning's global rank and world size (so rank_zero_only is rank r's), the DistributedSampler (rank r's
+# 1/N of the data), the engine's config (train_batch_size = micro x accumulation x N) and its process
+# group (the fake one). Collectives return at once with this rank's own data, so an object broadcast
+# returns the caller's object and a boolean decision is this rank's (every simulated rank decides alike);
+# tensor reductions through ``reduce`` run and their values are not the other ranks'. ``devices`` above 1
+# with a fake group is an error: the other processes could not join it.
+
+
+def fake_ranks(num_processes: int) -> tuple[int, int] | None:
+    """(rank, world size) of the fake process group this process stands in for (see [Note: one process for
+    N ranks]); None without one. ``num_processes``: the processes Lightning runs (must be 1 then)."""
+    if not is_fake_group():
+        return None
+    if num_processes != 1:
+        raise ValueError(
+            f"torch.distributed is initialised with the fake backend (one process standing for "
+            f"{torch.distributed.get_world_size()} ranks), but Lightning would run {num_processes} processes: "
+            "use devices=1 and num_nodes=1 with a fake process group"
+        )
+    return torch.distributed.get_rank(), torch.distributed.get_world_size()
 
 
 # ---------------------------------------------------------------------- precision
@@ -141,6 +173,9 @@ class ProcessLayout:
 
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
+        fake = fake_ranks(self.num_nodes * self.num_processes)
+        if fake is not None:  # this process reads rank r's share of the data
+            return {"num_replicas": fake[1], "rank": fake[0]}
         return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
 
     @property
@@ -150,7 +185,11 @@ class ProcessLayout:
     def set_world_ranks(self) -> None:
         from lightning_utilities.core.rank_zero import rank_zero_only
 
-        if self.cluster_environment is not None:
+        fake = fake_ranks(self.num_nodes * self.num_processes)
+        if self.cluster_environment is not None and fake is not None:
+            self.cluster_environment.set_global_rank(fake[0])
+            self.cluster_environment.set_world_size(fake[1])
+        elif self.cluster_environment is not None:
             self.cluster_environment.set_global_rank(self.node_rank * self.num_processes + self.local_rank)
             self.cluster_environment.set_world_size(self.num_nodes * self.num_processes)
         rank_zero_only.rank = self.global_rank  # type: ignore[attr-defined]
@@ -158,6 +197,8 @@ class ProcessLayout:
     def start_process_group(self) -> None:
         """Ranks, then the default process group (the backend the device takes unless one was named)."""
         self.set_world_ranks()
+        if is_fake_group():
+            self._process_group_backend = str(torch.distributed.get_backend())
         self._process_group_backend = self._process_group_backend or default_backend(self.root_device)
         assert self.cluster_environment is not None
         init_process_group(self.cluster_environment, self._process_group_backend, self._timeout)
@@ -167,6 +208,12 @@ class ProcessLayout:
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         return broadcast_object(obj, src)
+
+    def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
+        if is_fake_group():  # every simulated rank decides as this one does (see [Note: one process for N ranks])
+            return bool(decision)
+        base: Any = super()
+        return bool(base.reduce_boolean_decision(decision, all=all))
 
 
 def own_precision(plugin: Any, ours: type[P], plain_types: tuple[type, ...], *, owner: str, where: str) -> P | None:
@@ -339,7 +386,8 @@ def barrier(device: torch.device) -> None:
 
 
 def broadcast_object(obj: T, src: int = 0) -> T:
-    if not _distributed_is_initialized():
+    # A fake group moves nothing: the other ranks' broadcast would leave this rank's list unsized garbage.
+    if not _distributed_is_initialized() or is_fake_group():
         return obj
     box = [obj]
     torch.distributed.broadcast_object_list(box, src, group=_group.WORLD)

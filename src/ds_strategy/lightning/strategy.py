@@ -214,6 +214,9 @@ class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         assert self.cluster_environment is not None
+        if shared.fake_ranks(self.num_nodes * self.num_processes) is not None:
+            self._launcher = None  # this process is the run: nothing to start, no environment to set
+            return
         method = shared.start_method_here(self._start_method)
         if method == "popen":
             self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
