@@ -105,6 +105,7 @@ def _lightning_case(case: str, shape: dict[str, int], steps: int, device: str, t
     batches = _batches(shape, steps)
     times: list[float] = []
     losses: list[float] = []
+    stats: dict[str, Any] = {}
 
     class Module(pl.LightningModule):
         def __init__(self) -> None:
@@ -133,12 +134,21 @@ def _lightning_case(case: str, shape: dict[str, int], steps: int, device: str, t
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             _sync(device)
-            times.append(time.perf_counter() - self.start)
+            if trace is None or batch_idx != steps - 2:  # the profiled step runs slower: not timed
+                times.append(time.perf_counter() - self.start)
             if len(losses) < 8:
                 losses.append(float(outputs["loss"]))
             if trace is not None and batch_idx == steps - 2:
                 self.prof.__exit__(None, None, None)
                 self.prof.export_chrome_trace(str(trace))
+
+        def on_train_end(self, trainer: Any, module: Any) -> None:
+            engine = getattr(trainer.strategy, "engine", None)  # ours, before teardown releases it
+            gatherer = getattr(getattr(engine, "stage", None), "gatherer", None)
+            if gatherer is not None:
+                stats["world_size"] = engine.coll.world_size
+                stats["gathers_per_step"] = gatherer.gathers / max(1, steps)
+                stats["fetch_units"] = len({tuple(keys) for keys in gatherer.units.values() if keys})
 
     strategy: Any = {"auto": "auto", "deepspeed_stage_3": "deepspeed_stage_3"}.get(case, "zero3")
     trainer = pl.Trainer(
@@ -156,14 +166,7 @@ def _lightning_case(case: str, shape: dict[str, int], steps: int, device: str, t
     module = Module()
     params = sum(p.numel() for p in module.parameters())
     trainer.fit(module)
-    out: dict[str, Any] = {"times": times, "losses": losses, "params": params, "peak_bytes": _peak(device)}
-    if case.startswith("zero3"):
-        engine = trainer.strategy.engine  # type: ignore[attr-defined]
-        gatherer = engine.stage.gatherer
-        out["world_size"] = engine.coll.world_size
-        out["gathers_per_step"] = gatherer.gathers / max(1, steps)
-        out["fetch_units"] = sum(1 for keys in gatherer.units.values() if keys)
-    return out
+    return {"times": times, "losses": losses, "params": params, "peak_bytes": _peak(device), **stats}
 
 
 def _profiler(device: str) -> Any:

@@ -75,7 +75,7 @@ def test_name_matches_ddp(name: str, ddp: list[dict[str, Any]], tmp_path: Any) -
         assert len(norms) == 8 and min(norms) < CLIP < max(norms), norms  # clipping engaged on some steps only
         assert engine["micro_batch"] == 4  # inferred from the train dataloader
         # What lightning_module_state_dict() gives after fit (a notebook kernel's weights): the full model;
-        # at stage 3 only on rank 0 (assembled there bucket by bucket at teardown), nothing elsewhere.
+        # at stage 3 only on rank 0 (assembled there when asked, after teardown), nothing elsewhere.
         if name.startswith("zero3") and rank > 0:
             assert got["final_state"] == {}
         else:

@@ -6,19 +6,19 @@ Stage 3 partitions the parameters themselves, so three things differ from stages
   shard) instead of on the root device;
 - checkpoints never gather: every rank writes its shards (``engine.save_checkpoint``), and the weights in
   Lightning's checkpoint dict are the module's own state dict (placeholders for partitioned weights);
-- at teardown the full weights are assembled once, bucket by bucket, on rank 0's CPU (what a notebook
-  kernel gets back after ``fit``), and the engine hands each rank's shards back to the module as
-  ``zero.Init`` would have left them, so ``validate``/``test`` after ``fit`` build a new engine from them.
+- at teardown the engine hands each rank's shards back to the module as ``zero.Init`` would have left them,
+  so ``validate``/``test`` after ``fit`` build a new engine from them; the full weights are assembled from
+  those shards, one parameter at a time on rank 0's CPU, only when asked for (``lightning_module_state_dict``
+  after the run: a notebook kernel's weights after ``fit``, ``trainer.save_checkpoint``), never by default.
 """
 
 from __future__ import annotations
 
 from collections.abc import Iterator, Mapping
 from contextlib import contextmanager
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
-if TYPE_CHECKING:
-    from ds_strategy.runtime import ZeroEngine
+import torch
 
 
 @contextmanager
@@ -30,8 +30,26 @@ def sharded_init(raw_config: Mapping[str, Any]) -> Iterator[None]:
         yield
 
 
-def final_weights(engine: ZeroEngine) -> dict[str, Any]:
-    """At teardown, while every rank is still here: the full weights on rank 0's CPU, assembled one
-    bucket at a time (a collective; the other ranks get ``{}``). What a notebook kernel gets back after
-    ``fit`` and what ``lightning_module_state_dict()`` returns once the engine is gone."""
-    return engine.full_state_dict(rank=0)
+def released_weights(module: torch.nn.Module, rank: int = 0) -> dict[str, Any]:
+    """After teardown: the full weights of ``module``, whose partitioned parameters are ``zero.Init`` shards
+    again, on ``rank``'s CPU (the other ranks get ``{}``). A collective, one parameter at a time: every rank
+    calls it, and no rank ever holds more than one full parameter beyond what it keeps."""
+    import torch.distributed as dist
+
+    from ds_strategy.runtime.zero.init import gather_init_param, init_shard
+
+    keep = not dist.is_initialized() or dist.get_rank() == rank
+    gathered: dict[int, torch.Tensor] = {}
+    out: dict[str, Any] = {}
+    for name, value in module.state_dict(keep_vars=True).items():
+        info = init_shard(value) if isinstance(value, torch.Tensor) else None
+        if info is not None and id(value) not in gathered:
+            full = gather_init_param(value).view(info.shape)
+            gathered[id(value)] = full.detach().to("cpu", copy=True) if keep else full[:0]
+        if not keep:
+            continue
+        if info is not None:
+            out[name] = gathered[id(value)]
+        else:
+            out[name] = value.detach().to("cpu", copy=True) if isinstance(value, torch.Tensor) else value
+    return out

@@ -179,7 +179,7 @@ class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
         self.exclude_frozen_parameters = exclude_frozen_parameters
         self.engine: ZeroEngine | None = None
         self.engine_config: DeepSpeedConfig | None = None
-        self._final_state_dict: dict[str, Any] | None = None
+        self._released = False  # stage 3 after a clean teardown: the parameters are zero.Init shards
         self._interrupted = False
         self._single_file_checkpoint = False
 
@@ -292,7 +292,7 @@ class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
     def setup(self, trainer: pl.Trainer) -> None:
         assert self.accelerator is not None
         self.accelerator.setup(trainer)
-        self._final_state_dict = None
+        self._released = False
         self._interrupted = False
         module = self.lightning_module
         assert module is not None
@@ -408,10 +408,11 @@ class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
         """The module's weights for Lightning's checkpoint dict, gathering nothing (see stage3.py): stages
         0-2 the full state dict; stage 3 during a run the module's own state dict (partitioned weights are
         0-element placeholders: ``save_checkpoint`` writes the engine's shards and drops this entry), after
-        the run the full weights assembled at teardown on rank 0's CPU (other ranks: ``{}``)."""
-        if self.engine is None and self._final_state_dict is not None:
-            return self._final_state_dict
+        the run the full weights assembled now from the released shards on rank 0's CPU (other ranks: ``{}``;
+        a collective: Lightning calls it on every rank)."""
         assert self.lightning_module is not None
+        if self.engine is None and self._released:
+            return stage3.released_weights(self.lightning_module, rank=0)
         return self.lightning_module.state_dict()
 
     @override
@@ -526,8 +527,7 @@ class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
         engine = self.engine
         if engine is not None:
             clean = not self._interrupted
-            if self.stage == 3 and clean:
-                self._final_state_dict = stage3.final_weights(engine)
+            self._released = self.stage == 3 and clean  # the full weights: assembled when asked for
             engine.destroy(release_params=clean)
             self.engine = None
         self.model = self.lightning_module
