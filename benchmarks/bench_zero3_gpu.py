@@ -37,7 +37,7 @@ from typing import Any
 from benchmarks.common import machine, markdown_table, results_dir, write_results
 
 GPU_SHAPE = {"hidden": 1024, "layers": 16, "intermediate": 2816, "vocab": 32000, "heads": 16, "micro": 8, "seq": 1024}
-CPU_SHAPE = {"hidden": 128, "layers": 4, "intermediate": 352, "vocab": 2000, "heads": 4, "micro": 4, "seq": 128}
+CPU_SHAPE = {"hidden": 320, "layers": 4, "intermediate": 864, "vocab": 2000, "heads": 4, "micro": 4, "seq": 128}
 CASES = ["auto", "torch FSDP2", "zero3", "zero3 fake-8", "deepspeed_stage_3"]
 FAKE_WORLD = 8
 WARMUP = 5
