@@ -292,6 +292,8 @@ def placement_errors(engine: Any, *, offload_optimizer: bool, offload_param: boo
                 errors.append(f"offloaded partition of group {gs.index} on {part.device} (pinned={part.is_pinned()})")
     if not (offload_optimizer or offload_param):
         for path, t in _tensors(engine.stage, "stage", set()):
-            if not on_device(t):
+            # Pinned host memory is host memory by design: the landing buffers of non-blocking copies (stage
+            # 3's divergence summaries, read once their copy has landed: runtime/zero/divergence.py).
+            if not on_device(t) and not (ON_GPU and t.is_pinned()):
                 errors.append(f"{path}: {tuple(t.shape)} {t.dtype} on {t.device}")
     return errors

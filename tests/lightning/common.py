@@ -64,8 +64,14 @@ class LitNet(pl.LightningModule):
         self.automatic_optimization = not manual
         self.net: nn.Module | None = None if build_in_configure_model else self._build()
         self.val_mse = torchmetrics.MeanSquaredError()
-        self.train_losses: list[float] = []
+        # Device tensors, read when asked (train_losses): training_step runs inside the engine's forward,
+        # where the device-strict mode refuses host reads (docs/zero3.md, "No host synchronisation in a step").
+        self.step_losses: list[torch.Tensor] = []
         self.built_in_configure_model = False
+
+    @property
+    def train_losses(self) -> list[float]:
+        return [float(t) for t in self.step_losses]
 
     @staticmethod
     def _build() -> nn.Module:
@@ -83,7 +89,7 @@ class LitNet(pl.LightningModule):
     def training_step(self, batch: Any, batch_idx: int) -> torch.Tensor | None:
         x, y = batch
         loss = F.mse_loss(self(x).float(), y.float())
-        self.train_losses.append(float(loss.detach()))
+        self.step_losses.append(loss.detach())
         self.log("train_loss", loss, sync_dist=True, prog_bar=True)
         if self.automatic_optimization:
             return loss

@@ -1,4 +1,5 @@
-"""The device-strict mode: CPU runs that refuse every collective a GPU backend (NCCL) would refuse.
+"""The device-strict mode: CPU runs that refuse every collective a GPU backend (NCCL) would refuse, and
+every host read of device memory inside a training step (which would synchronise a GPU).
 
     DS_STRATEGY_DEVICE_STRICT=1 python -m pytest tests/runtime/test_device_strict.py
 
@@ -29,10 +30,27 @@ variable set, for the main thread (the dispatch and function modes are per threa
 tensor creation run on the caller's thread, CPU autograd included). With the variable unset nothing is
 installed and ``check_collective`` returns at its first test. Under the mode every op runs through Python:
 it is a test mode, several times slower.
+
+[Note: host reads inside a step]
+On a GPU, reading device memory from the host (``.item()``, ``.tolist()``, ``bool()`` / ``float()`` /
+``int()`` / ``if tensor:``, ``.cpu()`` / ``.to("cpu")``, ``.numpy()``, printing it, a copy into
+non-pinned host memory, or an op whose output size depends on the data such as ``nonzero``) waits for
+every kernel queued before it: the host stops feeding the GPU. A training step should do none (issue 41;
+docs/zero3.md, "No host synchronisation in a step"). Under the strict mode the engine brackets its
+forward, backward, step and zero_grad with ``no_host_reads(what)`` (from its second optimizer step on:
+the first one records stage 3's order), and inside the bracket such a read of device memory raises
+``DeviceStrictError`` naming the call site (the first frame outside torch). Reads of host memory are
+free. A read that is meant - the one fp16 overflow read per optimizer step, an offloaded optimizer whose
+data lives on the host, a report the user asked for - sits inside ``host_read_allowed(reason)``, which
+also counts the reads it let through (``allowed_reads()``), so a test can check that there is exactly
+one. Without the mode both are no-ops (the engine does not even enter them).
 """
 
 from __future__ import annotations
 
+import collections
+import os
+import sys
 import threading
 import weakref
 from collections.abc import Iterator
@@ -60,11 +78,19 @@ _OBJECT_COLLECTIVES = (
 )
 
 _tagged: weakref.WeakSet[Any] = weakref.WeakSet()  # storages holding "device memory"
-_local = threading.local()  # .object_collective: inside torch's object collectives (exempt)
+# .object_collective: inside torch's object collectives (exempt); .no_reads: the innermost
+# ``no_host_reads`` bracket's description (None outside); .allowed: the innermost ``host_read_allowed``
+# reason (None outside); .allowed_counts: reads let through, per reason.
+_local = threading.local()
+# Ops whose result a GPU can only produce by synchronising with the host (the size of their output, or a
+# Python scalar, depends on the data): checked at the dispatcher, which also sees the reads C++ makes.
+_SYNCING_OPS = ("_local_scalar_dense", "nonzero", "masked_select", "_unique", "_unique2", "unique_dim",
+                "unique_consecutive")  # fmt: skip
 
 
 class DeviceStrictError(RuntimeError):
-    """A collective was handed a tensor in host memory under the device-strict mode."""
+    """A collective was handed a tensor in host memory, or device memory was read on the host inside a
+    step, under the device-strict mode."""
 
 
 def requested() -> bool:
@@ -108,6 +134,109 @@ def check_collective(op: str, tensors: Any) -> None:
             )
 
 
+class _NoHostReads:
+    """``no_host_reads``'s bracket (a class: entered on every forward, backward and step of a strict run)."""
+
+    __slots__ = ("_previous", "_what")
+
+    def __init__(self, what: str) -> None:
+        self._what = what
+        self._previous: str | None = None
+
+    def __enter__(self) -> None:
+        self._previous = _local.__dict__.get("no_reads")
+        _local.no_reads = self._what
+
+    def __exit__(self, *exc: object) -> None:
+        _local.no_reads = self._previous
+
+
+class _HostReadAllowed:
+    __slots__ = ("_previous", "_reason")
+
+    def __init__(self, reason: str) -> None:
+        self._reason = reason
+        self._previous: str | None = None
+
+    def __enter__(self) -> None:
+        self._previous = _local.__dict__.get("allowed")
+        _local.allowed = self._reason
+
+    def __exit__(self, *exc: object) -> None:
+        _local.allowed = self._previous
+
+
+class _Nothing:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NOTHING = _Nothing()
+
+
+def no_host_reads(what: str) -> Any:
+    """Inside: a host read of device memory raises ``DeviceStrictError`` naming the call site (see
+    [Note: host reads inside a step]); ``what`` names the bracket in the message. A no-op without the mode."""
+    return _NoHostReads(what) if ACTIVE else _NOTHING
+
+
+def host_read_allowed(reason: str) -> Any:
+    """Inside: host reads are let through (and counted under ``reason``) even within ``no_host_reads``.
+    For the reads a step means to make; ``reason`` says which (it is what ``allowed_reads`` reports)."""
+    return _HostReadAllowed(reason) if ACTIVE else _NOTHING
+
+
+def allowed_reads(reset: bool = False) -> dict[str, int]:
+    """Host reads of device memory that ``host_read_allowed`` let through inside ``no_host_reads`` on this
+    thread, per reason (``reset``: start counting again)."""
+    counts = _local.__dict__.setdefault("allowed_counts", collections.Counter())
+    out = dict(counts)
+    if reset:
+        counts.clear()
+    return out
+
+
+def check_host_read(what: str, tensor: Any) -> None:
+    """Raise ``DeviceStrictError`` when ``tensor`` is device memory and this thread is inside
+    ``no_host_reads`` (outside ``host_read_allowed``); ``what`` describes the read. A no-op otherwise."""
+    if not ACTIVE:
+        return
+    bracket = _local.__dict__.get("no_reads")
+    if bracket is None or not is_device_tensor(tensor):
+        return
+    reason = _local.__dict__.get("allowed")
+    if reason is not None:
+        _local.__dict__.setdefault("allowed_counts", collections.Counter())[reason] += 1
+        return
+    raise DeviceStrictError(
+        f"device-strict mode: host read inside {bracket}: {what} of a device tensor (shape "
+        f"{tuple(tensor.shape)}, {tensor.dtype}) at {_call_site()}. On a GPU this synchronises the host with "
+        "the device; keep the value on the device (torch.where, torch.clamp, a tensor argument), or wrap a "
+        "read that is meant in ds_strategy.accelerator.strict.host_read_allowed(reason); see "
+        f"docs/zero3.md, No host synchronisation in a step ({STRICT_ENV})"
+    )
+
+
+def _call_site() -> str:
+    """``file:line in function`` of the innermost frame outside torch and this module."""
+    import torch
+
+    torch_dir = os.path.dirname(torch.__file__) + os.sep
+    here = os.path.abspath(__file__)
+    frame: Any = sys._getframe(1)
+    while frame is not None:
+        name = frame.f_code.co_filename
+        if not name.startswith(torch_dir) and os.path.abspath(name) != here and "contextlib" not in name:
+            return f"{name}:{frame.f_lineno} in {frame.f_code.co_name}"
+        frame = frame.f_back
+    return "<unknown>"
+
+
 def activate() -> None:
     """Enter the strict mode for this process (idempotent): tag device memory, check every collective."""
     global ACTIVE
@@ -122,6 +251,14 @@ def activate() -> None:
     device_getter = torch.Tensor.device.__get__
     to, cpu, host = torch.Tensor.to, torch.Tensor.cpu, torch.device("cpu")
     constructors = (torch.tensor, torch.as_tensor, torch.asarray)
+    copy_ = torch.Tensor.copy_
+    T = torch.Tensor
+    # Tensor methods that hand device data to the host (see [Note: host reads inside a step]).
+    reads = {
+        T.item: ".item()", T.tolist: ".tolist()", T.__bool__: "bool()", T.__float__: "float()",
+        T.__int__: "int()", T.__index__: "an index (__index__)", T.__complex__: "complex()",
+        T.numpy: ".numpy()", T.__array__: "numpy.asarray()", T.__repr__: "repr()", T.__format__: "format()",
+    }  # fmt: skip
 
     def on_device(d: Any) -> bool:
         return d is not None and torch.device(d) == strict_device
@@ -133,6 +270,23 @@ def activate() -> None:
 
         def __torch_function__(self, func: Any, types: Any, args: Any = (), kwargs: Any = None) -> Any:
             kwargs = kwargs or {}
+            if _local.__dict__.get("no_reads") is not None and args and isinstance(args[0], torch.Tensor):
+                read = reads.get(func)
+                if read is not None:
+                    check_host_read(f"Tensor{read}" if read.startswith(".") else read, args[0])
+                    _local.in_read = True  # the dispatcher's _local_scalar_dense below is this read
+                    try:
+                        return func(*args, **kwargs)
+                    finally:
+                        _local.in_read = False
+                elif (
+                    func is copy_
+                    and len(args) > 1
+                    and isinstance(args[1], torch.Tensor)
+                    and not is_device_tensor(args[0])
+                    and not _pinned(args[0])
+                ):
+                    check_host_read("a copy into non-pinned host memory (Tensor.copy_)", args[1])
             if func == device_getter:
                 out = func(*args, **kwargs)
                 return strict_device if out.type == "cpu" and is_device_tensor(args[0]) else out
@@ -145,6 +299,8 @@ def activate() -> None:
                 if on_device(target):  # device to device: an alias, or a copy (copy=True, a new dtype) on the device
                     new_args, new_kwargs = _retarget(args, kwargs, host)
                     return mark_device(func(*new_args, **new_kwargs))
+                if target == host:
+                    check_host_read("Tensor.cpu()" if func is cpu else "Tensor.to(host)", args[0])
                 out = func(*args, **kwargs)
                 if target == host and not out.requires_grad and out.untyped_storage() is args[0].untyped_storage():
                     return torch.empty_like(out, device=host).copy_(out)  # to the host: a copy, as from a GPU
@@ -161,6 +317,19 @@ def activate() -> None:
             kwargs = kwargs or {}
             if func.namespace in _COLLECTIVE_NAMESPACES and func._opname not in _NOT_DATA:
                 check_collective(f"torch.distributed collective {func.name()}", (args, kwargs))
+            elif (
+                func._opname in _SYNCING_OPS
+                and _local.__dict__.get("no_reads") is not None
+                and not _local.__dict__.get("in_read")
+                and args
+            ):
+                if isinstance(args[0], torch.Tensor):
+                    check_host_read(f"{func.name()} (its result is read on the host)", args[0])
+            elif func._opname in ("index", "index_put", "index_put_") and _local.__dict__.get("no_reads") is not None:
+                masks = [i for i in (args[1] if len(args) > 1 else ()) if isinstance(i, torch.Tensor)]
+                mask = next((i for i in masks if i.dtype in (torch.bool, torch.uint8)), None)
+                if mask is not None:  # a boolean mask becomes indices through nonzero
+                    check_host_read(f"{func.name()} with a boolean mask (nonzero on the host)", mask)
             out = func(*args, **kwargs)
             target = kwargs.get("device")
             tag = on_device(target) if target is not None else any(is_device_tensor(t) for t in _leaves(args))
@@ -184,6 +353,13 @@ def activate() -> None:
     _push_mode(_DeviceTags())
     torch._C._push_on_torch_function_stack(functions)
     ACTIVE = True
+
+
+def _pinned(tensor: torch.Tensor) -> bool:
+    try:
+        return bool(tensor.is_pinned())
+    except RuntimeError:  # no accelerator to ask
+        return False
 
 
 def _run_backward_with(mode: Any) -> None:

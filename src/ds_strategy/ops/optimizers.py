@@ -14,7 +14,17 @@ buffer and copy the result back into the parameter, which gives exactly the in-p
 ``step()`` also accepts the fused-pass extras of :mod:`ds_strategy.ops.optim_step`: ``grad_scale`` (loss
 scale to divide out), ``clip_coef`` and ``out_16bit`` (a mapping parameter -> bf16/fp16 tensor of the same
 shape receiving the updated parameter) and ``skip_if_nonfinite``: when true and some gradient holds inf or
-NaN, nothing is updated (not even the step counts) and ``found_inf`` is set.
+NaN, nothing is updated (not even the step counts) and ``found_inf`` is set (decided on the host: one read
+of the gradients' inf/nan flag). ``skip_on_device`` is the engine's sync-free variant: every kernel call
+skips on its own device when its gradients hold inf or NaN, and the host never learns it (the engine makes
+every gradient non-finite for a step it skips: see [Note: the step on the device] in runtime/zero/base.py);
+the step counts advance either way.
+
+[Note: step counts on the host]
+The step count (bias correction, Adagrad's lr decay) is a kernel argument, so it must be known on the
+host: ``state["step"]`` is always a host tensor (as in torch.optim's non-capturable optimizers), counted on
+the host, so a step never reads a device counter. A state dict loaded with its counts on the device has
+them brought to the host once, when it is loaded. ``found_inf`` stays on the parameters' device.
 """
 
 from __future__ import annotations
@@ -29,6 +39,7 @@ from ds_strategy.ops.norm import multi_tensor_l2norm
 from ds_strategy.ops.optim_step import fused_adagrad_step, fused_adam_step, fused_lion_step
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
+_HOST = torch.device("cpu")
 
 
 class _Bucket:
@@ -83,6 +94,10 @@ class _KernelOptimizer(Optimizer):
             for key, value in self.defaults.items():
                 group.setdefault(key, value)
             self._normalize_group(group)
+        for per_param in self.state.values():  # see [Note: step counts on the host]
+            step = per_param.get("step") if isinstance(per_param, dict) else None
+            if isinstance(step, torch.Tensor) and step.device != _HOST:
+                per_param["step"] = torch.tensor(float(step), dtype=torch.float32, device=_HOST)
 
     def _normalize_group(self, group: dict[str, Any]) -> None:
         """Reconcile a group loaded from another optimizer's state dict (override per class)."""
@@ -91,9 +106,11 @@ class _KernelOptimizer(Optimizer):
         state = self.state[p]
         if not state:
             if self._counts_steps:
-                state["step"] = torch.tensor(0.0, dtype=torch.float32)
+                state["step"] = torch.tensor(0.0, dtype=torch.float32, device=_HOST)
             for key in self._state_keys:
                 state[key] = self._initial_state(p, key, group)
+        elif self._counts_steps and state["step"].device != _HOST:  # placed by hand: brought back once
+            state["step"] = torch.tensor(float(state["step"]), dtype=torch.float32, device=_HOST)
         for key in self._state_keys:
             s = state[key]
             if s.dtype != p.dtype or s.device != p.device or not s.is_contiguous():
@@ -116,6 +133,7 @@ class _KernelOptimizer(Optimizer):
         clip_coef: float = 1.0,
         out_16bit: Mapping[torch.Tensor, torch.Tensor] | None = None,
         skip_if_nonfinite: bool = False,
+        skip_on_device: bool = False,
     ) -> float | None:
         loss = None
         if closure is not None:
@@ -128,13 +146,14 @@ class _KernelOptimizer(Optimizer):
             if grads and bool(multi_tensor_l2norm(grads)[1]):
                 self.found_inf = torch.tensor(1.0)
                 return loss
-        extras = dict(grad_scale=grad_scale, clip_coef=clip_coef)
+        extras = dict(grad_scale=grad_scale, clip_coef=clip_coef, skip_if_nonfinite=skip_on_device)
         found: list[torch.Tensor] = []
         for group, params in with_grad:
             states = [self._state(p, group) for p in params]
             steps = [0] * len(params)
             if self._counts_steps and params:
-                # One foreach add and one host read for the whole group, not two tiny ops per tensor.
+                # Host tensors (see [Note: step counts on the host]): one foreach add and one read of host
+                # memory for the whole group, not two tiny ops per tensor.
                 counters = [s["step"] for s in states]
                 torch._foreach_add_(counters, 1.0)
                 steps = [int(x) for x in torch.stack(counters).tolist()]
@@ -145,9 +164,14 @@ class _KernelOptimizer(Optimizer):
                 bucket = buckets.setdefault((step, out is not None, p.device), _Bucket())
                 bucket.add(p, p.grad, [state[k] for k in keys], out)
             for (step, _, _), bucket in buckets.items():
-                found.append(self._kernel_step(bucket, group, step, extras).to("cpu"))
+                found.append(self._kernel_step(bucket, group, step, extras))
                 bucket.finish()
-        self.found_inf = torch.stack(found).amax() if found else torch.tensor(0.0)
+        # On the parameters' device (no read): a flag per kernel call, the first call's device for all.
+        if found:
+            first = found[0].device
+            self.found_inf = torch.stack([f if f.device == first else f.to(first) for f in found]).amax()
+        else:
+            self.found_inf = torch.tensor(0.0)
         return loss
 
 

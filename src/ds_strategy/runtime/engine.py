@@ -7,11 +7,24 @@
 One engine serves the Lightning strategy and plain PyTorch loops. It never branches on the stage number
 beyond choosing the stage class; precision is decided once (``Precision``), the loss scale by
 ``LossScaler``.
+
+[Note: no host synchronisation in a step]
+A step never waits for the device (docs/zero3.md, "No host synchronisation in a step"): the gradient norm
+and the inf/nan flag are device tensors, the clipping coefficient ``clamp(clip / (norm + 1e-6), max=1)``
+too, and the stage skips a non-finite step on the device (see [Note: the step on the device] in
+zero/base.py). What the host used to read becomes lazy: ``get_global_grad_norm()``, ``was_step_applied()``
+and ``skipped_steps`` read the device when asked. The one read a step keeps is fp16's: the dynamic loss
+scale and the skipped step (lr scheduler not advanced, loss scale halved, the log line) must be known on
+the host, so ``_take_model_step`` reads ``[norm, overflow]`` once per optimizer step. Under the
+device-strict mode the engine brackets forward, backward, step and zero_grad with
+``strict.no_host_reads`` from its second optimizer step on, with that read (and the offloaded optimizer's,
+whose data lives on the host) allowed by name.
 """
 
 from __future__ import annotations
 
 import dataclasses
+import math
 import os
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping
@@ -23,7 +36,7 @@ import torch.distributed as dist
 from torch import nn
 from torch.optim import Optimizer
 
-from ds_strategy.accelerator import get_accelerator
+from ds_strategy.accelerator import get_accelerator, strict
 from ds_strategy.comm import CommsLogger, destroy_at_normal_exit
 from ds_strategy.config import DeepSpeedConfig, load_config
 from ds_strategy.log import get_logger
@@ -148,11 +161,12 @@ class ZeroEngine(nn.Module):
 
         self.counters = StepCounters()
         self.training_dataloader: Any = None
-        self._step_applied = False
-        self._global_grad_norm: float | None = None
+        self._step_applied: bool | torch.Tensor = False  # a device flag "skipped" until read (see the note)
+        self._global_grad_norm: float | torch.Tensor | None = None  # a device tensor until read
         self._boundary_override: bool | None = None
-        # The step's (norm, overflow) source: the stage's by default; the PipelineEngine widens it to every stage.
-        self.grad_norm_fn: Callable[[], tuple[float, bool]] | None = None
+        # The step's (norm, overflow) source: the stage's by default (device tensors); the PipelineEngine
+        # widens it to every stage (host numbers).
+        self.grad_norm_fn: Callable[[], tuple[Any, Any]] | None = None
         self._no_sync = False
         self._loss_sum: torch.Tensor | None = None
         self.last_loss: torch.Tensor | None = None
@@ -219,9 +233,17 @@ class ZeroEngine(nn.Module):
         return None
 
     # ------------------------------------------------------------------ DeepSpeed's engine API
+    def _no_host_reads(self, what: str) -> Any:
+        """The device-strict mode's bracket around a step's work from the second optimizer step on (see [Note:
+        no host synchronisation in a step]); nothing at all without the mode."""
+        if not strict.ACTIVE or self.counters.global_steps < 1:
+            return _NOTHING
+        return strict.no_host_reads(what)
+
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
         activation_checkpointing.reset()  # contiguous checkpoint buffers are reused from the first again
         with (
+            self._no_host_reads("ZeroEngine.forward"),
             self.timers("forward"),
             self.stage.forward_context(),
             self.profiling.forward(self.global_steps, inputs, kwargs),
@@ -264,6 +286,10 @@ class ZeroEngine(nn.Module):
 
     def backward(self, loss: torch.Tensor, *, retain_graph: bool = False, scale_wrt_gas: bool = True) -> torch.Tensor:
         """Backward of ``loss`` x loss scale (/ gradient_accumulation_steps); reduces at the boundary."""
+        with self._no_host_reads("ZeroEngine.backward"):
+            return self._backward(loss, retain_graph, scale_wrt_gas)
+
+    def _backward(self, loss: torch.Tensor, retain_graph: bool, scale_wrt_gas: bool) -> torch.Tensor:
         gas = self.batch.gradient_accumulation_steps
         factor = self.loss_scaler.loss_scale / (gas if scale_wrt_gas else 1)
         # last_loss is the window's mean micro-batch loss: a caller that already divided by the number of
@@ -283,7 +309,7 @@ class ZeroEngine(nn.Module):
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:
         """Call after every ``backward``; the optimizer steps only at the accumulation boundary."""
         if self.is_gradient_accumulation_boundary():
-            with self.timers("step"):
+            with self._no_host_reads("ZeroEngine.step"), self.timers("step"):
                 self._take_model_step(lr_kwargs or {})
         self.micro_steps += 1
         self._boundary_override = None
@@ -301,9 +327,32 @@ class ZeroEngine(nn.Module):
         raw_norm, overflow = (self.grad_norm_fn or self.stage.grad_norm)()
         scale = self.loss_scaler.loss_scale
         multiplier = self.stage.options.post_scale / scale
-        self._global_grad_norm = raw_norm * multiplier
-        if overflow:
-            self.stage.zero_grad()
+        clip = self.config.gradient_clipping
+        skipped: bool | None
+        if self.config.fp16_enabled or not isinstance(overflow, torch.Tensor):
+            # fp16: the one host read of a step (see [Note: no host synchronisation in a step]). The pipeline
+            # engine's norm comes as host numbers already.
+            with strict.host_read_allowed(FP16_READ):
+                raw, over = _host_numbers(raw_norm, overflow)
+            norm = raw * multiplier
+            self._global_grad_norm = norm
+            skipped = over
+            if not over:
+                coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
+                self.stage.apply_step(self.optimizer, multiplier * coef)
+        else:  # on the device: norm, clipping coefficient and the skip stay tensors
+            norm_t = raw_norm.double() * multiplier
+            self._global_grad_norm = norm_t
+            coef_t = torch.clamp(clip / (norm_t + 1e-6), max=1.0) if clip > 0 else None
+            skipped = self.stage.apply_step(self.optimizer, multiplier, clip=coef_t, skip=overflow)
+        self.stage.zero_grad()
+        if skipped is None:  # known on the device only: the counters and was_step_applied read it when asked
+            self.counters.add_device_skip(overflow)
+            self._step_applied = overflow
+            self.loss_scaler.update(False)  # no loss scaler outside fp16: this only counts
+            if self.lr_scheduler is not None:
+                self.lr_scheduler.step(**lr_kwargs)
+        elif skipped:
             self.loss_scaler.update(True)
             self.skipped_steps += 1
             self._step_applied = False
@@ -315,10 +364,6 @@ class ZeroEngine(nn.Module):
                     self.loss_scaler.loss_scale,
                 )
         else:
-            clip = self.config.gradient_clipping
-            coef = min(1.0, clip / (self._global_grad_norm + 1e-6)) if clip > 0 else 1.0
-            self.stage.apply_step(self.optimizer, multiplier * coef)
-            self.stage.zero_grad()
             self.loss_scaler.update(False)
             self._step_applied = True
             if self.lr_scheduler is not None:
@@ -330,7 +375,8 @@ class ZeroEngine(nn.Module):
             self.last_loss = self._loss_sum
             self._loss_sum = None
         if self._print_every and self.global_steps % self._print_every == 0:
-            self._report()
+            with strict.host_read_allowed("steps_per_print: the report line reads the loss and the norm"):
+                self._report()
 
     def _refuse_changed_params(self) -> None:
         """The flat buffers, partitions and optimizer state were laid out for the parameters that were
@@ -359,8 +405,9 @@ class ZeroEngine(nn.Module):
         missing = self.stage.parameters_without_gradient()
         count = torch.tensor([float(len(missing))], device=self.stage.groups[0].device if self.stage.groups else None)
         self.coll.all_reduce(count)
-        if count.item() == 0:
-            return
+        with strict.host_read_allowed("ignore_unused_parameters: false agrees on the host every step"):
+            if count.item() == 0:
+                return
         where = ", ".join(repr(n) for n in missing) if missing else "parameters of another rank"
         raise RuntimeError(
             f"zero_optimization.ignore_unused_parameters is false and {int(count.item())} trainable parameter(s) "
@@ -383,7 +430,7 @@ class ZeroEngine(nn.Module):
             self.skipped_steps,
             lrs,
             loss,
-            self._global_grad_norm or 0.0,
+            self.get_global_grad_norm() or 0.0,
             self.loss_scaler.loss_scale,
             rate,
             extra,
@@ -422,7 +469,8 @@ class ZeroEngine(nn.Module):
     def zero_grad(self, set_to_none: bool = True) -> None:
         """Discard the gradients accumulated since the last optimizer step (``set_to_none`` is moot:
         the engine's gradients live in its own buffers)."""
-        self.stage.zero_grad()
+        with self._no_host_reads("ZeroEngine.zero_grad"):
+            self.stage.zero_grad()
 
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer is not None else []
@@ -433,15 +481,32 @@ class ZeroEngine(nn.Module):
         window's reduction completes here, so the step that follows does not reduce again."""
         self.stage.prepare_step()
         raw_norm, overflow = (self.grad_norm_fn or self.stage.grad_norm)()
-        norm = raw_norm * self.stage.options.post_scale / self.loss_scaler.loss_scale
-        return float("inf") if overflow else norm
+        raw, over = _host_numbers(raw_norm, overflow)  # asked for on the host: one read
+        norm = raw * self.stage.options.post_scale / self.loss_scaler.loss_scale
+        return float("inf") if over else norm
 
     def get_global_grad_norm(self) -> float | None:
-        """L2 norm of the averaged, unscaled gradients at the last boundary (before clipping)."""
-        return self._global_grad_norm
+        """L2 norm of the averaged, unscaled gradients at the last boundary (before clipping). The step keeps
+        it on the device; the first call after a step reads it (one host read, only when asked)."""
+        norm = self._global_grad_norm
+        if isinstance(norm, torch.Tensor):
+            norm = self._global_grad_norm = float(norm)
+        return norm
+
+    def step_applied_known(self) -> bool | None:
+        """``was_step_applied()`` where the host knows it without reading the device (fp16, offloaded
+        optimizers), None where the last step decided on the device (bf16/fp32): what a caller that must not
+        synchronise (a scheduler wrapper stepping with the engine's) asks. The engine's own lr scheduler
+        advances in the None case."""
+        return None if isinstance(self._step_applied, torch.Tensor) else self._step_applied
 
     def was_step_applied(self) -> bool:
-        return self._step_applied
+        """Whether the last optimizer step updated the weights (False: skipped for an inf/nan gradient). A
+        bf16/fp32 step decides that on the device; the first call after it reads the flag."""
+        applied = self._step_applied
+        if isinstance(applied, torch.Tensor):  # the skip flag
+            applied = self._step_applied = not bool(applied)
+        return applied
 
     @property
     def has_moe_layers(self) -> bool:
@@ -504,6 +569,7 @@ class ZeroEngine(nn.Module):
 
     @property
     def skipped_steps(self) -> int:
+        self.counters.settle()  # steps skipped on the device are read when asked (see StepCounters)
         return self.counters.skipped_steps
 
     @skipped_steps.setter
@@ -671,6 +737,33 @@ class ZeroEngine(nn.Module):
             if module is not None and hasattr(module, name):
                 return getattr(module, name)
             raise
+
+
+FP16_READ = "fp16: the step's [norm, overflow], one read per optimizer step (loss scale, skipped step)"
+
+
+class _Nothing:
+    __slots__ = ()
+
+    def __enter__(self) -> None:
+        return None
+
+    def __exit__(self, *exc: object) -> None:
+        return None
+
+
+_NOTHING = _Nothing()
+
+
+def _host_numbers(norm: Any, overflow: Any) -> tuple[float, bool]:
+    """(norm, overflow) as host numbers: one read for device tensors (a stacked pair), none for numbers."""
+    if isinstance(norm, torch.Tensor) or isinstance(overflow, torch.Tensor):
+        device = (norm if isinstance(norm, torch.Tensor) else overflow).device
+        pair = torch.stack([torch.as_tensor(norm, dtype=torch.float64, device=device).reshape(()),
+                            torch.as_tensor(overflow, dtype=torch.float64, device=device).reshape(())])  # fmt: skip
+        value, over = pair.tolist()
+        return value, over > 0 or not math.isfinite(value)
+    return float(norm), bool(overflow) or not math.isfinite(float(norm))
 
 
 def _place(

@@ -34,6 +34,7 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
+from ds_strategy.accelerator import strict
 from ds_strategy.ops import multi_tensor_l2norm
 from ds_strategy.ops.norm import multi_tensor_sum_of_squares
 
@@ -500,8 +501,10 @@ class ZeroStage:
         """This rank's reduced (still scaled) gradients, on the parameters' device, all groups."""
         return [t for g in range(len(self.groups)) for t in self._grad_pieces(g)]
 
-    def grad_norm(self) -> tuple[float, bool]:
-        """(L2 norm, any inf/nan) of the reduced gradients of every rank, agreed by all ranks.
+    def grad_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(L2 norm, any inf/nan) of the reduced gradients of every rank, agreed by all ranks: 0-dim tensors
+        on the compute device (fp64 norm, fp32 flag 1.0/0.0), never read on the host (see [Note: the step
+        on the device]).
 
         Still scaled: the engine divides by the loss scale and averaging factor. Stages 1-2 combine the
         per-rank squares with one all-reduce of ``[norm**2, found_inf]``.
@@ -509,14 +512,14 @@ class ZeroStage:
         with record_function("ds::grad_norm"):
             return self._grad_norm()
 
-    def _grad_norm(self) -> tuple[float, bool]:
+    def _grad_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.swapper is not None and self.swapper.grad_of:  # NVMe: the gradients stream in tile by tile
-            total, found = torch.zeros((), dtype=torch.float64), False
-            for grads in self.swapper.stream_grads(self._tile_lists()):
+            total, found = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float32)
+            for grads in self.swapper.stream_grads(self._tile_lists()):  # host memory: no device read
                 sq, inf = multi_tensor_sum_of_squares(grads)
                 total += sq
-                found = found or bool(inf)
-            norm, found_inf = total.sqrt().float(), torch.tensor(float(found))
+                found = torch.maximum(found, inf.float())
+            norm, found_inf = total.sqrt().float(), found
         elif self.options.group_comms:
             return self._grad_norm_over_groups()
         else:
@@ -524,12 +527,12 @@ class ZeroStage:
         if self.partitioned and self.coll.world_size > 1:
             both = torch.stack([norm.float() ** 2, found_inf.float()]).to(self.compute_device)
             self.coll.all_reduce(both)
-            sq, inf = both.tolist()
-            return math.sqrt(sq) if sq >= 0 else math.nan, inf > 0 or not math.isfinite(sq)
-        value = float(norm)
-        return value, bool(found_inf) or not math.isfinite(value)
+            sq, inf = both[0], both[1]
+            return sq.double().sqrt(), ((inf > 0) | ~torch.isfinite(sq)).float()
+        norm = norm.to(self.compute_device)  # a rank with no gradient at all has a host zero
+        return norm.double(), ((found_inf.to(norm.device) > 0) | ~torch.isfinite(norm)).float()
 
-    def _grad_norm_over_groups(self) -> tuple[float, bool]:
+    def _grad_norm_over_groups(self) -> tuple[torch.Tensor, torch.Tensor]:
         """The global norm when param groups reduce over different communicators (an MoE model's experts).
 
         Every element of the model's gradient is counted once: a partitioned group's shards are disjoint
@@ -549,27 +552,76 @@ class ZeroStage:
             both[1] += inf.double().to(both.device)
         if self.coll.world_size > 1:
             self.coll.all_reduce(both)
-        sq, inf = both.tolist()
-        return math.sqrt(sq) if sq >= 0 else math.nan, inf > 0 or not math.isfinite(sq)
+        sq, inf = both[0], both[1]
+        return sq.sqrt(), ((inf > 0) | ~torch.isfinite(sq)).float()
+
+    def skip_mode(self, optimizer: torch.optim.Optimizer) -> str:
+        """How ``apply_step`` learns whether to skip a step it is handed the device flag of (see [Note: the
+        step on the device]): "device", "copy" (offloaded masters: with the gradients' copy) or "read"."""
+        if self.swap is not None or any(m.device != self.compute_device for gs in self.groups for m in gs.masters):
+            return "copy"
+        if is_cpu_kernel_optimizer(optimizer) or _takes_found_inf(optimizer):
+            return "device"
+        return "read"
 
     @torch.no_grad()
-    def apply_step(self, optimizer: torch.optim.Optimizer, factor: float) -> None:
-        """Multiply the gradients by ``factor`` (unscale x average x clip), step the masters, publish.
+    def apply_step(
+        self,
+        optimizer: torch.optim.Optimizer,
+        factor: float,
+        *,
+        clip: torch.Tensor | None = None,
+        skip: torch.Tensor | None = None,
+    ) -> bool | None:
+        """Multiply the gradients by ``factor`` (unscale x average) and ``clip`` (the clipping coefficient, a
+        device tensor), step the masters unless ``skip`` (the device flag of a non-finite gradient) is set,
+        publish. Returns whether the step was skipped where the host learned it, None where only the device
+        knows (``skip`` given, "device" mode); without ``skip`` the caller decided already (False).
 
         [Note: the fused optimizer pass]
         ds_strategy's CPU kernels (``ds_strategy.ops.CPUAdam`` and siblings) read fp32, bf16 or fp16
         gradients, fold ``factor`` in, step, and write the updated 16-bit parameters, all in one pass over
         memory: with them the gradients are neither pre-multiplied nor copied to fp32, and the masters are
         not copied into the parameters afterwards. Other optimizers get fp32 gradients already multiplied.
+
+        [Note: the step on the device]
+        The clipping coefficient and the skip decision of a bf16/fp32 step stay device tensors, so the step
+        never waits for the device (docs/zero3.md, "No host synchronisation in a step"):
+        * "device" (masters on the compute device; ds_strategy's kernel optimizers or a torch optimizer
+          that takes ``found_inf``, i.e. built with ``fused=True``): torch's fused optimizers get the flag
+          as ``optimizer.found_inf`` and skip on the device, step counts included. The kernels take their
+          coefficients as host numbers, so the gradients are multiplied by ``clip`` on the device first,
+          and a step to skip has a NaN put in every gradient (``clip`` or, without clipping, the first
+          element times NaN): each kernel call then skips itself on the device (``skip_on_device``). Their
+          step counts are host numbers and still advance (see [Note: step counts on the host] in
+          ops/optimizers.py).
+        * "copy" (offloaded or NVMe masters: the step runs on the host anyway): the flag comes to the host
+          with the gradients' copy, in the same wait, and a step to skip is skipped there.
+        * "read" (another torch optimizer on the device: it cannot skip on the device): one host read of
+          the flag per optimizer step, documented and allowed under the device-strict mode.
         """
+        mode = "given" if skip is None else self.skip_mode(optimizer)
+        if mode == "read":
+            with strict.host_read_allowed(READ_SKIP):
+                if bool(skip):
+                    return True
+            mode, skip = "given", None
         if self.swap is not None:
-            self._apply_step_tiled(optimizer, factor)
-            return
+            return self._apply_step_tiled(optimizer, factor, clip, skip)
         fused = is_cpu_kernel_optimizer(optimizer)
         if not fused:
             pieces = self._reduced_grads()
-            if factor != 1.0 and pieces:
-                torch._foreach_mul_(pieces, factor)
+            scale: float | torch.Tensor = factor if clip is None else clip * factor
+            if pieces and (isinstance(scale, torch.Tensor) or scale != 1.0):
+                torch._foreach_mul_(pieces, scale)
+        elif clip is not None or mode == "device":
+            pieces = [p for p in self._reduced_grads() if p.numel()]
+            if clip is not None:
+                poisoned = torch.where(skip > 0, math.nan, clip) if skip is not None and mode == "device" else clip
+                torch._foreach_mul_(pieces, poisoned.to(self.compute_device))
+            elif pieces and skip is not None:  # a NaN in every kernel call's gradients, or a multiplication by one
+                heads = [p.as_strided((1,), (1,)) for p in pieces]  # each piece's first element
+                torch._foreach_mul_(heads, torch.where(skip > 0, math.nan, 1.0))
         outputs: dict[torch.Tensor, torch.Tensor] = {}
         written: set[int] = set()
         to_host: dict[nn.Parameter, tuple[torch.Tensor, torch.Tensor]] = {}  # master -> (host copy, gradient)
@@ -588,7 +640,29 @@ class ZeroStage:
         tiles = self.step_tiles()
         order = [m for gs in self.groups for m in gs.masters if m in to_host]
         # Every tile's copies are issued now; each tile waits for its own before its step (offload_copy.py).
-        waits = [self._host_copier.copy([to_host[m] for m in order if m in tile]) for tile in tiles]
+        # "copy" mode: the skip flag travels with the first tile's gradients (one wait for both).
+        flag = self._skip_flag_host() if mode == "copy" and skip is not None else None
+        with strict.host_read_allowed(OFFLOAD_COPY):
+            waits = [
+                self._host_copier.copy(
+                    [to_host[m] for m in order if m in tile]
+                    + ([(flag, skip.reshape(1).float())] if flag is not None and skip is not None and t == 0 else [])
+                )
+                for t, tile in enumerate(tiles)
+            ]
+            if flag is not None and skip is not None and not tiles:  # no master here: the flag alone
+                waits = [self._host_copier.copy([(flag, skip.reshape(1).float())])]
+        if flag is not None:
+            waits[0]()
+            if not tiles:
+                waits = []
+            if flag[0] > 0:  # host memory: no read of the device
+                for wait in waits[1:]:
+                    wait()
+                for gs in self.groups:
+                    for master in gs.masters:
+                        master.grad = None
+                return True
         for tile, wait in zip(tiles, waits, strict=True):
             wait()
             # Only the tile's masters carry a gradient: optimizers skip the others, so the step's temporaries
@@ -601,7 +675,11 @@ class ZeroStage:
             with record_function("ds::optimizer_step"):
                 if fused:
                     out = {m: t for m, t in outputs.items() if m in tile}
-                    optimizer.step(clip_coef=factor, out_16bit=out or None)  # type: ignore[call-overload]
+                    optimizer.step(  # type: ignore[call-overload]
+                        clip_coef=factor, out_16bit=out or None, skip_on_device=mode == "device"
+                    )
+                elif mode == "device":
+                    _step_with_found_inf(optimizer, skip)
                 else:
                     optimizer.step()
             for m, saved in hidden.items():
@@ -610,6 +688,14 @@ class ZeroStage:
             for master in gs.masters:
                 master.grad = None
         self.publish(params_written=written)
+        return None if mode == "device" else False
+
+    def _skip_flag_host(self) -> torch.Tensor:
+        """The host buffer the skip flag of a "copy"-mode step lands in (pinned with the masters)."""
+        buf = getattr(self, "_skip_host", None)
+        if buf is None:
+            buf = self._skip_host = torch.zeros(1, dtype=torch.float32, pin_memory=self.options.pin_memory)
+        return buf
 
     def step_tiles(self) -> list[set[nn.Parameter]]:
         """The masters in optimizer-step tiles of at most ``sub_group_size`` elements (DeepSpeed's sub-groups),
@@ -633,11 +719,34 @@ class ZeroStage:
         return tiles
 
     @torch.no_grad()
-    def _apply_step_tiled(self, optimizer: torch.optim.Optimizer, factor: float) -> None:
+    def _apply_step_tiled(
+        self,
+        optimizer: torch.optim.Optimizer,
+        factor: float,
+        clip: torch.Tensor | None = None,
+        skip: torch.Tensor | None = None,
+    ) -> bool:
         """``apply_step`` with NVMe offload: tile by tile, each tile's masters, state and gradients brought in
         by the swapper (``runtime/swap/optimizer.py``, [Note: the step pipeline]) and its updated parameters
         written out before the next (swapped partitions cannot wait for a whole-model ``publish``). The
-        arithmetic per element is ``apply_step``'s."""
+        arithmetic per element is ``apply_step``'s. The clipping coefficient and skip flag are read on the
+        host once (the step runs there), and every copy between the device and the host is this path's
+        business: allowed under the device-strict mode."""
+        with strict.host_read_allowed(OFFLOAD_COPY):
+            return self._apply_tiles(optimizer, factor, clip, skip)
+
+    def _apply_tiles(
+        self, optimizer: torch.optim.Optimizer, factor: float, clip: torch.Tensor | None, skip: torch.Tensor | None
+    ) -> bool:
+        if clip is not None or skip is not None:
+            dev = (clip if clip is not None else skip).device  # type: ignore[union-attr]
+            one = torch.ones((), dtype=torch.float64, device=dev)
+            coef, skipped = torch.stack(
+                [one if clip is None else clip.double(), one * 0 if skip is None else skip.double()]
+            ).tolist()
+            if skipped > 0:
+                return True
+            factor *= coef
         fused = is_cpu_kernel_optimizer(optimizer)
         tiles = self._tile_lists()
         where = {m: (g, b) for g, gs in enumerate(self.groups) for b, m in enumerate(gs.masters)}
@@ -677,6 +786,7 @@ class ZeroStage:
                 run(t)
         self.publish(params_written=range(len(self.groups)))
         trim_heap()  # [Note: host memory under NVMe offload] in runtime/swap/__init__.py
+        return False
 
     # ------------------------------------------------------------------ NVMe offload
     def swapped_storages(self) -> list[GroupStorage]:
@@ -756,6 +866,30 @@ class ZeroStage:
         self._window_reduced = False
         self._unmanaged = False
         self._reset_window()
+
+
+# The host reads of a bf16/fp32 step that [Note: the step on the device] allows (strict.host_read_allowed).
+READ_SKIP = "the skip flag of an optimizer that cannot skip on the device (a torch optimizer without fused=True)"
+OFFLOAD_COPY = "offloaded optimizer: gradients and the step's flags to the host masters"
+TORCH_FUSED = "torch's fused optimizer moves found_inf to its parameters' device (no copy on a GPU)"
+
+
+def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
+    """A torch optimizer whose step skips on the device when ``optimizer.found_inf`` is set (the fused ones,
+    as ``torch.amp.GradScaler`` drives them)."""
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and not is_cpu_kernel_optimizer(optimizer)
+
+
+def _step_with_found_inf(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None) -> None:
+    """``optimizer.step()`` skipping on the device when ``skip`` (a 0-dim float32 flag) is set."""
+    optimizer.found_inf = skip  # type: ignore[attr-defined]
+    optimizer.grad_scale = None  # type: ignore[attr-defined]
+    try:
+        # Under the strict mode torch sees cpu:0 against its parameters' plain cpu and copies the flag.
+        with strict.host_read_allowed(TORCH_FUSED):
+            optimizer.step()
+    finally:
+        del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
 
 
 def _true_numel(p: torch.Tensor) -> int:

@@ -4,31 +4,86 @@ raises on every rank instead of hanging or pairing up the wrong all-gathers.
 [Note: divergence detection]
 If ranks run different modules (data-dependent control flow), their all-gathers would pair up wrongly:
 a hang, or silently wrong weights when sizes happen to match. Every fetch therefore carries a label
-(module index, fetch number) that the ranks compare. Where the buckets go through the shared-memory
-path (CPU ranks on one node), the label rides on the all-gathers themselves: the path compares it with
-the op, dtype and size after its first barrier, so a mismatch raises on every rank at no extra cost, and
-one label all-reduce per iteration (end of backward, or of a no-grad forward) catches ranks whose
-divergence never reached a gather. On other paths every fetch all-reduces a tiny header in the same
-stream of collectives; a fetch that must block on its own buckets first checks every outstanding header,
-a fetch served by prefetched buckets leaves its header in flight until the next blocking fetch or the end
-of backward (so prefetch overlap is kept). Either way a mismatch raises a RuntimeError on every rank
-naming each rank's module, and a gather or header that does not complete within the gather timeout
-(``DS_STRATEGY_GATHER_TIMEOUT`` seconds, default: the process group's, or the shared-memory path's,
-timeout) raises one naming this rank and the module it was gathering.
+(module index, fetch number: one int64 *code*) that the ranks compare. Where the buckets go through the
+shared-memory path (CPU ranks on one node), the label rides on the all-gathers themselves: the path
+compares it with the op, dtype and size after its first barrier, so a mismatch raises on every rank at
+no extra cost, and one header per iteration (end of backward, or of a no-grad forward) catches ranks
+whose divergence never reached a gather. On other paths (NCCL, gloo) every fetch all-reduces a tiny
+header in the same stream of collectives, issued before the fetch's gathers.
 
-The check asks the communicator's ``CollectivePath`` (comm/paths.py) whether gathers compare tags and
-what its timeout is, and sends headers through the communicator like every other collective.
+A header is this rank's code in its own slot of a ``[world]`` int64 vector, built on the device (a
+multiplication of a one-hot vector made once, no host-to-device copy) and summed over the ranks
+asynchronously: afterwards every rank holds every rank's code. [Note: comparing on the device] says how
+the headers are compared without the host waiting for them.
+
+A gather or header that does not complete within the gather timeout (``DS_STRATEGY_GATHER_TIMEOUT``
+seconds, default: the process group's, or the shared-memory path's, timeout) raises an error naming this
+rank and the module it was gathering; a gather that fails while a header shows a mismatch raises the
+divergence error instead. The check asks the communicator's ``CollectivePath`` (comm/paths.py) whether
+gathers compare tags and what its timeout is, and sends headers through the communicator like every other
+collective.
+
+[Note: comparing on the device]
+A step must not wait for the device (docs/zero3.md, "No host synchronisation in a step"), and reading a
+header on the host waits for every kernel queued before it. So:
+
+* The first iteration (until the first ``check_agreement``: the one that records the prefetch order, and
+  that may synchronise) compares eagerly: a fetch that must block on its own buckets first waits for the
+  outstanding headers and reads them, so a divergence there raises before a wrongly paired gather.
+* Afterwards a fetch only issues its header. On a CPU device a blocking fetch still waits for the
+  outstanding headers (with the gather timeout: gloo's wait is the host's anyway), without reading them;
+  on a GPU nothing waits (a timed wait would block the host: the process group's own timeout applies).
+* ``check_agreement`` (end of backward, end of a no-grad forward) compares the iteration's headers on the
+  device - a header is consistent when its non-zero slots are equal (a rank's slot is never zero; under a
+  process group that moves no data, torch's fake one, the other slots stay zero and are not compared) -
+  and copies a two-number summary (any mismatch, the first one) to pinned host memory without blocking,
+  with an event. A later ``check_agreement`` reads the summaries whose copy has landed (``event.query()``:
+  no wait) and raises naming the ranks and modules of the first mismatch (reading that one header is the
+  error path). On a CPU device the copy is immediate, so the iteration's own check reads it.
+
+The trade-off: on a GPU, after the first iteration, a divergence is reported one iteration or so late,
+after the wrongly paired gathers ran (a hang ends at the process group's timeout, not with this error,
+and a size-matched pairing computes one wrong iteration first); in exchange no fetch and no iteration end
+waits for the device. Each rank raises on its own reading of the same sums: no extra collective.
 """
 
 from __future__ import annotations
 
+from dataclasses import dataclass
 from typing import Any
 
 import torch
 
+from ds_strategy.accelerator import strict
+
 from .collectives import Collectives
 
 INDEX_BITS = 20  # a gather label: fetch number << 20 | (module index + 2)
+_MASK = (1 << INDEX_BITS) - 1
+SUMMARY_COPY = "stage-3 divergence check: the iteration's summary copied to pinned host memory without waiting"
+ERROR_PATH = "stage-3 divergence check: reading the mismatched header to name the ranks (error path)"
+FIRST_ITERATION = "stage-3 divergence check: the first iteration compares its headers eagerly"
+
+
+@dataclass
+class _Header:
+    handle: Any  # the all-reduce's handle, None once waited for
+    codes: torch.Tensor  # [world] int64 on the device: every rank's code once reduced
+    mid: int
+    seq: int
+
+
+@dataclass
+class _Summary:
+    """One iteration's comparison: ``host`` = (any mismatch, index of the first) once ``ready``."""
+
+    host: torch.Tensor
+    event: Any  # a torch.cuda.Event, or None when the copy was immediate
+    codes: torch.Tensor  # [n, world] on the device
+    labels: list[tuple[int, int]]  # (mid, seq) per header, on the host
+
+    def ready(self) -> bool:
+        return self.event is None or bool(self.event.query())
 
 
 class DivergenceCheck:
@@ -59,8 +114,14 @@ class DivergenceCheck:
             self.gather_path.timeout = timeout_s  # type: ignore[union-attr]
         self._seq = 0
         self._last_mid = -1
-        self._headers: list[tuple[Any, torch.Tensor, int, int]] = []
+        self._headers: list[_Header] = []  # this iteration's
+        self._summaries: list[_Summary] = []  # compared on the device, not read yet
+        self._checks = 0  # check_agreement calls so far: the first iteration compares eagerly
+        self._onehot: torch.Tensor | None = None
+        # On a GPU nothing waits for a header (a timed wait would block the host); a CPU's waits are the host's.
+        self._host_waits = torch.device(device).type == "cpu"
 
+    # ------------------------------------------------------------------ the interface param_gather.py calls
     def label(self, mid: int, *, blocking: bool) -> int:
         """Count a fetch of ``mid`` and label it; the label to pass to its gathers (0 where headers carry it)."""
         if self.coll.world_size == 1:
@@ -69,51 +130,146 @@ class DivergenceCheck:
         self._last_mid = mid
         if self.tagged:
             return self._seq << INDEX_BITS | (self.index.get(mid, -1) + 2)
-        self._header(mid, self._seq, blocking=blocking)
+        self._header(mid, self._seq)
+        if blocking and (self._eager or self._host_waits):
+            self._wait_headers(read=self._eager)
         return 0
 
     def check_agreement(self) -> None:
-        """End of an iteration: wait for the headers in flight, or (labels on gathers) compare the last label."""
-        if self.tagged and self.coll.world_size > 1:
-            self._header(self._last_mid, self._seq, blocking=True)
-        else:
-            self.verify_headers()
+        """End of an iteration: compare its headers (see [Note: comparing on the device]); raise if a
+        comparison whose result has reached the host shows a mismatch."""
+        if self.coll.world_size == 1:
+            return
+        if self.tagged:
+            self._header(self._last_mid, self._seq)
+        eager = self._eager
+        self._checks += 1
+        if eager:
+            self._wait_headers(read=True)
+            self._headers.clear()
+            return
+        headers, self._headers = self._headers, []
+        if headers:
+            for h in headers:
+                self._wait(h)
+            self._summaries.append(self._summarise(headers))
+        self._read_landed()
 
     def gather_failed(self, err: RuntimeError, tag: int, mid: int) -> RuntimeError:
         """The error to raise for a failed labelled gather: the ranks' modules when the path compared labels,
         else a timeout naming this rank's module."""
-        if not tag:
-            return err
+        if not tag:  # headers: one issued before the failed gather may show the ranks apart (error path)
+            try:
+                found = self._mismatch_now()
+            except RuntimeError:
+                found = None
+            return found if found is not None else err
         seq = tag >> INDEX_BITS
         tags = self.coll.peer_tags() if "different collectives" in str(err) else []
         if tags:  # each rank's label back to (module index + 2, fetch number), as the headers carry them
-            return self._diverged(mid, seq, [[t & ((1 << INDEX_BITS) - 1), t >> INDEX_BITS] for t in tags])
+            return self._diverged(mid, seq, [[t & _MASK, t >> INDEX_BITS] for t in tags])
         path_timeout = None if self.gather_path is None else self.gather_path.timeout
         return self._timed_out(mid, seq, err, path_timeout)
 
-    def _header(self, mid: int, seq: int, *, blocking: bool) -> None:
-        # Built on the host and copied once (one small transfer, no per-element writes to device memory).
-        row = torch.zeros(self.coll.world_size, 2, dtype=torch.int64)
-        row[self.coll.rank, 0] = self.index.get(mid, -1) + 2  # 1: GatheredParameters, 0: nothing
-        row[self.coll.rank, 1] = seq
-        header = row.to(self.device)
-        handle = self.coll.all_reduce(header, async_op=True)
-        self._headers.append((handle, header, mid, seq))
-        if blocking:
-            self.verify_headers()
+    # ------------------------------------------------------------------ headers
+    @property
+    def _eager(self) -> bool:
+        return self._checks == 0
+
+    def _header(self, mid: int, seq: int) -> None:
+        if self._onehot is None:  # once: this rank's slot (a small copy at the first fetch, not per fetch)
+            onehot = torch.zeros(self.coll.world_size, dtype=torch.int64)
+            onehot[self.coll.rank] = 1
+            self._onehot = onehot.to(self.device)
+        code = seq << INDEX_BITS | (self.index.get(mid, -1) + 2)  # never 0: index + 2 >= 1
+        codes = self._onehot * code  # on the device, from a Python number: no copy
+        handle = self.coll.all_reduce(codes, async_op=True)
+        self._headers.append(_Header(handle, codes, mid, seq))
+
+    def _wait(self, header: _Header) -> None:
+        if header.handle is None:
+            return
+        handle, header.handle = header.handle, None
+        try:
+            handle.wait(self.timeout_s if self._host_waits else None)
+        except RuntimeError as err:
+            raise self._timed_out(header.mid, header.seq, err) from err
+
+    def _wait_headers(self, *, read: bool) -> None:
+        """Wait for this iteration's headers; ``read``: compare them on the host now (the first iteration)."""
+        for h in self._headers:
+            already = h.handle is None
+            self._wait(h)
+            if read and not already:
+                with strict.host_read_allowed(FIRST_ITERATION):
+                    codes = h.codes.tolist()
+                if _mismatched(codes):
+                    raise self._diverged(h.mid, h.seq, _rows(codes))
+
+    # ------------------------------------------------------------------ comparing on the device
+    def _summarise(self, headers: list[_Header]) -> _Summary:
+        codes = torch.stack([h.codes for h in headers])  # [n, world]
+        hi = codes.amax(dim=1, keepdim=True)
+        lo = torch.where(codes == 0, hi, codes).amin(dim=1, keepdim=True)  # slots never filled: not compared
+        bad = (hi != lo).squeeze(1)
+        summary = torch.stack([bad.any().long(), bad.long().argmax()])
+        event = None
+        if summary.device.type == "cuda":
+            host = torch.empty(2, dtype=torch.int64, pin_memory=True)
+            host.copy_(summary, non_blocking=True)
+            event = torch.cuda.Event()
+            event.record()
+        else:
+            host = torch.empty(2, dtype=torch.int64)
+            with strict.host_read_allowed(SUMMARY_COPY):  # pinned and non-blocking on a GPU
+                host.copy_(summary)
+        return _Summary(host, event, codes, [(h.mid, h.seq) for h in headers])
+
+    def _read_landed(self) -> None:
+        """Read the summaries whose copy has landed, oldest first; raise at the first mismatch."""
+        while self._summaries and self._summaries[0].ready():
+            s = self._summaries.pop(0)
+            flag, first = s.host.tolist()  # host memory
+            if flag:
+                raise self._named(s, first)
+
+    def _named(self, s: _Summary, first: int) -> RuntimeError:
+        with strict.host_read_allowed(ERROR_PATH):
+            codes = s.codes[first].tolist()
+        mid, seq = s.labels[first]
+        return self._diverged(mid, seq, _rows(codes))
+
+    def _mismatch_now(self) -> RuntimeError | None:
+        """After a failed gather: the first mismatch among the headers issued so far, read now (waiting)."""
+        with strict.host_read_allowed(ERROR_PATH):
+            for s in self._summaries:
+                flag, first = s.host.tolist() if s.ready() else (0, 0)
+                if flag:
+                    return self._named(s, first)
+            for h in self._headers:
+                self._wait(h)
+                codes = h.codes.tolist()
+                if _mismatched(codes):
+                    return self._diverged(h.mid, h.seq, _rows(codes))
+        return None
 
     def verify_headers(self) -> None:
-        """Wait for the outstanding headers; raise naming the ranks/modules if they do not match."""
-        headers, self._headers = self._headers, []
-        for handle, header, mid, seq in headers:
-            try:
-                handle.wait(self.timeout_s)
-            except RuntimeError as err:
-                raise self._timed_out(mid, seq, err) from err
-            rows = header.tolist()
-            if any(row != rows[0] for row in rows):
-                raise self._diverged(mid, seq, rows)
+        """Wait for the outstanding headers and compare them now, on the host (a synchronisation: for tests
+        and for callers outside a step); raise naming the ranks/modules if they do not match."""
+        with strict.host_read_allowed(ERROR_PATH):
+            found = self._mismatch_now()
+            while self._summaries:
+                s = self._summaries.pop(0)
+                if s.event is not None:
+                    s.event.synchronize()
+                flag, first = s.host.tolist()
+                if flag:
+                    raise self._named(s, first)
+        self._headers.clear()
+        if found is not None:
+            raise found
 
+    # ------------------------------------------------------------------ messages
     def _timed_out(self, mid: int, seq: int, err: Exception, path_timeout: float | None = None) -> RuntimeError:
         seconds = self.timeout_s if self.timeout_s is not None else path_timeout
         limit = f"within {seconds:g}s" if seconds is not None else "(process group timeout)"
@@ -142,3 +298,14 @@ class DivergenceCheck:
             if i == index:
                 return self.names[mid]
         return "<nothing: this rank was not gathering>"
+
+
+def _mismatched(codes: list[int]) -> bool:
+    """Whether the ranks' codes differ (slots left at 0 - no data moved there - are not compared)."""
+    filled = {c for c in codes if c}
+    return len(filled) > 1
+
+
+def _rows(codes: list[int]) -> list[list[int]]:
+    """Each rank's code as (module index + 2, fetch number)."""
+    return [[c & _MASK, c >> INDEX_BITS] for c in codes]
