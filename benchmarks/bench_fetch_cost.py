@@ -13,11 +13,11 @@ benchmarks/results/fetch_cost.{json,md,png}.
 from __future__ import annotations
 
 import argparse
+import json
 import os
 import statistics
 import subprocess
 import sys
-import json
 import time
 from typing import Any
 
@@ -71,15 +71,17 @@ def run_case(case: str, world: int) -> dict[str, Any]:
         dist.init_process_group("gloo", rank=0, world_size=1)
     model = _model()
     x = torch.randn(4, WIDTH)
-    fetches = 0
     if case.startswith("zero3"):
         import ds_strategy
 
         zero: dict[str, Any] = {"stage": 3, "stage3_param_persistence_threshold": 0}
         if case == "zero3 modules":
             zero["stage3_fetch_units"] = "modules"
-        cfg = {"train_micro_batch_size_per_gpu": 4, "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-               "zero_optimization": zero}
+        cfg = {
+            "train_micro_batch_size_per_gpu": 4,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": zero,
+        }
         engine, *_ = ds_strategy.initialize(model=model, model_parameters=model.parameters(), config=cfg)
 
         def step() -> None:
@@ -105,9 +107,7 @@ def run_case(case: str, world: int) -> dict[str, Any]:
 
         gatherer = None
     times = []
-    for i in range(WARMUP + STEPS):
-        if gatherer is not None and i == WARMUP:
-            fetches = gatherer.fetches if hasattr(gatherer, "fetches") else 0
+    for _ in range(WARMUP + STEPS):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
@@ -153,7 +153,9 @@ def main(argv: list[str] | None = None) -> None:
         if "error" in r:
             rows.append([r["case"], r["world"], "failed", "", ""])
             continue
-        floor = next((p["ms"] for p in records if p["case"] == "plain" and p["world"] == r["world"] and "ms" in p), None)
+        floor = next(
+            (p["ms"] for p in records if p["case"] == "plain" and p["world"] == r["world"] and "ms" in p), None
+        )
         per = "" if floor is None or r["case"] == "plain" else f"{1e3 * (r['ms'] - floor) / fetches:.1f}"
         rows.append([r["case"], r["world"], f"{r['ms']:.2f}", per, f"{r.get('gathers_per_step', '')}"])
     text = markdown_table(["case", "world size", "ms / step", "host us per fetch", "all-gathers / step"], rows)

@@ -336,8 +336,9 @@ def main(argv: list[str] | None = None) -> None:
         shown = f"{record['ms_median']:.1f} ms/step" if ok else f"failed: {error.strip().splitlines()[-1:]}"
         print(f"{case}: {shown}", flush=True)
         text = table(records, device) + ("" if len(records) == len(chosen) else "\n\nPartial run.")
-        write_results(name, {"machine": machine(), "device": device, "shape": shape, "steps": steps,
-                             "cases": records}, text)
+        write_results(
+            name, {"machine": machine(), "device": device, "shape": shape, "steps": steps, "cases": records}, text
+        )
     plot(records, name, device)
     print(table(records, device))
 

@@ -309,7 +309,7 @@ def _fit_run(
     trainer.fit(model, ckpt_path=ckpt_path)
     from ds_strategy.zero import GatheredParameters
 
-    final_state = trainer.strategy.lightning_module_state_dict()  # stage 3: rank 0's, assembled from the released shards
+    final_state = trainer.strategy.lightning_module_state_dict()  # stage 3: rank 0's, from the released shards
     with GatheredParameters(list(model.parameters())):  # stage 3: the shards the engine handed back
         weights = {k: v.detach().float().clone() for k, v in model.state_dict().items()}
     out: dict[str, Any] = {

@@ -563,15 +563,17 @@ def _train_batch_size(trainer: pl.Trainer) -> int | None:
 
 
 class _SkipAwareScheduler:
-    """The config's scheduler as Lightning steps it: a step the engine skipped (fp16 overflow) does not
-    advance it, as in DeepSpeed; everything else (state_dict, optimizer, get_last_lr ...) is the scheduler's."""
+    """The config's scheduler as Lightning steps it: a step the engine is known to have skipped (fp16
+    overflow, read once per step anyway) does not advance it, as in DeepSpeed; everything else (state_dict,
+    optimizer, get_last_lr ...) is the scheduler's."""
 
     def __init__(self, scheduler: Any, engine: ZeroEngine) -> None:
         self.scheduler = scheduler
         self._engine = engine
 
     def step(self, *args: Any, **kwargs: Any) -> None:
-        if self._engine.was_step_applied():
+        # Without a host read: a step decided on the device (bf16/fp32) advances it, as the engine's own does.
+        if self._engine.step_applied_known() is not False:
             self.scheduler.step(*args, **kwargs)
 
     def __getattr__(self, name: str) -> Any:

@@ -30,7 +30,7 @@ The policy is overridable, from the most specific to the least:
 from __future__ import annotations
 
 from collections.abc import Callable, Collection, Iterable
-from typing import Any, Union
+from typing import Any
 
 from torch import nn
 
@@ -40,7 +40,7 @@ POLICY_ATTR = "_ds_fetch_units"  # on the root module: set_fetch_units' policy
 BLOCKS = "blocks"
 MODULES = "modules"
 
-FetchUnitPolicy = Union[str, Collection[Union[type[nn.Module], str]], Callable[[nn.Module], bool]]
+FetchUnitPolicy = str | Collection[type[nn.Module] | str] | Callable[[nn.Module], bool]
 
 
 def set_fetch_units(model: nn.Module, policy: FetchUnitPolicy | None) -> None:
@@ -56,7 +56,7 @@ def set_fetch_units(model: nn.Module, policy: FetchUnitPolicy | None) -> None:
 
 def check_policy(policy: Any, where: str) -> None:
     """Raise a ``ValueError`` / ``TypeError`` naming ``where`` for a policy that is none of the valid kinds."""
-    if policy is None or callable(policy) and not isinstance(policy, type):
+    if policy is None or (callable(policy) and not isinstance(policy, type)):
         return
     if isinstance(policy, str):
         if policy not in (BLOCKS, MODULES):
