@@ -416,15 +416,24 @@ class ParamGatherer:
         return iter(self.trace[self._cursor :])
 
     def _prefetch_plan(self, exclude: set[BucketKey], needed: int) -> list[BucketKey]:
+        """The buckets of the next units to gather now: up to ``stage3_prefetch_bucket_size`` elements, and
+        at least the whole next unit when that is larger (HF's "auto" size, 0.9 x hidden^2, is a fraction of
+        a transformer block: a block unit would never be prefetched), within ``stage3_max_live_parameters``;
+        none when the prefetch size is 0."""
         plan: list[BucketKey] = []
         total = 0
         budget = self.max_live_numel - self.live_numel() - needed
+        if self.prefetch_numel <= 0:
+            return plan
+        first: int | None = None  # the first upcoming unit with something to gather
         for mid in self._upcoming():
             for k in self.units.get(mid, []):
                 if k in exclude or k in plan or self._live(k) or k in self.inflight:
                     continue
+                first = mid if first is None else first
                 n = self._numel(k)
-                if total + n > min(self.prefetch_numel, budget):
+                limit = budget if mid == first else min(self.prefetch_numel, budget)
+                if total + n > limit:
                     return plan
                 plan.append(k)
                 total += n
