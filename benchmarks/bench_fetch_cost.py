@@ -57,7 +57,7 @@ def _model() -> Any:
     return Net()
 
 
-def run_case(case: str, world: int) -> dict[str, Any]:
+def run_case(case: str, world: int, steps: int = STEPS) -> dict[str, Any]:
     import torch
     import torch.distributed as dist
 
@@ -107,13 +107,13 @@ def run_case(case: str, world: int) -> dict[str, Any]:
 
         gatherer = None
     times = []
-    for _ in range(WARMUP + STEPS):
+    for _ in range(WARMUP + steps):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
     out = {"ms": 1e3 * statistics.median(times[WARMUP:]), "world": world}
     if gatherer is not None:
-        out["gathers_per_step"] = gatherer.gathers / (WARMUP + STEPS)
+        out["gathers_per_step"] = gatherer.gathers / (WARMUP + steps)
     dist.destroy_process_group()
     return out
 
@@ -129,16 +129,19 @@ def _port() -> int:
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--worlds", default="1,8")
+    parser.add_argument("--cases", default=",".join(CASES))
+    parser.add_argument("--steps", type=int, default=STEPS)
     parser.add_argument("--case", help=argparse.SUPPRESS)
     parser.add_argument("--world", type=int, default=1, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     if args.case:
-        print(json.dumps(run_case(args.case, args.world)))
+        print(json.dumps(run_case(args.case, args.world, args.steps)))
         return
     records = []
     for world in (int(w) for w in args.worlds.split(",")):
-        for case in CASES:
+        for case in [c for c in args.cases.split(",") if c]:
             cmd = [sys.executable, "-m", "benchmarks.bench_fetch_cost", "--case", case, "--world", str(world)]
+            cmd += ["--steps", str(args.steps)]
             proc = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=False)
             if proc.returncode != 0:
                 records.append({"case": case, "world": world, "error": proc.stderr[-2000:]})

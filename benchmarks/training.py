@@ -19,8 +19,8 @@ QUICK_SHAPE = {"layers": 2, "d": 128, "seq": 64, "micro": 2}
 WARMUP = 2
 
 STAGE3 = {  # the model has ~25M parameters; a block ~3.1M, its largest Linear ~1M
-    "stage3_prefetch_bucket_size": 1_500_000,  # the next Linear or attention ahead
-    "stage3_max_live_parameters": 3_000_000,
+    "stage3_prefetch_bucket_size": 3_200_000,  # the next block ahead (one fetch unit)
+    "stage3_max_live_parameters": 7_000_000,  # the block in use, the next one and the rest
     "stage3_max_reuse_distance": 0,
     "stage3_param_persistence_threshold": 10_000,
 }

@@ -211,3 +211,27 @@ def test_hybrid_one_rank_pipeline_on_the_cpu(tmp_path: Path) -> None:
         )  # fmt: skip
         assert refused.returncode == 2 and "no CUDA device here" in refused.stderr, refused.stderr
         assert not list(tmp_path.glob("hybrid_cuda*"))
+
+
+@pytest.mark.multiprocess
+def test_zero3_gpu_and_fetch_cost_plumbing_on_the_cpu(tmp_path: Path) -> None:
+    """bench_zero3_gpu (through Lightning, world 1 and a fake group of 8) and bench_fetch_cost, tiny runs on the
+    CPU: the tables and files are written, the fake case is rank 0 of 8, stage 3 gathers once per block."""
+    runs = [
+        ["benchmarks.bench_zero3_gpu", "--device", "cpu", "--quick", "--only", "zero3,zero3 fake-8", "--steps", "7"],
+        ["benchmarks.bench_fetch_cost", "--worlds", "8", "--cases", "plain,zero3", "--steps", "3"],
+    ]
+    for args in runs:
+        proc = subprocess.run(
+            [sys.executable, "-m", *args], cwd=ROOT, env=_bench_env(tmp_path), capture_output=True, text=True,
+            timeout=600, check=False,
+        )  # fmt: skip
+        assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    cases = {r["case"]: r for r in json.loads((tmp_path / "zero3_cpu.json").read_text())["cases"]}
+    assert cases["zero3"]["world_size"] == 1 and cases["zero3 fake-8"]["world_size"] == 8, cases
+    layers = 4  # CPU_SHAPE: 4 blocks, each one unit, plus the rest
+    for case in cases.values():
+        assert case["fetch_units"] == layers + 1 and 0 < case["gathers_per_step"] <= 2 * layers + 4, case
+    fetch = json.loads((tmp_path / "fetch_cost.json").read_text())["records"]
+    assert {r["case"] for r in fetch} == {"plain", "zero3"} and all("ms" in r for r in fetch), fetch
+    assert (tmp_path / "zero3_cpu.png").exists() and (tmp_path / "fetch_cost.md").exists()
