@@ -14,7 +14,7 @@
 # cases it finished), ARCHIVE=1 (leave only run.log and gpu-results.tgz, holding everything, in OUTPUT_DIR:
 # for tools that bring few files back).
 # Writes into OUTPUT_DIR: run.log, environment.txt, cuda-suite.log/.xml, hybrid_cuda.{json,md,png},
-# bench_hybrid.log, e2e_cuda.{json,md,png}, bench.log.
+# bench_hybrid.log, zero3_gpu.{json,md,png} (+ trace, timeline), bench_zero3.log, e2e_cuda.{json,md,png}, bench.log.
 # Exit status: 0 when the suite and the benchmark both succeeded.
 set -uo pipefail
 
@@ -126,6 +126,12 @@ if [[ "${BENCH:-1}" != "0" ]]; then
         "$PYTHON" -m benchmarks.bench_hybrid --device cuda 2>&1 | tee "$OUT_DIR/bench_hybrid.log"
     bench_rc=${PIPESTATUS[0]}
     log "GPU generation benchmark: rc $bench_rc"
+    log "GPU stage-3 benchmark (benchmarks/bench_zero3_gpu.py: HF Llama through Trainer, issue 41)"
+    DS_ACCELERATOR=cuda DS_STRATEGY_BENCH_RESULTS="$OUT_DIR" ${limit[@]+"${limit[@]}"} \
+        "$PYTHON" -m benchmarks.bench_zero3_gpu --trace 2>&1 | tee "$OUT_DIR/bench_zero3.log"
+    zero3_rc=${PIPESTATUS[0]}
+    log "GPU stage-3 benchmark: rc $zero3_rc"
+    ((zero3_rc == 0)) || bench_rc=$zero3_rc
     log "GPU benchmark (benchmarks/bench_e2e.py --device cuda)"
     DS_ACCELERATOR=cuda DS_STRATEGY_BENCH_RESULTS="$OUT_DIR" ${limit[@]+"${limit[@]}"} \
         "$PYTHON" -m benchmarks.bench_e2e --device cuda --name e2e_cuda 2>&1 | tee "$OUT_DIR/bench.log"
