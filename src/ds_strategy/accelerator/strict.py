@@ -176,19 +176,19 @@ class _Nothing:
         return None
 
 
-_NOTHING = _Nothing()
+NOTHING = _Nothing()  # the do-nothing bracket (the mode is off): no allocation per use
 
 
 def no_host_reads(what: str) -> Any:
     """Inside: a host read of device memory raises ``DeviceStrictError`` naming the call site (see
     [Note: host reads inside a step]); ``what`` names the bracket in the message. A no-op without the mode."""
-    return _NoHostReads(what) if ACTIVE else _NOTHING
+    return _NoHostReads(what) if ACTIVE else NOTHING
 
 
 def host_read_allowed(reason: str) -> Any:
     """Inside: host reads are let through (and counted under ``reason``) even within ``no_host_reads``.
     For the reads a step means to make; ``reason`` says which (it is what ``allowed_reads`` reports)."""
-    return _HostReadAllowed(reason) if ACTIVE else _NOTHING
+    return _HostReadAllowed(reason) if ACTIVE else NOTHING
 
 
 def allowed_reads(reset: bool = False) -> dict[str, int]:

@@ -237,7 +237,7 @@ class ZeroEngine(nn.Module):
         """The device-strict mode's bracket around a step's work from the second optimizer step on (see [Note:
         no host synchronisation in a step]); nothing at all without the mode."""
         if not strict.ACTIVE or self.counters.global_steps < 1:
-            return _NOTHING
+            return strict.NOTHING
         return strict.no_host_reads(what)
 
     def forward(self, *inputs: Any, **kwargs: Any) -> Any:
@@ -742,17 +742,6 @@ class ZeroEngine(nn.Module):
 FP16_READ = "fp16: the step's [norm, overflow], one read per optimizer step (loss scale, skipped step)"
 
 
-class _Nothing:
-    __slots__ = ()
-
-    def __enter__(self) -> None:
-        return None
-
-    def __exit__(self, *exc: object) -> None:
-        return None
-
-
-_NOTHING = _Nothing()
 
 
 def _host_numbers(norm: Any, overflow: Any) -> tuple[float, bool]:
