@@ -26,12 +26,14 @@ executes, so all ranks issue the same collectives in the same order.
 
 [Note: reshard after use]
 DeepSpeed's defaults (``stage3_max_reuse_distance`` = ``stage3_max_live_parameters`` = 1e9) keep every unit
-of a model below 1e9 parameters gathered from its forward to its backward: stage 3 then holds the whole
-model, as stage 2 does. So when the config does not state ``stage3_max_reuse_distance``, a unit is freed
-after use unless one of the next ``REUSE_UNITS`` distinct units of the recorded order uses it again (the
-last block of the forward, whose backward comes next; the rest unit between the root's forward and its
-backward): FSDP2's reshard-after-forward, the re-gather hidden by the backward prefetch. A config that
-states the key keeps DeepSpeed's meaning (elements gathered in between).
+of a model below 1e9 parameters gathered from its forward to its backward, and its prefetch default
+(``stage3_prefetch_bucket_size`` = 5e7) gathers up to 50M elements ahead: stage 3 then holds most of a
+small model, as stage 2 does. So when the config does not state ``stage3_max_reuse_distance``, a unit is
+freed after use unless one of the next ``REUSE_UNITS`` distinct units of the recorded order uses it again
+(the last block of the forward, whose backward comes next; the rest unit between the root's forward and
+its backward), and when it does not state ``stage3_prefetch_bucket_size`` only the next unit is prefetched:
+FSDP2's reshard-after-forward and its one-block prefetch. A config that states the keys keeps DeepSpeed's
+meaning.
 
 [Note: frozen buckets in backward]
 Buckets of frozen parameters (see [Note: frozen parameters] in stage3.py) get no gradient, so no
@@ -102,7 +104,7 @@ class ParamGatherer:
         root: nn.Module,
         coll: Collectives,
         *,
-        prefetch_numel: int,
+        prefetch_numel: int | None,
         max_live_numel: int,
         reuse_distance: int | None,
         timeout_s: float | None = None,
@@ -416,15 +418,19 @@ class ParamGatherer:
         return iter(self.trace[self._cursor :])
 
     def _prefetch_plan(self, exclude: set[BucketKey], needed: int) -> list[BucketKey]:
-        """The buckets of the next units to gather now: up to ``stage3_prefetch_bucket_size`` elements, and
-        at least the whole next unit when that is larger (HF's "auto" size, 0.9 x hidden^2, is a fraction of
-        a transformer block: a block unit would never be prefetched), within ``stage3_max_live_parameters``;
-        none when the prefetch size is 0."""
+        """The buckets of the next units to gather now, within ``stage3_max_live_parameters``: the whole next
+        unit, then more up to ``stage3_prefetch_bucket_size`` elements when the config states it (HF's "auto"
+        size, 0.9 x hidden^2, is a fraction of a transformer block: a block unit would never be prefetched);
+        none when it states 0. Not stated: the next unit only ([Note: reshard after use]: DeepSpeed's 5e7
+        would keep most of a small model gathered ahead of use)."""
         plan: list[BucketKey] = []
         total = 0
         budget = self.max_live_numel - self.live_numel() - needed
+        if self.prefetch_numel is None:
+            return self._next_unit(exclude, budget)
         if self.prefetch_numel <= 0:
             return plan
+        ahead = self.prefetch_numel
         first: int | None = None  # the first upcoming unit with something to gather
         for mid in self._upcoming():
             for k in self.units.get(mid, []):
@@ -432,12 +438,23 @@ class ParamGatherer:
                     continue
                 first = mid if first is None else first
                 n = self._numel(k)
-                limit = budget if mid == first else min(self.prefetch_numel, budget)
+                limit = budget if mid == first else min(ahead, budget)
                 if total + n > limit:
                     return plan
                 plan.append(k)
                 total += n
         return plan
+
+    def _next_unit(self, exclude: set[BucketKey], budget: int) -> list[BucketKey]:
+        """What the next distinct unit of the recorded order still needs gathered (nothing when it does not
+        fit ``budget``): one unit ahead, as FSDP2 prefetches, whether or not it is gathered already."""
+        for mid in self._upcoming():
+            keys = self.units.get(mid, [])
+            if not keys or set(keys) <= exclude:
+                continue
+            plan = [k for k in keys if k not in exclude and not self._live(k) and k not in self.inflight]
+            return plan if sum(self._numel(k) for k in plan) <= budget else []
+        return []
 
     def _reused_soon(self, key: BucketKey) -> bool:
         if self.reuse_distance is None:  # [Note: reshard after use]

@@ -62,7 +62,7 @@ class Stage3Options:
 
     persistence_threshold: int = 100_000
     model_persistence_numel: int = sys.maxsize  # stage3_model_persistence_threshold: see ``_persistent``
-    prefetch_numel: int = 50_000_000
+    prefetch_numel: int | None = 50_000_000  # None: the key was not given (the next unit, see param_gather.py)
     max_live_numel: int = 1_000_000_000
     reuse_distance: int | None = 1_000_000_000  # None: the key was not given, see [Note: reshard after use]
     param_device: torch.device | None = None  # offload_param: where the shards live (None: compute device)
@@ -81,7 +81,9 @@ class Stage3Options:
         return cls(
             persistence_threshold=int(zero.stage3_param_persistence_threshold),
             model_persistence_numel=int(zero.stage3_model_persistence_threshold),
-            prefetch_numel=int(zero.stage3_prefetch_bucket_size),
+            prefetch_numel=(
+                int(zero.stage3_prefetch_bucket_size) if _given(config, "stage3_prefetch_bucket_size") else None
+            ),
             max_live_numel=int(zero.stage3_max_live_parameters),
             reuse_distance=int(zero.stage3_max_reuse_distance) if _given(config, "stage3_max_reuse_distance") else None,
             param_device=HOST if offload.params else None,

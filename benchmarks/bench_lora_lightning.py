@@ -1,0 +1,135 @@
+"""``python -m benchmarks.bench_lora_lightning``: what each rank holds when a new user fine-tunes a ``peft`` LoRA
+through Lightning (issue 41, criterion 6): a Hugging Face Llama built in the LightningModule's ``__init__``
+(8 layers, hidden 512, MLP 1792, vocabulary 32000: 63M parameters, 253 MB in fp32, never downloaded), rank-8
+adapters on q/k/v/o, ``Trainer(strategy="zero2" | "zero3", accelerator="cpu", devices=2)``, default config
+keys, AdamW, 6 steps of 2 x 64 tokens per rank. Plain RSS, the default allocator (no ``MALLOC_*``).
+
+Per rank: peak RSS during fit (VmHWM at the end of training), RSS at the end of training, and RSS after
+``fit`` returned (the strategy's teardown done, garbage collected). Derived: zero2 minus zero3, against the
+theory (stage 3 partitions the frozen base over the 2 ranks: half of it, 127 MB, saved per rank).
+Writes benchmarks/results/lora_lightning.{json,md}.
+"""
+
+from __future__ import annotations
+
+import argparse
+import gc
+import json
+import os
+import subprocess
+import sys
+from pathlib import Path
+from typing import Any
+
+from benchmarks.common import machine, markdown_table, write_results
+
+CASES = ("zero2", "zero3", "zero3 modules")
+SHAPE = {"hidden_size": 512, "num_hidden_layers": 8, "intermediate_size": 1792, "vocab_size": 32000}
+STEPS, MICRO, SEQ = 6, 2, 64
+
+
+def _rss(field: str) -> int:
+    with open("/proc/self/status") as f:
+        for line in f:
+            if line.startswith(field + ":"):
+                return int(line.split()[1]) * 1024
+    return 0
+
+
+def run_rank(case: str, out: Path) -> None:
+    """The user's script: Lightning's launcher runs it again for rank 1 (same arguments)."""
+    import lightning.pytorch as pl
+    import torch
+    from peft import LoraConfig, get_peft_model
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import ds_strategy  # noqa: F401  - registers the strategy names
+
+    seen: dict[str, int] = {}
+
+    class LoRA(pl.LightningModule):
+        def __init__(self) -> None:
+            super().__init__()
+            torch.manual_seed(0)
+            base = LlamaForCausalLM(LlamaConfig(num_attention_heads=8, num_key_value_heads=8, **SHAPE))
+            cfg = LoraConfig(r=8, lora_alpha=16, target_modules=["q_proj", "k_proj", "v_proj", "o_proj"])
+            self.model = get_peft_model(base, cfg)
+
+        def training_step(self, batch: Any, batch_idx: int) -> Any:
+            return self.model(input_ids=batch, labels=batch).loss
+
+        def configure_optimizers(self) -> Any:
+            return torch.optim.AdamW([p for p in self.parameters() if p.requires_grad], lr=1e-3)
+
+        def train_dataloader(self) -> Any:
+            gen = torch.Generator().manual_seed(1)
+            data = [torch.randint(0, SHAPE["vocab_size"], (MICRO, SEQ), generator=gen) for _ in range(2 * STEPS)]
+            return torch.utils.data.DataLoader(data, batch_size=None)
+
+        def on_train_end(self) -> None:
+            gc.collect()
+            seen["peak_fit"] = _rss("VmHWM")
+            seen["rss_end_of_training"] = _rss("VmRSS")
+
+    strategy: Any = case
+    if case == "zero3 modules":  # per-module fetch units (the design before blocks), reshard after use
+        from ds_strategy import ZeroStrategy
+
+        strategy = ZeroStrategy(config={"zero_optimization": {"stage": 3, "stage3_fetch_units": "modules"}})
+    trainer = pl.Trainer(
+        strategy=strategy, accelerator="cpu", devices=2, max_steps=STEPS, logger=False, enable_checkpointing=False,
+        enable_progress_bar=False, enable_model_summary=False,
+    )  # fmt: skip
+    trainer.fit(LoRA())
+    gc.collect()
+    seen["rss_after_fit"] = _rss("VmRSS")
+    (out / f"{case.replace(' ', '_')}_rank{trainer.global_rank}.json").write_text(json.dumps(seen))
+
+
+def main(argv: list[str] | None = None) -> None:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--case", choices=CASES, help=argparse.SUPPRESS)
+    parser.add_argument("--out", help=argparse.SUPPRESS)
+    args = parser.parse_args(argv)
+    if args.case:
+        run_rank(args.case, Path(args.out))
+        return
+    import tempfile
+
+    records: dict[str, list[dict[str, int]]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        for case in CASES:
+            cmd = [sys.executable, "-m", "benchmarks.bench_lora_lightning", "--case", case, "--out", tmp]
+            env = {k: v for k, v in os.environ.items() if not k.startswith("MALLOC_")}
+            proc = subprocess.run(cmd, capture_output=True, text=True, timeout=900, check=False, env=env)
+            if proc.returncode != 0:
+                raise SystemExit(f"{case} failed:\n{proc.stderr[-3000:]}")
+            name = case.replace(" ", "_")
+            records[case] = [json.loads((Path(tmp) / f"{name}_rank{r}.json").read_text()) for r in (0, 1)]
+            print(case, records[case], flush=True)
+    mib = 2**20
+    theory = 4 * _frozen_numel() / 2  # fp32 frozen base, half of it per rank
+    rows = []
+    for key in ("peak_fit", "rss_end_of_training", "rss_after_fit"):
+        z2 = max(r[key] for r in records["zero2"])
+        row = [key, f"{z2 / mib:.0f}"]
+        for case in CASES[1:]:
+            z3 = max(r[key] for r in records[case])
+            row += [f"{z3 / mib:.0f}", f"{(z2 - z3) / mib:.0f} ({(z2 - z3) / theory:.0%})"]
+        rows.append(row)
+    cols = ["per rank (max of 2)", "zero2 MiB"]
+    for case in CASES[1:]:
+        cols += [f"{case} MiB", f"{case}: saved MiB (of theory)"]
+    text = markdown_table(cols, rows)
+    text += f"\n\nTheory: half the fp32 frozen base per rank, {theory / mib:.0f} MiB. Plain RSS, default allocator."
+    write_results("lora_lightning", {"machine": machine(), "shape": SHAPE, "records": records}, text)
+    print(text)
+
+
+def _frozen_numel() -> int:
+    h, layers, inter, vocab = (SHAPE[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
+    return layers * (4 * h * h + 3 * h * inter + 2 * h) + 2 * vocab * h + h
+
+
+if __name__ == "__main__":
+    main()
