@@ -181,3 +181,46 @@ def test_stage3_block_units_in_bf16_match_module_units() -> None:
     modules = run_distributed(_train, world_size=WORLD, args=("modules", "bf16"), timeout=240)
     for b, m in zip(blocks, modules, strict=True):
         torch.testing.assert_close(torch.tensor(b["losses"]), torch.tensor(m["losses"]), rtol=0, atol=0)
+
+
+def test_external_parameter_registered_after_the_build_hooks_its_module(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A module with no unit carries no hooks; registering an external parameter on it after the engine was
+    built gives it a unit, and hooks with it (rank 0 of a fake group of 2: shapes, not values)."""
+    import ds_strategy
+    from ds_strategy.zero import register_external_parameter
+    from tests.fake_pg import fake_group
+
+    class Scorer(nn.Module):  # no parameters of its own: reads the embedding's weight
+        def forward(self, h: torch.Tensor, weight: nn.Parameter) -> torch.Tensor:
+            return h @ weight.t()
+
+    class Net(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.embed = nn.Embedding(VOCAB, 16)
+            self.mix = nn.Linear(16, 16)
+            self.scorer = Scorer()
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            return self.scorer(self.mix(self.embed(x)), self.embed.weight).square().mean()
+
+    with fake_group(monkeypatch, world_size=2):
+        torch.manual_seed(0)
+        model = Net()
+        cfg = {
+            "train_micro_batch_size_per_gpu": 2,
+            "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+            "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        }
+        engine, *_ = ds_strategy.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        gatherer = engine.stage.gatherer
+        hooked = lambda m: bool(m._forward_pre_hooks)  # noqa: E731
+        assert not gatherer.units[id(model.scorer)] and not hooked(model.scorer)
+        register_external_parameter(model.scorer, model.embed.weight)
+        assert gatherer.units[id(model.scorer)] and hooked(model.scorer)
+        x = torch.randint(0, VOCAB, (2, SEQ))
+        for _ in range(2):
+            loss = engine(x)
+            engine.backward(loss)
+            engine.step()
+        engine.destroy()

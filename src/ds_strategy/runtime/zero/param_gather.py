@@ -186,6 +186,9 @@ class ParamGatherer:
         """Gather ``param`` whenever ``module`` runs (``register_external_parameter``, which has recorded it on
         ``module`` already)."""
         self._compute_units()
+        if self._module_hooks:  # ``module`` may have had no unit, hence no hooks, until now
+            self._unhook_modules()
+            self._hook_modules()
 
     def _follow_leaf_changes(self) -> None:
         """Leaf flags changed since the units were computed (see [Note: leaf modules]): recompute them between
