@@ -21,7 +21,7 @@ import sys
 import time
 from typing import Any
 
-from benchmarks.common import machine, markdown_table, results_dir, write_results
+from benchmarks.common import free_port, machine, markdown_table, results_dir, write_results
 
 BLOCKS, WIDTH, STEPS, WARMUP = 64, 16, 30, 5
 CASES = ["plain", "torch FSDP2", "zero3", "zero3 modules"]
@@ -67,7 +67,7 @@ def run_case(case: str, world: int, steps: int = STEPS) -> dict[str, Any]:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
     else:
         os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-        os.environ.setdefault("MASTER_PORT", str(_port()))
+        os.environ.setdefault("MASTER_PORT", str(free_port()))
         dist.init_process_group("gloo", rank=0, world_size=1)
     model = _model()
     x = torch.randn(4, WIDTH)
@@ -116,14 +116,6 @@ def run_case(case: str, world: int, steps: int = STEPS) -> dict[str, Any]:
         out["gathers_per_step"] = gatherer.gathers / (WARMUP + steps)
     dist.destroy_process_group()
     return out
-
-
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def main(argv: list[str] | None = None) -> None:

@@ -31,7 +31,7 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import machine, markdown_table, results_dir, run_each, write_results
+from benchmarks.common import machine, markdown_table, results_dir, run_each, synchronize, write_results
 from benchmarks.training import QUICK_SHAPE, SHAPE, STAGE3, model_and_batches
 
 WORLD = 2  # CPU ranks; --device cuda runs one
@@ -87,11 +87,6 @@ def _caller(case: str, gpt: torch.nn.Module, prompt: torch.Tensor) -> tuple[Call
     return (lambda n: engine.generate(prompt, n, do_sample=False)), engine
 
 
-def _synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def _generate(rank: int, world: int, _item: str, quick: bool, device: str) -> dict[str, Any]:
     """Every case in these processes, timed round-robin (DDP, plain, hybrid, DDP, ...): a machine whose load
     changes during the run slows every case alike."""
@@ -111,10 +106,10 @@ def _generate(rank: int, world: int, _item: str, quick: bool, device: str) -> di
         for case, (call, engine) in callers.items():
             before = engine.stage.gatherer.gathers if engine is not None else 0
             torch.distributed.barrier()
-            _synchronize(device)
+            synchronize(device)
             start = time.perf_counter()
             out = call(new)
-            _synchronize(device)
+            synchronize(device)
             times[case].append(time.perf_counter() - start)
             if engine is not None:
                 gathers[case] = engine.stage.gatherer.gathers - before

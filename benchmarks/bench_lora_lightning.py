@@ -127,7 +127,8 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def _frozen_numel() -> int:
-    h, layers, inter, vocab = (SHAPE[k] for k in ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size"))
+    keys = ("hidden_size", "num_hidden_layers", "intermediate_size", "vocab_size")
+    h, layers, inter, vocab = (SHAPE[k] for k in keys)
     return layers * (4 * h * h + 3 * h * inter + 2 * h) + 2 * vocab * h + h
 
 

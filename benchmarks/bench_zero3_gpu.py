@@ -34,7 +34,15 @@ import time
 from pathlib import Path
 from typing import Any
 
-from benchmarks.common import machine, markdown_table, results_dir, write_results
+from benchmarks.common import (
+    free_port,
+    machine,
+    markdown_table,
+    peak_memory_bytes,
+    results_dir,
+    synchronize,
+    write_results,
+)
 
 GPU_SHAPE = {"hidden": 1024, "layers": 16, "intermediate": 2816, "vocab": 32000, "heads": 16, "micro": 8, "seq": 1024}
 CPU_SHAPE = {"hidden": 320, "layers": 4, "intermediate": 864, "vocab": 2000, "heads": 4, "micro": 4, "seq": 128}
@@ -67,23 +75,6 @@ def _batches(shape: dict[str, int], steps: int) -> list[Any]:
 
     gen = torch.Generator().manual_seed(1)
     return [torch.randint(0, shape["vocab"], (shape["micro"], shape["seq"]), generator=gen) for _ in range(steps)]
-
-
-def _sync(device: str) -> None:
-    import torch
-
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _peak(device: str) -> int:
-    import torch
-
-    if device == "cuda":
-        return int(torch.cuda.max_memory_allocated())
-    from benchmarks.common import peak_rss_bytes
-
-    return peak_rss_bytes()
 
 
 def _fake_group(world: int) -> None:
@@ -126,14 +117,14 @@ def _lightning_case(case: str, shape: dict[str, int], steps: int, device: str, t
         start = 0.0
 
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
-            _sync(device)
+            synchronize(device)
             if trace is not None and batch_idx == steps - 2:
                 self.prof = _profiler(device)
                 self.prof.__enter__()
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
-            _sync(device)
+            synchronize(device)
             if trace is None or batch_idx != steps - 2:  # the profiled step runs slower: not timed
                 times.append(time.perf_counter() - self.start)
             if len(losses) < 8:
@@ -166,7 +157,7 @@ def _lightning_case(case: str, shape: dict[str, int], steps: int, device: str, t
     module = Module()
     params = sum(p.numel() for p in module.parameters())
     trainer.fit(module)
-    return {"times": times, "losses": losses, "params": params, "peak_bytes": _peak(device), **stats}
+    return {"times": times, "losses": losses, "params": params, "peak_bytes": peak_memory_bytes(device), **stats}
 
 
 def _profiler(device: str) -> Any:
@@ -182,7 +173,7 @@ def _fsdp2_case(shape: dict[str, int], steps: int, device: str) -> dict[str, Any
     from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
     os.environ.setdefault("MASTER_ADDR", "127.0.0.1")
-    os.environ.setdefault("MASTER_PORT", str(_port()))
+    os.environ.setdefault("MASTER_PORT", str(free_port()))
     dist.init_process_group("nccl" if device == "cuda" else "gloo", rank=0, world_size=1)
     dev = torch.device("cuda", 0) if device == "cuda" else torch.device("cpu")
     model = _llama(shape).to(dev)
@@ -195,26 +186,18 @@ def _fsdp2_case(shape: dict[str, int], steps: int, device: str) -> dict[str, Any
     times, losses = [], []
     for b in _batches(shape, steps):
         b = b.to(dev)
-        _sync(device)
+        synchronize(device)
         start = time.perf_counter()
         loss = model(input_ids=b, labels=b).loss
         loss.backward()
         opt.step()
         opt.zero_grad(set_to_none=True)
-        _sync(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
         if len(losses) < 8:
             losses.append(float(loss))
     dist.destroy_process_group()
-    return {"times": times, "losses": losses, "params": params, "peak_bytes": _peak(device)}
-
-
-def _port() -> int:
-    import socket
-
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    return {"times": times, "losses": losses, "params": params, "peak_bytes": peak_memory_bytes(device)}
 
 
 def run_case(case: str, shape: dict[str, int], steps: int, device: str, trace: Path | None) -> dict[str, Any]:

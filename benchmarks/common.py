@@ -20,7 +20,8 @@ RESULTS = Path(__file__).resolve().parent / "results"
 RESULTS_ENV = "DS_STRATEGY_BENCH_RESULTS"  # another results folder (smoke tests: never the committed results)
 
 
-def _free_port() -> int:
+def free_port() -> int:
+    """A TCP port free on the loopback interface now (a rendezvous for a group of one or N ranks)."""
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return int(s.getsockname()[1])
@@ -44,6 +45,19 @@ def peak_rss_bytes() -> int:
     grown (run_all runs the optimizer benchmark in-process first) would report the parent's size."""
     hwm = _status_bytes("VmHWM")
     return hwm if hwm is not None else resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024  # Linux: KiB
+
+
+def synchronize(device: str) -> None:
+    """Wait for the device's queued work (``"cuda"``); nothing on the CPU."""
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
+def peak_memory_bytes(device: str) -> int:
+    """Peak device memory allocated by torch's allocator; on the CPU, the process's peak RSS."""
+    if device == "cuda":
+        return int(torch.cuda.max_memory_allocated())
+    return peak_rss_bytes()
 
 
 def file_backed_rss_bytes() -> int:
@@ -102,7 +116,7 @@ def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str 
         try:
             mp.start_processes(
                 _rank_main,
-                args=(world_size, _free_port(), out, fn, args, backend),
+                args=(world_size, free_port(), out, fn, args, backend),
                 nprocs=world_size,
                 start_method="spawn",
             )

@@ -21,7 +21,15 @@ from typing import Any
 
 import torch
 
-from benchmarks.common import machine, markdown_table, results_dir, run_each, write_results
+from benchmarks.common import (
+    machine,
+    markdown_table,
+    peak_memory_bytes,
+    results_dir,
+    run_each,
+    synchronize,
+    write_results,
+)
 from benchmarks.training import QUICK_SHAPE, STAGE3, WARMUP, model_and_batches, peer_step
 
 CUDA_SHAPE = {"layers": 12, "d": 768, "seq": 512, "micro": 8}  # ~85M parameters, GPT-2-small-like
@@ -50,23 +58,9 @@ def cases(with_deepspeed: bool) -> list[Case]:
 # ---- one case, in its own process ---------------------------------------------------------------------
 
 
-def _synchronize(device: str) -> None:
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
 def _reset_peak(device: str) -> None:
     if device == "cuda":
         torch.cuda.reset_peak_memory_stats()
-
-
-def _peak_bytes(device: str) -> int:
-    """Peak device memory allocated by torch's allocator (the CPU stand-in of the tests: peak RSS)."""
-    if device == "cuda":
-        return int(torch.cuda.max_memory_allocated())
-    from benchmarks.common import peak_rss_bytes
-
-    return peak_rss_bytes()
 
 
 def arch_list_for_deepspeed(current: str | None, capability: tuple[int, int]) -> str | None:
@@ -97,20 +91,20 @@ def _run_case(rank: int, world: int, case: Case, shape: dict[str, int], steps: i
         model.to(dev)  # the engines move a CPU-built model themselves (stage 3 bucket by bucket)
     step = peer_step(peer, model, stage, offload, shape["micro"])
     on_device = [tuple(t.to(dev) for t in b) for b in batches]
-    _synchronize(device)
+    synchronize(device)
     for b in on_device[:WARMUP]:
         step(b)
-    _synchronize(device)
+    synchronize(device)
     times = []
     for b in on_device[WARMUP:]:
         start = time.perf_counter()
         step(b)
-        _synchronize(device)
+        synchronize(device)
         times.append(time.perf_counter() - start)
     return {
         "seconds_per_step": sum(times) / len(times),
         "min_seconds": min(times),
-        "peak_allocated": _peak_bytes(device),
+        "peak_allocated": peak_memory_bytes(device),
         "params": params,
         "device_name": torch.cuda.get_device_name(dev) if device == "cuda" else "cpu",
     }

@@ -742,8 +742,6 @@ class ZeroEngine(nn.Module):
 FP16_READ = "fp16: the step's [norm, overflow], one read per optimizer step (loss scale, skipped step)"
 
 
-
-
 def _host_numbers(norm: Any, overflow: Any) -> tuple[float, bool]:
     """(norm, overflow) as host numbers: one read for device tensors (a stacked pair), none for numbers."""
     if isinstance(norm, torch.Tensor) or isinstance(overflow, torch.Tensor):
