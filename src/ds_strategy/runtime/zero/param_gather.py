@@ -69,6 +69,7 @@ from __future__ import annotations
 
 from collections import defaultdict
 from collections.abc import Iterable, Iterator, Sequence
+from itertools import islice
 from typing import Any
 
 import torch
@@ -451,13 +452,21 @@ class ParamGatherer:
     def _next_unit(self, exclude: set[BucketKey], budget: int) -> list[BucketKey]:
         """What the next distinct unit of the recorded order still needs gathered (nothing when it does not
         fit ``budget``): one unit ahead, as FSDP2 prefetches, whether or not it is gathered already."""
-        for mid in self._upcoming():
-            keys = self.units.get(mid, [])
-            if not keys or set(keys) <= exclude:
+        for keys in self._upcoming_units():
+            if set(keys) <= exclude:
                 continue
             plan = [k for k in keys if k not in exclude and not self._live(k) and k not in self.inflight]
             return plan if sum(self._numel(k) for k in plan) <= budget else []
         return []
+
+    def _upcoming_units(self) -> Iterator[list[BucketKey]]:
+        """The units of the recorded order from the cursor on, each once, skipping modules with none."""
+        seen: list[list[BucketKey]] = []
+        for mid in self._upcoming():
+            keys = self.units.get(mid, [])
+            if keys and keys not in seen:
+                seen.append(keys)
+                yield keys
 
     def _reused_soon(self, key: BucketKey) -> bool:
         if self.reuse_distance is None:  # [Note: reshard after use]
@@ -474,17 +483,7 @@ class ParamGatherer:
 
     def _in_next_units(self, key: BucketKey, count: int) -> bool:
         """Whether ``key`` belongs to one of the next ``count`` distinct units of the recorded order."""
-        seen: list[list[BucketKey]] = []
-        for mid in self._upcoming():
-            keys = self.units.get(mid, [])
-            if not keys or keys in seen:
-                continue
-            if key in keys:
-                return True
-            seen.append(keys)
-            if len(seen) >= count:
-                return False
-        return False
+        return any(key in keys for keys in islice(self._upcoming_units(), count))
 
     def _make_room(self, extra: int, protect: set[BucketKey]) -> None:
         """Free unused live buckets (oldest key first) until ``extra`` more elements fit the live limit."""

@@ -148,8 +148,9 @@ class Stage3(Stage2):
         # leaf's: [Note: leaf modules]); under block units a unit is one bucket, whatever its size.
         self.fetch_policy = policy_of(module, s3.fetch_units)
         owners = unit_owners(module, self.fetch_policy)
-        self.block_units = any(owners[id(m)] is not m for m in module.modules() if m._parameters)
-        self.block_units = self.block_units and self.fetch_policy != MODULES
+        self.block_units = self.fetch_policy != MODULES and any(
+            owners[id(m)] is not m for m in module.modules() if m._parameters
+        )
         for m in module.modules():
             for p in m._parameters.values():
                 if p is not None:

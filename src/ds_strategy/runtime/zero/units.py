@@ -16,7 +16,7 @@ such a module outside the root's forward (a generate through an inner model) sti
 A model without such a list keeps per-module units (the ``"modules"`` policy).
 
 The policy is overridable, from the most specific to the least:
-* ``ds_strategy.zero.set_fetch_units(model, policy)`` (or ``ZeroStrategy(fetch_units=...)``), with
+* ``ds_strategy.zero.set_fetch_units(model, policy)`` (on the model, or on a LightningModule around it), with
   ``policy`` one of ``"blocks"``, ``"modules"``, a collection of module classes or class names, or a
   callable ``module -> bool``: the outermost modules it selects are units, the rest one more unit;
 * the config key ``zero_optimization.stage3_fetch_units``: ``"blocks"`` (default), ``"modules"`` or a list
