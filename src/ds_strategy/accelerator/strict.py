@@ -134,36 +134,22 @@ def check_collective(op: str, tensors: Any) -> None:
             )
 
 
-class _NoHostReads:
-    """``no_host_reads``'s bracket (a class: entered on every forward, backward and step of a strict run)."""
+class _Setting:
+    """Sets ``_local.<name>`` for a block and puts the previous value back (a class, not a generator context
+    manager: entered on every forward, backward and step of a strict run)."""
 
-    __slots__ = ("_previous", "_what")
+    __slots__ = ("_name", "_previous", "_value")
 
-    def __init__(self, what: str) -> None:
-        self._what = what
+    def __init__(self, name: str, value: str) -> None:
+        self._name, self._value = name, value
         self._previous: str | None = None
 
     def __enter__(self) -> None:
-        self._previous = _local.__dict__.get("no_reads")
-        _local.no_reads = self._what
+        self._previous = _local.__dict__.get(self._name)
+        setattr(_local, self._name, self._value)
 
     def __exit__(self, *exc: object) -> None:
-        _local.no_reads = self._previous
-
-
-class _HostReadAllowed:
-    __slots__ = ("_previous", "_reason")
-
-    def __init__(self, reason: str) -> None:
-        self._reason = reason
-        self._previous: str | None = None
-
-    def __enter__(self) -> None:
-        self._previous = _local.__dict__.get("allowed")
-        _local.allowed = self._reason
-
-    def __exit__(self, *exc: object) -> None:
-        _local.allowed = self._previous
+        setattr(_local, self._name, self._previous)
 
 
 class _Nothing:
@@ -182,13 +168,13 @@ NOTHING = _Nothing()  # the do-nothing bracket (the mode is off): no allocation 
 def no_host_reads(what: str) -> Any:
     """Inside: a host read of device memory raises ``DeviceStrictError`` naming the call site (see
     [Note: host reads inside a step]); ``what`` names the bracket in the message. A no-op without the mode."""
-    return _NoHostReads(what) if ACTIVE else NOTHING
+    return _Setting("no_reads", what) if ACTIVE else NOTHING
 
 
 def host_read_allowed(reason: str) -> Any:
     """Inside: host reads are let through (and counted under ``reason``) even within ``no_host_reads``.
     For the reads a step means to make; ``reason`` says which (it is what ``allowed_reads`` reports)."""
-    return _HostReadAllowed(reason) if ACTIVE else NOTHING
+    return _Setting("allowed", reason) if ACTIVE else NOTHING
 
 
 def allowed_reads(reset: bool = False) -> dict[str, int]:
