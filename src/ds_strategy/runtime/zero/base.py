@@ -642,16 +642,14 @@ class ZeroStage:
         # Every tile's copies are issued now; each tile waits for its own before its step (offload_copy.py).
         # "copy" mode: the skip flag travels with the first tile's gradients (one wait for both).
         flag = self._skip_flag_host() if mode == "copy" and skip is not None else None
+        with_flag = [(flag, skip.reshape(1).float())] if flag is not None and skip is not None else []
         with strict.host_read_allowed(OFFLOAD_COPY):
             waits = [
-                self._host_copier.copy(
-                    [to_host[m] for m in order if m in tile]
-                    + ([(flag, skip.reshape(1).float())] if flag is not None and skip is not None and t == 0 else [])
-                )
+                self._host_copier.copy([to_host[m] for m in order if m in tile] + (with_flag if t == 0 else []))
                 for t, tile in enumerate(tiles)
             ]
-            if flag is not None and skip is not None and not tiles:  # no master here: the flag alone
-                waits = [self._host_copier.copy([(flag, skip.reshape(1).float())])]
+            if with_flag and not tiles:  # no master here: the flag alone
+                waits = [self._host_copier.copy(with_flag)]
         if flag is not None:
             waits[0]()
             if not tiles:
