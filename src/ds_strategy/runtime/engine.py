@@ -48,6 +48,7 @@ from .counters import StepCounters
 from .hybrid import GenerateFn, HybridEngine
 from .inference_tp import build_tensor_parallel
 from .moe.engine_moe import EngineMoE
+from .moe.full import full_state_dict as moe_full_state_dict
 from .params import (
     OptimizerArg,
     ParamsArg,
@@ -217,7 +218,8 @@ class ZeroEngine(nn.Module):
                     continue
                 if buf.is_floating_point() and buf.dtype != dtype:
                     mod._buffers[name] = buf = buf.to(dtype)
-                self.coll.broadcast(buf)
+                expert_comm = self.moe.comm_for_module(mod) if self.moe is not None else None
+                (expert_comm or self.coll).broadcast(buf)  # an expert's buffer: within its replicas
 
     def _scheduler(self, lr_scheduler: SchedulerArg) -> Any:
         if lr_scheduler is not None:
@@ -702,7 +704,9 @@ class ZeroEngine(nn.Module):
     def full_state_dict(self, rank: int | None = 0) -> dict[str, torch.Tensor]:
         """The module's full state dict (compute dtype) on the CPU of ``rank`` (of every rank when None);
         the other ranks get ``{}``. Stage 3 gathers one bucket at a time, so no device ever holds the whole
-        model: call it on every rank."""
+        model: call it on every rank. An MoE model's experts are all there, under their global names."""
+        if self.moe is not None:  # [Note: global expert names] in moe/full.py
+            return moe_full_state_dict(self.module, rank=rank, own_rank=self.coll.rank)
         return self.stage.full_state_dict(self.module, rank)
 
     def _zero3_consolidated_16bit_state_dict(self) -> dict[str, torch.Tensor]:

@@ -8,13 +8,17 @@ layouts, which speak of one model-wide layout; instead each expert is written wh
 index, to ``expert_<layer>_<global expert>_states.pt`` (``layer``: the MoE layer's place among the
 model's MoE layers):
 
-    {"format", "version", "name": "<layer module path>.deepspeed_moe.experts.deepspeed_experts.<global>",
-     "params": {suffix: {"fp32": full fp32 tensor, "state": {key: full tensor}}},
-     "scalars": {key: {"value", "tensor", "dtype"}}}   # per-tensor optimizer values (step)
+    {"format", "version",
+     "params": {suffix: {"fp32": full fp32 tensor, "state": {key: full tensor}}},   # trainable
+     "scalars": {key: {"value", "tensor", "dtype"}},   # per-tensor optimizer values (step)
+     "module": {suffix: tensor}}   # the expert's other state-dict entries: frozen parameters, buffers
+
+The ``"module"`` entries are this rank's experts' own (a buffer or a frozen parameter of expert 2 is not
+expert 0's), so they stay out of ``model_states.pt`` (rank 0's module entries) as well.
 
 Saving gathers each expert group's fp32 partitions and per-element optimizer state within its
-expert-data-parallel group (one all-gather per bucket and kind); that group's rank 0 writes the files of
-its experts. Loading reads the files of this rank's global experts and fills each master's flat range by
+expert-data-parallel group (one all-gather per bucket and kind, on the compute device: an offloaded
+optimizer's host tensors are copied there first); that group's rank 0 writes the files of its experts. Loading reads the files of this rank's global experts and fills each master's flat range by
 the layout (so any stage 0-2, ``ep_size`` and world size reads any other). ``meta.pt`` lists, per expert
 param group, its expert group name and hyperparameters (``expert_groups``) and the files under ``files``.
 """
@@ -28,9 +32,11 @@ from typing import Any
 import torch
 from torch import nn
 
+from ..moe.full import ExpertNames
 from ..moe.layer import MoE
 from ..zero.buffers import GroupStorage
 from .format import FORMAT, VERSION, CheckpointError, expect_format, read
+from .frozen import frozen_names
 from .target import CheckpointTarget
 
 EXPERTS_KEY = "deepspeed_moe.experts.deepspeed_experts."
@@ -73,7 +79,8 @@ def expert_group_indices(engine: CheckpointTarget) -> list[int]:
 
 def _full_flats(stage: Any, g: int, gs: GroupStorage, values: list[torch.Tensor]) -> torch.Tensor:
     """The whole flat layout of group ``g`` from this rank's master-shaped ``values`` (gathered over the
-    group's communicator when partitioned)."""
+    group's communicator when partitioned), on the host. The gather runs on the group's compute device:
+    an offloaded optimizer's host tensors are copied there first (NCCL takes no host tensor)."""
     comm = stage.comm_of(g)
     full = torch.zeros(gs.layout.total, dtype=values[0].dtype if values else torch.float32)
     for b, value in enumerate(values):
@@ -82,23 +89,34 @@ def _full_flats(stage: Any, g: int, gs: GroupStorage, values: list[torch.Tensor]
         if hi - lo == bucket.padded or comm.world_size == 1:
             full[lo:hi] = value.detach().reshape(-1).cpu()
             continue
-        device = value.device
-        out = torch.empty(bucket.padded, dtype=value.dtype, device=device)
-        comm.all_gather(out, value.detach().reshape(-1).contiguous())
+        piece = value.detach().reshape(-1).to(gs.device).contiguous()
+        out = torch.empty(bucket.padded, dtype=piece.dtype, device=gs.device)
+        comm.all_gather(out, piece)
         full[bucket.start : bucket.start + bucket.padded] = out.cpu()
     return full
 
 
-def gather_experts(engine: CheckpointTarget, with_optimizer: bool) -> dict[str, dict[str, Any]]:
+def _new_file() -> dict[str, Any]:
+    return {"format": FORMAT, "version": VERSION, "params": {}, "scalars": {}, "module": {}}
+
+
+def gather_experts(
+    engine: CheckpointTarget, with_optimizer: bool, exclude_frozen: bool = False
+) -> dict[str, dict[str, Any]]:
     """{file name: content} of the expert files this rank writes (a collective over each expert group's
-    communicator: every rank calls it)."""
+    communicator: every rank calls it). Rank 0 of an expert-data-parallel group writes its experts'
+    files: the trainable parameters' fp32 weights and optimizer state, and every other entry of the
+    expert's state dict (frozen parameters, unless ``exclude_frozen``, and persistent buffers) under
+    ``"module"``."""
     stage: Any = engine.stage
     names = global_names(engine.module)
     optimizer = engine.optimizer if with_optimizer else None
     files: dict[str, dict[str, Any]] = {}
+    stored: set[str] = set()
     for g in expert_group_indices(engine):
         gs = stage.groups[g]
         comm = stage.comm_of(g)
+        stored.update(gs.names)
         fp32 = _full_flats(stage, g, gs, [m.detach().float() for m in gs.masters])
         states = [dict(optimizer.state.get(m, {})) if optimizer is not None else {} for m in gs.masters]
         keys = sorted(states[0]) if states else []
@@ -123,16 +141,31 @@ def gather_experts(engine: CheckpointTarget, with_optimizer: bool) -> dict[str, 
             where = names.get(slot.name)
             if where is None:
                 raise CheckpointError(f"expert param group {g} holds {slot.name!r}, which is no MoE layer's expert")
-            entry = files.setdefault(
-                expert_file(where.layer, where.expert),
-                {"format": FORMAT, "version": VERSION, "params": {}, "scalars": scalars},
-            )
+            entry = files.setdefault(expert_file(where.layer, where.expert), _new_file())
+            entry["scalars"] = scalars
             shape = tuple(slot.shape)
             entry["params"][where.suffix] = {
                 "fp32": fp32[slot.offset : slot.end].clone().view(shape),
                 "state": {k: v[slot.offset : slot.end].clone().view(shape) for k, v in flats.items()},
             }
+    # Frozen expert parameters and expert buffers: whole on every replica (stages 0-2), this rank's experts.
+    state = engine.module.state_dict(keep_vars=True)
+    frozen = frozen_names(engine) if exclude_frozen else set()
+    for key, where in ExpertNames(engine.module).local.items():
+        if key in stored or key in frozen:
+            continue
+        edp = where.moe.expert_groups.edp_comm if getattr(where.moe, "expert_groups", None) is not None else None
+        if edp is not None and edp.rank != 0:
+            continue
+        entry = files.setdefault(expert_file(where.layer, where.expert), _new_file())
+        entry["module"][where.suffix] = state[key].detach().to("cpu", copy=True)
     return files
+
+
+def expert_module_entries(module: nn.Module) -> set[str]:
+    """The module entries (outside the stage's storage) that live in the expert files: every entry of a
+    local expert's state dict (frozen parameters, buffers); the trainable ones are in the groups anyway."""
+    return set(ExpertNames(module).local)
 
 
 class ExpertSource:
@@ -142,15 +175,19 @@ class ExpertSource:
         self.tag_dir = tag_dir
         self.sizes = meta["files"]
         self.names = global_names(module)
+        self.entries = ExpertNames(module).local  # every entry of this rank's experts, by local name
         self._cache: dict[str, dict[str, Any]] = {}
 
     def _file(self, name: str) -> dict[str, Any]:
         where = self.names[name]
-        fname = expert_file(where.layer, where.expert)
+        return self._file_of(where.layer, where.expert, name)
+
+    def _file_of(self, layer: int, expert: int, name: str) -> dict[str, Any]:
+        fname = expert_file(layer, expert)
         if fname not in self._cache:
             if fname not in self.sizes:
                 raise CheckpointError(
-                    f"{self.tag_dir} has no file for expert {where.expert} of MoE layer {where.layer} ({name!r}); "
+                    f"{self.tag_dir} has no file for expert {expert} of MoE layer {layer} ({name!r}); "
                     "the checkpoint was saved from a model with fewer experts or without MoE layers"
                 )
             path = self.tag_dir / fname
@@ -162,6 +199,13 @@ class ExpertSource:
         if entry is None:
             raise CheckpointError(f"the expert file of {name!r} lacks its parameter {self.names[name].suffix!r}")
         return entry["fp32"] if kind == "fp32" else entry["state"][kind[1]]
+
+    def module_entry(self, name: str) -> torch.Tensor | None:
+        """A frozen parameter or buffer of this rank's expert ``name`` (local name) from its expert file; None
+        when the file does not hold it (a frozen parameter the save excluded)."""
+        where = self.entries[name]
+        data = self._file_of(where.layer, where.expert, name)
+        return data.get("module", {}).get(where.suffix)
 
     def scalars(self, gs: GroupStorage) -> tuple[dict[str, Any], list[str]]:
         if not gs.layout.params:
@@ -191,8 +235,8 @@ class ExpertSource:
 
 
 def moe_meta(module: nn.Module) -> list[dict[str, Any]]:
-    """Per MoE layer, what consolidation needs: its experts' key prefix, expert count and parameter suffixes
-    (in ``state_dict`` order)."""
+    """Per MoE layer, what consolidation needs: its experts' key prefix, expert count and entry suffixes
+    (parameters and persistent buffers, in ``state_dict`` order)."""
     out = []
     for li, (path, layer) in enumerate(_layers(module)):
         first = layer.deepspeed_moe.experts.deepspeed_experts[0]
@@ -201,7 +245,7 @@ def moe_meta(module: nn.Module) -> list[dict[str, Any]]:
                 "layer": li,
                 "prefix": f"{path}.{EXPERTS_KEY}" if path else EXPERTS_KEY,
                 "num_experts": layer.num_experts,
-                "suffixes": [n for n, _ in first.named_parameters()],
+                "suffixes": list(first.state_dict()),
             }
         )
     return out
@@ -215,7 +259,9 @@ def layer_of_key(key: str, layers: list[dict[str, Any]]) -> dict[str, Any] | Non
 
 
 def expert_state(tag_dir: Path, meta: dict[str, Any], layer: dict[str, Any]) -> list[tuple[str, torch.Tensor]]:
-    """Every expert of one MoE layer under its global name, fp32, from the expert files (consolidation)."""
+    """Every expert of one MoE layer under its global name, fp32 (floating entries), from the expert files
+    (consolidation)."""
+    excluded = set(meta.get("frozen_excluded", []))
     out = []
     for e in range(layer["num_experts"]):
         fname = expert_file(layer["layer"], e)
@@ -224,5 +270,13 @@ def expert_state(tag_dir: Path, meta: dict[str, Any], layer: dict[str, Any]) -> 
         path = tag_dir / fname
         data = expect_format(read(path, expected_size=meta["files"][fname]), path)
         for suffix in layer["suffixes"]:
-            out.append((f"{layer['prefix']}{e}.{suffix}", data["params"][suffix]["fp32"]))
+            if suffix in data["params"]:
+                out.append((f"{layer['prefix']}{e}.{suffix}", data["params"][suffix]["fp32"]))
+                continue
+            saved = data.get("module", {}).get(suffix)
+            if saved is None:
+                if f"{layer['prefix']}0.{suffix}" in excluded:  # a frozen parameter the save left out
+                    continue
+                raise CheckpointError(f"{path}: expert {e} of MoE layer {layer['layer']} lacks its entry {suffix!r}")
+            out.append((f"{layer['prefix']}{e}.{suffix}", saved.float() if saved.is_floating_point() else saved))
     return out

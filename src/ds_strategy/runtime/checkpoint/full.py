@@ -2,16 +2,19 @@
 
 Every rank fills its fp32 masters from the full values (its own layout decides which slices), then the
 stage publishes them into the parameters; buffers and frozen parameters are copied as they are. Used by
-``ZeroEngine.load_full_state_dict`` (and so by the Lightning adapter for single-file checkpoints).
+``ZeroEngine.load_full_state_dict`` (and so by the Lightning adapter for single-file checkpoints). An MoE
+model's experts are read under their global names, each rank taking its own experts ([Note: global expert
+names] in runtime/moe/full.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Mapping
+from collections.abc import Iterator, Mapping
 from typing import Any
 
 import torch
 
+from ..moe.full import ExpertNames
 from .format import CheckpointError
 from .frozen import FrozenSource, frozen_storages, read_partitions, write_partitions
 from .save import module_entries
@@ -25,9 +28,13 @@ def load_full_state_dict(
     """Write a full (unpartitioned) state dict into the engine: every rank fills its fp32 masters from it,
     then publishes them into the parameters; buffers and frozen parameters are copied as they are."""
     stage = engine.stage
+    names = ExpertNames(engine.module)
     rest, aliases, keys = module_entries(engine)
-    missing = [k for k in keys if k not in state_dict and aliases.get(k) not in state_dict]
-    unexpected = [k for k in state_dict if k not in keys]
+    known = {names.to_global(k) for k in keys} | names.all_global
+    unexpected = [k for k in state_dict if k not in known]
+    if names:  # the whole model's names: this rank's experts under their global ones
+        state_dict = _LocalView(state_dict, names)
+    missing = [names.to_global(k) for k in keys if k not in state_dict and aliases.get(k) not in state_dict]
     if strict and (missing or unexpected):
         raise CheckpointError(
             f"{where} does not match the model: missing keys {missing[:10]}, unexpected keys {unexpected[:10]} "
@@ -56,6 +63,27 @@ def load_full_state_dict(
                     master.data[a - lo : z - lo].copy_(flat[a - slot.offset : z - slot.offset])
     stage.publish()
     stage.zero_grad()
+
+
+class _LocalView(Mapping[str, Any]):
+    """A whole-model state dict read by this rank's names: a local expert key reads its global entry."""
+
+    def __init__(self, state_dict: Mapping[str, Any], names: ExpertNames) -> None:
+        mine = {names.to_global(k): k for k in names.local}  # global -> local, this rank's experts
+        self.state_dict, self.names = state_dict, names
+        self.keys_ = [mine.get(k, k) for k in state_dict if k in mine or k not in names.all_global]
+
+    def __getitem__(self, key: str) -> Any:
+        return self.state_dict[self.names.to_global(key)]
+
+    def __contains__(self, key: object) -> bool:
+        return isinstance(key, str) and self.names.to_global(key) in self.state_dict
+
+    def __iter__(self) -> Iterator[str]:
+        return iter(self.keys_)
+
+    def __len__(self) -> int:
+        return len(self.keys_)
 
 
 def _load_frozen(

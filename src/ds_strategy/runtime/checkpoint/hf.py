@@ -36,6 +36,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ..moe.full import ExpertNames
 from ..zero.access import _fragment, find
 from ..zero.init import gather_init_param, init_shard
 from .format import CheckpointError
@@ -241,12 +242,20 @@ def load_hf_weights(model: Any, path: str | os.PathLike[str], *, strict: bool = 
     module = _module_of(model)
     targets = _targets(module, prefix)
     aliases = _aliases(module, prefix)
+    # An MoE model's experts are read under their global names, each rank its own ([Note: global expert
+    # names] in moe/full.py); the other experts' entries are expected in the file, not loaded here.
+    experts = ExpertNames(module)
+    others: set[str] = set()
+    if experts:
+        targets = {_global(experts, prefix, k): t for k, t in targets.items()}
+        others = {k[len(prefix) :] for k in experts.all_global if k.startswith(prefix)} - set(targets)
     with ExitStack() as stack:
         files = _Files(path, stack)
         present = set(files.where)
         twins = {n for a, n in aliases.items() if a in present}  # loaded through another name of the same tensor
         missing = sorted(k for k in targets if k not in present and k not in twins)
-        unexpected = sorted(k for k in present if k not in targets and k not in aliases)
+        missing += sorted(k for k in others if k not in present)
+        unexpected = sorted(k for k in present if k not in targets and k not in aliases and k not in others)
         if strict and (missing or unexpected):
             raise CheckpointError(
                 f"{path} does not match the model: missing keys {missing[:10]}"
@@ -274,6 +283,11 @@ def load_hf_weights(model: Any, path: str | os.PathLike[str], *, strict: bool = 
             stage.publish()
         for stage in refresh.values():
             stage.refresh_frozen()
+
+
+def _global(experts: ExpertNames, prefix: str, key: str) -> str:
+    """The global name of a key relative to ``prefix`` (an expert's; other keys unchanged)."""
+    return experts.to_global(prefix + key)[len(prefix) :]
 
 
 def _write(
@@ -407,8 +421,11 @@ def save_hf_weights(
     module = _module_of(engine_or_module)
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     writer = ShardWriter(save_dir, max_shard_size) if rank == 0 else None
-    for key, t in _targets(module, "", with_frozen=not exclude_frozen_parameters).items():
-        value = _full_value(t, dtype if t.is_floating_point() else None)
+    targets = _targets(module, "", with_frozen=not exclude_frozen_parameters).items()
+    # An MoE model's experts: every one, under its global name ([Note: global expert names], moe/full.py).
+    for key, value in ExpertNames(module).full_items(
+        targets, lambda t: _full_value(t, dtype if t.is_floating_point() else None)
+    ):
         if writer is not None:
             writer.add(key, value)
         del value

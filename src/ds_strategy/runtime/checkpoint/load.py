@@ -19,7 +19,7 @@ from ds_strategy.log import get_logger
 
 from ..layout import FlatLayout
 from . import rng
-from .experts import ExpertSource, expert_group_indices
+from .experts import ExpertSource, expert_group_indices, expert_module_entries
 from .format import MODEL, CheckpointError, expect_format, ranks, read
 from .frozen import FrozenSource, check_frozen, read_partitions, write_partitions
 from .partition import Source, scalar_value
@@ -71,7 +71,10 @@ def check_model(
     ]
     rest, _, _ = module_entries(engine)
     saved_rest = meta["module_entries"]
+    expert_entries = expert_module_entries(engine.module)  # checked against their own files
     for name, value in rest.items():
+        if name in expert_entries:
+            continue
         entry = saved_rest.get(name)
         if entry is None and (name in frozen.excluded or frozen.shape(name) is not None):
             saved_shape = frozen.shape(name)
@@ -112,14 +115,15 @@ def _plan(
     reader = rank_reader(tag_dir, meta, layouts)
     frozen = FrozenSource(meta, reader, saved_entries)
     check_model(engine, meta, layouts, str(tag_dir), frozen)
+    expert_source = ExpertSource(tag_dir, meta, engine.module)
     entries = {
         name: saved_entries[name] if name in saved_entries else frozen.full(name)
         for name in module_entries(engine)[0]
-        if frozen.has(name)  # else: a frozen parameter the checkpoint excluded keeps its value
+        if name not in expert_source.entries and frozen.has(name)  # else: an excluded frozen parameter keeps its value
     }
+    entries.update(_expert_entries(engine, expert_source, frozen.excluded))
     source = Source(layouts, reader)
     experts = set(expert_group_indices(engine))
-    expert_source = ExpertSource(tag_dir, meta, engine.module)
     plan = _Plan(
         tag_dir,
         meta,
@@ -188,6 +192,32 @@ def _plan(
                 f"rank {rank} has no saved RNG state (saved by {ranks(meta['world_size'])}); kept its own"
             )
     return plan
+
+
+def _expert_entries(engine: CheckpointTarget, source: ExpertSource, excluded: set[str]) -> dict[str, torch.Tensor]:
+    """This rank's experts' frozen parameters and buffers from their expert files ([Note: expert files])."""
+    out: dict[str, torch.Tensor] = {}
+    rest, _, _ = module_entries(engine)
+    for name, value in rest.items():
+        if name not in source.entries:
+            continue
+        saved = source.module_entry(name)
+        if saved is None:
+            if name in excluded:  # a frozen parameter the checkpoint left out keeps its value
+                continue
+            where = source.entries[name]
+            raise CheckpointError(
+                f"{source.tag_dir}: the file of expert {where.expert} of MoE layer {where.layer} lacks "
+                f"{where.suffix!r} ({name!r} on rank {engine.coll.rank}); it was saved before expert buffers and "
+                "frozen expert parameters went into the expert files, or from another model"
+            )
+        if tuple(saved.shape) != tuple(value.shape):
+            raise CheckpointError(
+                f"{source.tag_dir}: {name!r} (expert {source.entries[name].expert}) has shape {list(saved.shape)} in "
+                f"its expert file, {list(value.shape)} in the model"
+            )
+        out[name] = saved
+    return out
 
 
 @torch.no_grad()

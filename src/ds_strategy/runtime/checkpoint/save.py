@@ -21,7 +21,7 @@ import torch
 from ds_strategy.log import get_logger
 
 from . import rng
-from .experts import expert_group_indices, gather_experts, moe_meta
+from .experts import expert_group_indices, expert_module_entries, gather_experts, moe_meta
 from .format import (
     FORMAT,
     LATEST,
@@ -64,7 +64,9 @@ def module_entries(engine: CheckpointTarget) -> tuple[dict[str, torch.Tensor], d
 
 
 def _saved_entries(engine: CheckpointTarget, exclude_frozen: bool) -> dict[str, torch.Tensor]:
-    rest = module_entries(engine)[0]
+    # An MoE model's expert entries (frozen parameters, buffers) are in the expert files ([Note: expert files]).
+    experts = expert_module_entries(engine.module)
+    rest = {k: v for k, v in module_entries(engine)[0].items() if k not in experts}
     if not exclude_frozen:
         return rest
     frozen = frozen_names(engine)
@@ -143,7 +145,9 @@ def save_checkpoint(
     experts = set(expert_group_indices(engine))
     # Expert files (gathered over each expert group's communicator first: a collective on every rank).
     expert_files = agree(
-        coll, lambda: gather_experts(engine, not exclude_optimizer_states), "save_checkpoint (gathering experts)"
+        coll,
+        lambda: gather_experts(engine, not exclude_optimizer_states, exclude_frozen_parameters),
+        "save_checkpoint (gathering experts)",
     )
 
     def prepare() -> tuple[str, dict[str, Any], dict[str, Any] | None, dict[str, Any] | None]:

@@ -101,6 +101,15 @@ class EngineMoE:
             return None
         return self.comms.get(str(getattr(param, "group_name", "")))
 
+    def comm_for_module(self, module: nn.Module) -> Collectives | None:
+        """The collectives replicating ``module``'s buffers: an expert's EDP group for a module inside an
+        expert, None for any other."""
+        for layer in self.layers:
+            experts = layer.deepspeed_moe.experts
+            if any(module is m for m in experts.modules()):
+                return self.comms.get(layer.expert_group_name)
+        return None
+
     def close(self) -> None:
         for comm in self.comms.values():
             comm.close()

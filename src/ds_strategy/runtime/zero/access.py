@@ -14,7 +14,11 @@ gradient (``ZeroStage.reduced_grads_of``, lined up with the masters). So
 - a *local* value is the fragment (1-D; rank r's fragments, concatenated in rank order, are the
   flattened parameter, since shards are contiguous runs of the flat buffer in rank order), and
 - a *full* value is every rank's fragment put in place: one ``all_reduce`` of a zero-filled tensor that
-  each rank fills with its own fragment (sums with zeros are exact), none at stage 0.
+  each rank fills with its own fragment (sums with zeros are exact), none at stage 0. The ranks are those
+  of the group's own communicator (``ZeroStage.comm_of``): an expert group of an MoE model is partitioned
+  over its expert-data-parallel communicator, whose ranks hold the same experts; the other ranks of the
+  data-parallel group hold *other* experts under the same names, so summing over them would mix experts.
+  A local fragment likewise is a piece of that communicator's rank order.
 
 Gradients are stored scaled (x loss scale, with the averaging folded into the step: see
 ``ZeroStage.options``); ``grad_factor`` turns them into the averaged, unscaled gradient DDP would hold.
@@ -227,8 +231,9 @@ class FullStateAccess:
         if frag is not None:
             b, at, start, n = frag
             out[start : start + n].copy_(self._source(group, b, kind, key, index)[at : at + n])
-        if gs.partitioned and self.stage.coll.world_size > 1:
-            self.stage.coll.all_reduce(out)
+        comm = self.stage.comm_of(group)  # an expert group's own (expert-data-parallel) communicator
+        if gs.partitioned and comm.world_size > 1:
+            comm.all_reduce(out)
         if factor != 1.0:
             out.mul_(factor)
         return out.view(slot.shape)
@@ -347,7 +352,7 @@ class FullStateAccess:
                 for g, gs in enumerate(self.stage.groups):
                     pieces = self.stage.reduced_grads_of(g)
                     for b, bucket in enumerate(gs.layout.buckets):
-                        full = self._bucket_grad(gs, b, pieces[b])
+                        full = self._bucket_grad(g, b, pieces[b])
                         for i in bucket.params:
                             slot, p = gs.layout.params[i], gs.params[i]
                             piece = full[slot.offset - bucket.start : slot.end - bucket.start].view(slot.shape)
@@ -363,12 +368,15 @@ class FullStateAccess:
             for p, *_ in shown:
                 p.grad = None
 
-    def _bucket_grad(self, gs: GroupStorage, bucket: int, piece: torch.Tensor) -> torch.Tensor:
-        """The bucket's whole stored gradient (stage 0 holds it; stages 1-3 all-gather the shards)."""
-        if not gs.partitioned:
+    def _bucket_grad(self, group: int, bucket: int, piece: torch.Tensor) -> torch.Tensor:
+        """The bucket's whole stored gradient (stage 0 holds it; stages 1-3 all-gather the shards over the
+        group's own communicator: an expert group's is its expert-data-parallel one)."""
+        gs = self.stage.groups[group]
+        comm = self.stage.comm_of(group)
+        if not gs.partitioned or comm.world_size == 1:
             return piece
         full = torch.empty(gs.layout.buckets[bucket].padded, dtype=torch.float32, device=piece.device)
-        self.stage.coll.all_gather(full, piece.float())
+        comm.all_gather(full, piece.float())
         return full
 
 
