@@ -13,7 +13,7 @@ overflow skips agree across the whole model.
 [Note: a failing stage]
 A stage that raises posts "stage s (rank r) raised ..." in the default group's store; a rank blocked in
 a receive watches for that notice and stops. Every ``train_batch`` / ``eval_batch`` ends with one
-all-reduce of per-rank failure flags on an auxiliary gloo group, so every rank learns whether any stage
+all-gather of per-rank failure codes on an auxiliary gloo group, so every rank learns whether any stage
 failed and raises ``PipelineStageError`` naming it; none waits for a message that will not come. The
 gradients are reduced across data-parallel ranks only after that agreement (never inside the backward),
 so no rank is left inside a collective with a failed peer.
@@ -131,7 +131,7 @@ class PipelineEngine:
         finally:
             self.engine.set_gradient_accumulation_boundary(None)
         self.engine.micro_steps += self.micro_batches - 1
-        loss = self._aggregate(losses, reduce_output="avg")
+        loss = self._aggregate(losses, self.micro_batches, reduce_output="avg")
         self.timing = dict(self.timing, schedule_s=run_s, batch_s=time.perf_counter() - start)
         self.agg_train_loss = loss
         return loss
@@ -162,7 +162,7 @@ class PipelineEngine:
         finally:
             self.module.train(was_training)
         losses = [o for o, _ in outputs] if compute_loss else []
-        loss = self._aggregate(losses, reduce_output=reduce_output, bcast=bcast_loss) if compute_loss else None
+        loss = self._aggregate(losses, m, reduce_output=reduce_output, bcast=bcast_loss) if compute_loss else None
         if return_logits:
             return loss, ([logits for _, logits in outputs] if self.is_last_stage() else None)
         return loss
@@ -306,11 +306,12 @@ class PipelineEngine:
             self.link.post_failure(
                 self.global_rank, f"stage {self.stage_id} (rank {self.global_rank}) raised {type(e).__name__}: {e}"
             )
-        flags = torch.zeros(dist.get_world_size(), dtype=torch.float32)
-        flags[self.global_rank] = code
-        dist.all_reduce(flags, group=self.control)
-        if flags.any():
-            origins = [r for r, f in enumerate(flags.tolist()) if f == 1]
+        # An object collective on the gloo control group: host bytes, which gloo takes whatever the default
+        # backend (the device-strict mode, which cannot tell a gloo group from an NCCL one, exempts it too).
+        codes: list[Any] = [None] * dist.get_world_size(self.control)
+        dist.all_gather_object(codes, code, group=self.control)
+        if any(codes):
+            origins = [r for r, c in enumerate(codes) if c == 1]
             told = "; ".join(self.link.failure_message(r) for r in origins)
             raise PipelineStageError(
                 f"pipeline {told} - every rank stops (this is rank {self.global_rank}, stage {self.stage_id})"
@@ -318,14 +319,11 @@ class PipelineEngine:
         return result
 
     # ------------------------------------------------------------------ reductions across stages
-    def _aggregate(self, losses: list[Any], *, reduce_output: str | None, bcast: bool = True) -> Any:
-        """The last stage's losses, averaged over its data-parallel group, then sent to every stage."""
-        m = len(losses) if self.is_last_stage() else 0
-        count = torch.tensor([float(m)])
+    def _aggregate(self, losses: list[Any], n: int, *, reduce_output: str | None, bcast: bool = True) -> Any:
+        """The last stage's ``n`` losses (one per micro-batch, every stage ran ``n``), averaged over its
+        data-parallel group, then sent to every stage. Device tensors only (NCCL takes nothing else)."""
         groups = self.module.groups
-        if groups.pipe_group is not None:
-            dist.broadcast(count, src=groups.pipe_ranks[-1], group=groups.pipe_group)
-        n = int(count.item())
+        assert not self.is_last_stage() or len(losses) == n, (len(losses), n)
         values = torch.stack(losses).to(self.device) if self.is_last_stage() else torch.zeros(n, device=self.device)
         if self.is_last_stage() and groups.data_group is not None and len(groups.data_ranks) > 1:
             dist.all_reduce(values, group=groups.data_group)
@@ -336,35 +334,39 @@ class PipelineEngine:
             return None
         return values.mean() if reduce_output == "avg" else values
 
-    def _tied_sum(self) -> float:
+    def _tied_sum(self) -> torch.Tensor:
         """Sum the tied weights' gradients in each tie group; return the squared norm (in stored, scaled
-        units) of the copies that do not count in the global norm (all but the first stage's)."""
-        extra = 0.0
+        units; a 0-dim fp64 device tensor, never read on the host) of the copies that do not count in the
+        global norm (all but the first stage's)."""
+        extra = torch.zeros((), dtype=torch.float64, device=self.device)
         for key, comm in self.module.tied_comms.items():
             for p in self.module.tied_parameters(key):
                 found = find(p)
                 if found is None:
                     continue
                 access, g, i = found
-                full = access.get_full(g, i, "grad")
+                full = access.get_full(g, i, "grad").to(self.device)  # an offloaded optimizer's is host memory
                 dist.all_reduce(full, group=comm["group"])
                 access.set_full(g, i, full, "grad")
                 if self.global_rank != min(comm["ranks"]):
-                    extra += float(full.double().pow(2).sum()) / access.grad_factor() ** 2
+                    extra += full.double().pow(2).sum() / access.grad_factor() ** 2
         return extra
 
-    def _grad_norm(self) -> tuple[float, bool]:
+    def _grad_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
+        """(norm, overflow) over every stage, as the stage's own ``grad_norm``: 0-dim device tensors (fp64
+        norm, fp32 flag), so the step decides clipping and skipping on the device without a host read."""
         extra = self._tied_sum()
         raw, overflow = self.engine.stage.grad_norm()
-        both = torch.tensor(
-            [raw * raw - extra if math.isfinite(raw) else math.inf, float(overflow)], device=self.device
-        )
+        raw = raw.to(self.device, torch.float64)
+        sq = torch.where(torch.isfinite(raw), raw * raw - extra, torch.full_like(raw, math.inf))
+        both = torch.stack([sq, overflow.to(self.device, torch.float64)])
         groups = self.module.groups
         if groups.pipe_group is not None and self.num_stages > 1:
             dist.all_reduce(both, group=groups.pipe_group)
-        sq, inf = both.tolist()
-        finite = math.isfinite(sq)
-        return (math.sqrt(max(sq, 0.0)) if finite else math.inf), inf > 0 or not finite
+        sq, inf = both[0], both[1]
+        finite = torch.isfinite(sq)
+        norm = torch.where(finite, sq.clamp(min=0).sqrt(), torch.full_like(sq, math.inf))
+        return norm, ((inf > 0) | ~finite).float()
 
     # ------------------------------------------------------------------ checkpoints (checkpoint.py)
     def save_checkpoint(

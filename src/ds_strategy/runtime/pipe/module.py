@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
+from ds_strategy.accelerator import get_accelerator
 from ds_strategy.comm import init_distributed
 
 from ..activation_checkpointing import checkpoint as _default_checkpoint
@@ -98,6 +99,17 @@ def partition_layers(layers: Sequence[Any], num_stages: int, method: str) -> lis
     if low.startswith("type:"):
         return partition_balanced(type_weights([_layer_name(x) for x in layers], method.split(":", 1)[1]), num_stages)
     raise ValueError(f"partition_method {method!r} is not supported; valid: 'parameters', 'uniform', 'type:<regex>'")
+
+
+def _comm_device(t: torch.Tensor) -> torch.device:
+    """Where a collective on ``t``'s values runs: its own device if an accelerator's, else the device the
+    engine will train on (the current CUDA device, or the CPU accelerator's: ``cpu:0`` under the
+    device-strict mode)."""
+    if t.device.type != "cpu":
+        return t.device
+    if torch.cuda.is_available():
+        return torch.device("cuda", torch.cuda.current_device())
+    return get_accelerator("cpu").device()
 
 
 def _recursive_getattr(module: nn.Module, name: str) -> Any:
@@ -249,9 +261,14 @@ class PipelineModule(nn.Module):
 
     @torch.no_grad()
     def _synchronize_tied_weights(self) -> None:
+        """Broadcast the tied tensors from the first owning stage; through a device copy when the layers
+        were built on the host (NCCL takes device tensors only)."""
         for key, comm in self.tied_comms.items():
             for p in self.tied_parameters(key):
-                dist.broadcast(p.data, src=min(comm["ranks"]), group=comm["group"])
+                moved = p.data.to(_comm_device(p.data))
+                dist.broadcast(moved, src=min(comm["ranks"]), group=comm["group"])
+                if moved is not p.data:
+                    p.data.copy_(moved)
 
     # ------------------------------------------------------------------ forward
     def _is_checkpointable(self, funcs: Sequence[Any]) -> bool:
