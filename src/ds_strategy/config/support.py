@@ -7,8 +7,8 @@ in docs/config.md and a test walks (tests/config/test_support.py fails on a sche
 - ``WARNED``: ignored, and ignoring it changes neither results nor memory (a monitor, a profiler, a
   performance hint whose job ds_strategy does its own way). A value that asks for something gets one
   rank-0 ``IgnoredConfigWarning`` naming the key and why.
-- ``REFUSED``: ignoring it would change results or memory (NVMe offload, ZeRO++ quantisation, a partial
-  optimizer offload ...): a value that asks for it is a ``ConfigError`` naming the key and why.
+- ``REFUSED``: ignoring it would change results or memory (a partial optimizer offload, LoCo-ZeRO++, MiCS
+  sharding, sequence parallelism ...): a value that asks for it is a ``ConfigError`` naming the key and why.
 
 ``when`` says which values trigger the warning or the refusal; by default every value that asks for
 something (differs from the schema default, and is not a section with ``"enabled": false``).

@@ -1,4 +1,7 @@
-"""The training engine: ZeRO stages 0-2 on the flat partition, precision, loss scaling, lr schedules.
+"""The training engine: ZeRO stages 0-3 (zero/), precision, loss scaling, lr schedules, optimizer and
+parameter offload (to the CPU: zero/offload.py; to NVMe: swap/), checkpoints (checkpoint/), and what
+``initialize`` builds around it: the pipeline engine (pipe/), MoE layers (moe/), ZeRO++ (zero/zeropp.py),
+the hybrid engine's ``generate`` (hybrid.py, inference_tp.py).
 
 Knows nothing of Lightning; the Lightning adapter and plain PyTorch loops drive the same ``ZeroEngine``.
 """

@@ -1,5 +1,5 @@
 """DeepSpeed's full-state access functions (``deepspeed.utils.safe_get_full_fp32_param`` and family), importable
-from ``ds_strategy.utils``; docs/full_state_access.md says when each is valid.
+from ``ds_strategy.utils``; docs/engine.md (Full-state access) says when each is valid.
 
 Every function takes a model parameter as the user sees it (``engine.module.fc.weight``) and works at every
 stage (0-3), with or without optimizer offload:
