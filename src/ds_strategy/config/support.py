@@ -195,14 +195,16 @@ SUPPORT: dict[str, Support] = {
     ),
     "zero_optimization.legacy_stage1": _warned("an old implementation of the same stage 1 arithmetic", when=_truthy),
     "zero_optimization.zero_hpz_partition_size": _acted(
-        "stage 3: a secondary partition inside each group of this many ranks serves backward's gathers"
+        "stage 3: a secondary partition inside each group of this many ranks serves backward's gathers (docs/zeropp.md)"
     ),
-    "zero_optimization.zero_quantized_weights": _acted("stage 3: int8 block-quantized parameter all-gathers"),
+    "zero_optimization.zero_quantized_weights": _acted(
+        "stage 3: int8 block-quantized parameter all-gathers (docs/zeropp.md)"
+    ),
     "zero_optimization.zero_quantized_nontrainable_weights": _acted(
-        "stage 3: frozen parameters rest as int8 partitions and are gathered quantized"
+        "stage 3: frozen parameters rest as int8 partitions and are gathered quantized (docs/zeropp.md)"
     ),
     "zero_optimization.zero_quantized_gradients": _acted(
-        "stage 3: gradients reduced by int4/int8 quantized all-to-alls with fp32 accumulation"
+        "stage 3: gradients reduced by int4/int8 quantized all-to-alls with fp32 accumulation (docs/zeropp.md)"
     ),
     "zero_optimization.zeropp_loco_param": _refused("LoCo-ZeRO++ is not built"),
     "zero_optimization.mics_shard_size": _refused(
