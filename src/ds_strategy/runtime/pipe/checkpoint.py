@@ -1,64 +1,115 @@
-"""Pipeline checkpoints: one file per layer, so a checkpoint loads at any pipeline depth.
+"""Pipeline checkpoints: each rank writes its own shards, so saving moves no tensor between ranks, and a
+checkpoint loads at any pipeline depth and data-parallel degree.
 
-    SAVE_DIR/latest                              the newest tag
-    SAVE_DIR/<tag>/layer_03-model_states.pt      layer 3: {"module": fp32 values, "optimizer": per-element state}
-    SAVE_DIR/<tag>/tied_<key>-model_states.pt    a tied module, written once (by the first stage holding it)
-    SAVE_DIR/<tag>/pipe_meta.pt                  layers, stages, counters, scheduler, loss scaler, scalar state
+    SAVE_DIR/latest                          the newest complete tag (rewritten atomically, after the tag)
+    SAVE_DIR/<tag>/pipe_rank_00003_states.pt rank 3: per entry it saves, its pieces; its RNG state
+    SAVE_DIR/<tag>/pipe_meta.pt              rank 0, written last: layers, stages, data-parallel degree, which
+                                             ranks hold each entry, counters, scheduler, loss scaler,
+                                             per-tensor optimizer state, client state, every file's size
 
-Values are whole (every data-parallel rank's ZeRO-1 slices gathered, fp32 masters, not the 16-bit copies),
-keyed by the layer's own parameter names, so loading is: each stage reads the files of the layers it owns
-now, whatever the depth, data-parallel degree or ZeRO stage that wrote them. ``pipe_state_dict`` (and
-``ds-zero-to-fp32``) merges the layer files into one state dict with the names of a one-stage
-``PipelineModule``: ``"<layer>.<name>"`` and ``"tied_modules.<key>.<name>"``.
+An *entry* is a layer with state (``layer_03``) or a tied module (``tied_embed``, saved by the first stage
+holding it). Per trainable parameter, each data-parallel rank of the owning stage saves the piece of the
+flattened fp32 master and of every per-element optimizer state (``exp_avg`` ...) in its ZeRO shard
+(``start``: offset in the flattened parameter; at ZeRO stage 0 the same shard boundaries, so no piece is
+written twice), keyed by the layer's own parameter names. Frozen parameters and buffers are saved whole,
+by the stage's data-parallel rank 0. Loading: each rank copies, for the parameters it holds now, the
+range its own shard needs out of the pieces (``PipeCheckpoint.read_range``; memory-mapped files, so only
+those pages are read), whatever the depth, data-parallel degree or ZeRO stage that wrote them.
+``pipe_state_dict`` (and ``ds-zero-to-fp32``) joins the pieces into one state dict with the names of a
+one-stage ``PipelineModule``: ``"<layer>.<name>"`` and ``"tied_modules.<key>.<name>"``.
+
+Publishing is the main format's ([Note: publishing a tag] and [Note: atomic writes] in
+runtime/checkpoint/): the ranks write into ``SAVE_DIR/.<tag>.partial``; rank 0 writes ``pipe_meta.pt``
+last, renames the directory to ``<tag>`` and only then rewrites ``latest``, so a process killed at any
+point leaves the previous tag loadable. Every file holds plain values only and is read with
+``torch.load(weights_only=True)`` ([Note: safe files]). A step that fails on one rank fails on every rank
+(``checkpoint.sync.agree``, over the engine's gloo control group), and loading reads and checks every
+value before it changes the engine.
+
+Format 1 (one file of whole values per layer, written before shards) is still read.
 """
 
 from __future__ import annotations
 
 import os
+import shutil
+from dataclasses import dataclass, field
 from pathlib import Path
-from typing import Any
+from typing import Any, cast
 
 import torch
 import torch.distributed as dist
 
-from ..checkpoint.format import LATEST, CheckpointError
+from ds_strategy.log import get_logger
+
+from ..checkpoint import rng
+from ..checkpoint.format import LATEST, CheckpointError, atomic_save, atomic_write_text, check_safe, fsync_dir
 from ..checkpoint.load import restore_progress
+from ..checkpoint.store import check_tag, publish, staging_dir
+from ..checkpoint.sync import agree, gather
 from ..zero.access import find
-from .files import FORMAT, PIPE_META, layer_file, resolve_pipe, tied_file
+from ..zero.buffers import GroupStorage
+from .files import FORMAT, PIPE_META, VERSION, PipeCheckpoint, layer_key, rank_file, resolve_pipe, tied_key
+
+log = get_logger("ds_strategy.runtime.pipe")
 
 # The engine is typed structurally (Any): importing PipelineEngine here would close an import cycle.
 PipelineEngine = Any
 
 
+@dataclass(frozen=True)
+class _World:
+    """What ``checkpoint.sync`` needs of a communicator: the whole pipeline grid, over the gloo control group."""
+
+    world_size: int
+    group: Any
+
+
+def _world(engine: PipelineEngine) -> Any:
+    return cast(Any, _World(dist.get_world_size(), engine.control))
+
+
 def _owned(engine: PipelineEngine) -> list[tuple[str, str, torch.nn.Module]]:
-    """(file, name prefix, module) of everything this stage saves: its layers and its first-owned ties."""
+    """(entry, name prefix, module) of every layer with a module and every tied module this stage holds."""
     module = engine.module
     out = []
     for idx in module.local_layers:
         sub = module._modules.get(str(idx))
         if sub is not None:
-            out.append((layer_file(idx), f"{idx}.", sub))
-    for key, sub in module.tied_modules.items():  # written by the first stage holding it (_first_tie_stage)
-        out.append((tied_file(key), f"tied_modules.{key}.", sub))
+            out.append((layer_key(idx), f"{idx}.", sub))
+    for key, sub in module.tied_modules.items():
+        out.append((tied_key(key), f"tied_modules.{key}.", sub))
     return out
 
 
-def _first_tie_stage(engine: PipelineEngine, fname: str) -> bool:
-    for key, stages in engine.module.tied_stages().items():
-        if fname == tied_file(key):
-            return engine.stage_id == min(stages)
+def _saves(engine: PipelineEngine, key: str) -> bool:
+    """Whether this stage saves ``key``: a tied module is saved by the first stage holding it."""
+    for tie, stages in engine.module.tied_stages().items():
+        if key == tied_key(tie):
+            return bool(engine.stage_id == min(stages))
     return True
 
 
-def _scalar_state(engine: PipelineEngine) -> dict[str, Any]:
-    opt = engine.engine.optimizer
-    if opt is None:
-        return {}
-    for group in opt.param_groups:
-        for master in group["params"]:
-            state = opt.state.get(master, {})
-            return {k: v for k, v in state.items() if not (isinstance(v, torch.Tensor) and v.shape == master.shape)}
-    return {}
+def _has_state(sub: torch.nn.Module) -> bool:
+    return any(True for _ in sub.parameters()) or any(True for _ in sub.buffers())
+
+
+def _fragment(gs: GroupStorage, index: int) -> tuple[int, int]:
+    """(start in the flattened parameter, numel) of the part of parameter ``index`` this rank's masters hold
+    (``safe_get_local_fp32_param``'s fragment: the whole parameter at stage 0, its shard at stage 1)."""
+    slot = gs.layout.params[index]
+    lo, hi = gs.master_range(slot.bucket)
+    a, z = max(lo, slot.offset), min(hi, slot.end)
+    return (a - slot.offset, z - a) if a < z else (0, 0)
+
+
+def _shard(gs: GroupStorage, index: int) -> tuple[int, int]:
+    """(start in the flattened parameter, numel) of the part of parameter ``index`` in this rank's ZeRO
+    shard: what it saves (stage 0 keeps every bucket whole, but saves the same pieces as stage 1)."""
+    slot = gs.layout.params[index]
+    s_lo, s_hi = gs.layout.shard_range(slot.bucket, gs.rank)
+    a, z = max(s_lo, slot.offset), min(s_hi, slot.end)
+    return (a - slot.offset, z - a) if a < z else (0, 0)
 
 
 def _state_keys(engine: PipelineEngine) -> list[str]:
@@ -72,56 +123,250 @@ def _state_keys(engine: PipelineEngine) -> list[str]:
     return []
 
 
+def _scalar_state(engine: PipelineEngine) -> dict[str, Any]:
+    opt = engine.engine.optimizer
+    if opt is None:
+        return {}
+    for group in opt.param_groups:
+        for master in group["params"]:
+            state = opt.state.get(master, {})
+            return {
+                k: v.detach().cpu().clone() if isinstance(v, torch.Tensor) else v
+                for k, v in state.items()
+                if not (isinstance(v, torch.Tensor) and v.shape == master.shape)
+            }
+    return {}
+
+
+def _piece(access: Any, g: int, i: int, at: int, n: int, kind: str, key: str | None = None) -> torch.Tensor:
+    """``n`` elements from ``at`` of this rank's fragment of ``kind``, as a host copy of its own."""
+    if n == 0:
+        return torch.zeros(0, dtype=torch.float32)
+    return access.get_local(g, i, kind, key)[at : at + n].to("cpu", copy=True)
+
+
+def _entry(engine: PipelineEngine, prefix: str, sub: torch.nn.Module, keys: list[str], whole: bool) -> dict[str, Any]:
+    """This rank's part of one entry: the pieces of its trainable parameters in its shard, and (``whole``:
+    the stage's data-parallel rank 0) its frozen parameters and buffers. Local reads only."""
+    params: dict[str, Any] = {}
+    module: dict[str, torch.Tensor] = {}
+    for name, p in sub.named_parameters():
+        found = find(p)
+        if found is None:  # frozen (or not trained by the engine): as the module holds it
+            if whole:
+                module[name] = p.detach().to("cpu", torch.float32, copy=True)
+            continue
+        access, g, i = found
+        gs = access.stage.groups[g]
+        start, n = _shard(gs, i)
+        f_start, _ = _fragment(gs, i)
+        at = start - f_start  # where the shard's piece sits in the rank's fragment
+
+        params[name] = {
+            "shape": list(p.shape),
+            "start": start,
+            "fp32": _piece(access, g, i, at, n, "fp32_param"),
+            "state": {k: _piece(access, g, i, at, n, "optimizer_state", k) for k in keys},
+        }
+    if whole:
+        for name, b in sub.named_buffers():
+            module[name] = b.detach().to("cpu", copy=True)
+    return {"prefix": prefix, "params": params, "module": module}
+
+
 def save_pipe_checkpoint(
     engine: PipelineEngine,
     save_dir: str | os.PathLike[str],
     tag: Any = None,
     client_state: dict[str, Any] | None = None,
 ) -> Path:
-    """Every rank calls it (the full values are gathered across each data-parallel group)."""
+    """Every rank calls it; each writes its own file (no tensor crosses ranks). See the module docstring."""
     inner = engine.engine
-    name = str(tag) if tag is not None else f"global_step{inner.global_steps}"
-    if not name or "/" in name or name.startswith(".") or name == LATEST:
-        raise CheckpointError(f"checkpoint tag {name!r} cannot name a directory; use a name without '/' or leading '.'")
-    tag_dir = Path(save_dir) / name
-    writer = engine.module.groups.data_ranks[0] == engine.global_rank
-    if writer:
-        tag_dir.mkdir(parents=True, exist_ok=True)
-    keys = _state_keys(engine)
-    for fname, prefix, sub in _owned(engine):
-        values: dict[str, torch.Tensor] = {}
-        states: dict[str, dict[str, torch.Tensor]] = {}
-        for pname, p in sub.named_parameters():
-            found = find(p)
-            if found is None:  # frozen: as the module holds it
-                values[pname] = p.detach().float().cpu().clone()
-                continue
-            access, g, i = found
-            values[pname] = access.get_full(g, i, "fp32_param").cpu().clone()
-            states[pname] = {k: access.get_full(g, i, "optimizer_state", k).cpu().clone() for k in keys}
-        for bname, b in sub.named_buffers():
-            values[bname] = b.detach().cpu().clone()
-        if values and writer and _first_tie_stage(engine, fname):  # layers without state get no file
-            torch.save({"module": values, "optimizer": states, "prefix": prefix}, tag_dir / fname)
-    dist.barrier(group=engine.control)
-    if engine.global_rank == 0:
-        module = engine.module
+    world = _world(engine)
+    rank = engine.global_rank
+    root = Path(save_dir)
+    module = engine.module
+    dp_ranks = module.groups.data_ranks
+
+    def prepare() -> tuple[str, dict[str, Any], dict[str, Any] | None]:
+        name = check_tag(str(tag) if tag is not None else f"global_step{inner.global_steps}")
+        keys = _state_keys(engine)
+        whole = dp_ranks[0] == rank
+        entries = {
+            key: _entry(engine, prefix, sub, keys, whole)
+            for key, prefix, sub in _owned(engine)
+            if _saves(engine, key) and _has_state(sub)
+        }
+        ours = {
+            "format": FORMAT,
+            "version": VERSION,
+            "tag": name,
+            "rank": rank,
+            "stage": engine.stage_id,
+            "data_parallel_rank": dp_ranks.index(rank),
+            "entries": entries,
+            "rng": rng.capture(),
+        }
+        check_safe(ours, rank_file(rank))
+        if rank != 0:
+            return name, ours, None
+        state = {} if client_state is None else client_state
+        check_safe(state, "client_state")
+        from ds_strategy._version import __version__
+
         meta = {
             "format": FORMAT,
+            "version": VERSION,
+            "tag": name,
             "num_layers": module._num_layers,
             "num_stages": module.num_stages,
+            "data_parallel": len(dp_ranks),
+            "world_size": world.world_size,
             "parts": list(module.parts),
-            "tied": {k: v for k, v in module.tied_stages().items()},
+            "tied": {k: list(v) for k, v in module.tied_stages().items()},
+            "entries": {},
             "counters": inner.counters.state_dict(),
             "scheduler": inner.lr_scheduler.state_dict() if inner.lr_scheduler is not None else None,
             "loss_scaler": inner.loss_scaler.state_dict(),
             "optimizer_scalars": _scalar_state(engine),
-            "client_state": client_state or {},
+            "micro_offset": int(module.micro_offset),
+            "client_state": state,
+            "torch_version": str(torch.__version__),
+            "ds_strategy_version": __version__,
+            "files": {},
         }
-        torch.save(meta, tag_dir / PIPE_META)
-        (Path(save_dir) / LATEST).write_text(name)
-    dist.barrier(group=engine.control)
-    return tag_dir
+        check_safe(meta, f"{PIPE_META} (scheduler, loss scaler or optimizer state)")
+        return name, ours, meta
+
+    name, ours, meta = agree(world, prepare, "save_checkpoint (preparing)")
+    tags = gather(world, name)
+    if len(set(tags)) > 1:
+        raise CheckpointError(
+            f"save_checkpoint: the ranks passed different tags {tags}; pass the same tag on every rank "
+            "(a pipeline checkpoint is one tag written by every stage)"
+        )
+    written = gather(world, {key: {"prefix": e["prefix"]} for key, e in ours["entries"].items()})
+    staging = staging_dir(root, name)
+
+    def clean() -> None:
+        if inner.local_rank == 0:  # one rank per node: works whether or not the nodes share the filesystem
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
+
+    agree(world, clean, "save_checkpoint (clearing the staging directory)")
+
+    def write() -> dict[str, int]:
+        staging.mkdir(parents=True, exist_ok=True)
+        return {rank_file(rank): atomic_save(ours, staging / rank_file(rank))}
+
+    sizes = gather(world, agree(world, write, "save_checkpoint (writing)"))
+    final = root / name
+
+    def finish() -> None:
+        if meta is None:
+            return
+        for r, entries in enumerate(written):
+            for key, entry in entries.items():
+                meta["entries"].setdefault(key, {"prefix": entry["prefix"], "ranks": []})["ranks"].append(r)
+        for s in sizes:
+            meta["files"].update(s)
+        atomic_save(meta, staging / PIPE_META)
+        publish(staging, final)
+        atomic_write_text(name, root / LATEST)
+
+    agree(world, finish, "save_checkpoint (publishing)")
+
+    def adopt() -> None:
+        # A node saving to its own disk still has its staging directory (rank 0 published on another
+        # filesystem): move its files under the tag, where copying them to rank 0's directory completes it.
+        if rank != 0 and inner.local_rank == 0 and staging.is_dir():
+            final.mkdir(parents=True, exist_ok=True)
+            for f in staging.iterdir():
+                os.replace(f, final / f.name)
+            shutil.rmtree(staging, ignore_errors=True)
+            fsync_dir(final)
+
+    agree(world, adopt, "save_checkpoint (node-local files)")
+    if rank == 0:
+        log.info("saved pipeline checkpoint %s (%d stages x %d data-parallel)", final, module.num_stages, len(dp_ranks))
+    return final
+
+
+# ---------------------------------------------------------------------------------------------------- load
+@dataclass
+class _Plan:
+    tag_dir: Path
+    meta: dict[str, Any]
+    # (access, group, index, fp32 fragment, {state key: fragment}) per trainable parameter of this rank
+    trainable: list[tuple[Any, int, int, torch.Tensor, dict[str, torch.Tensor]]] = field(default_factory=list)
+    module: list[tuple[torch.Tensor, torch.Tensor]] = field(default_factory=list)  # (target, value)
+    rng: dict[str, Any] | None = None
+
+
+def _plan(engine: PipelineEngine, load_dir: str | os.PathLike[str], tag: Any, with_optimizer: bool) -> _Plan:
+    tag_dir = resolve_pipe(load_dir, None if tag is None else str(tag))
+    source = PipeCheckpoint(tag_dir)
+    meta = source.meta
+    module = engine.module
+    if meta["num_layers"] != module._num_layers:
+        raise CheckpointError(
+            f"{tag_dir} holds {meta['num_layers']} layers but this PipelineModule has {module._num_layers}"
+        )
+    plan = _Plan(tag_dir, meta)
+    for key, _, sub in _owned(engine):
+        if not _has_state(sub):
+            continue
+        if not source.has(key):
+            raise CheckpointError(
+                f"{tag_dir} has no entry {key!r} (it holds {source.entries()}): saved from another model?"
+            )
+        saved = source.params(key)
+        whole = source.module_entries(key)
+        for name, p in sub.named_parameters():
+            shape = saved.get(name, list(whole[name].shape) if name in whole else None)
+            if shape is None:
+                raise CheckpointError(
+                    f"{tag_dir} entry {key!r} has no parameter {name!r} (it holds {sorted([*saved, *whole])})"
+                )
+            if list(shape) != list(p.shape):
+                raise CheckpointError(
+                    f"{tag_dir} entry {key!r}: {name!r} has shape {list(shape)} in the checkpoint, {list(p.shape)} here"
+                )
+            found = find(p)
+            if found is None:  # frozen here: its whole value
+                value = whole[name] if name in whole else source.full(key, name)
+                plan.module.append((p, value))
+                continue
+            access, g, i = found
+            start, n = _fragment(access.stage.groups[g], i)
+            if name in whole:  # frozen when saved, trained now
+                fp32 = whole[name].reshape(-1)[start : start + n].float()
+                plan.trainable.append((access, g, i, fp32, {}))
+                continue
+            fp32 = source.read_range(key, name, "fp32", start, torch.empty(n, dtype=torch.float32))
+            states = {}
+            if with_optimizer:
+                states = {
+                    k: source.read_range(key, name, k, start, torch.empty(n, dtype=torch.float32))
+                    for k in source.state_keys(key, name)
+                }
+            plan.trainable.append((access, g, i, fp32, states))
+        for name, b in sub.named_buffers():
+            if name in whole:
+                if list(whole[name].shape) != list(b.shape):
+                    raise CheckpointError(
+                        f"{tag_dir} entry {key!r}: buffer {name!r} has shape {list(whole[name].shape)} in the "
+                        f"checkpoint, {list(b.shape)} here"
+                    )
+                plan.module.append((b, whole[name]))
+    same_grid = (
+        not source.format1
+        and meta["num_stages"] == module.num_stages
+        and meta["data_parallel"] == len(module.groups.data_ranks)
+    )
+    if same_grid:  # each rank's RNG state where it was (another grid: each rank keeps its own)
+        plan.rng = source.rank_data(engine.global_rank)["rng"]
+    return plan
 
 
 def load_pipe_checkpoint(
@@ -133,46 +378,32 @@ def load_pipe_checkpoint(
     load_lr_scheduler_states: bool = True,
     load_module_only: bool = False,
 ) -> tuple[str, dict[str, Any]]:
-    tag_dir = resolve_pipe(load_dir, None if tag is None else str(tag))
-    meta = torch.load(tag_dir / PIPE_META, weights_only=False)
+    """Read and check everything first (agreed across ranks), then change the engine."""
     inner = engine.engine
-    if meta["num_layers"] != engine.module._num_layers:
-        raise CheckpointError(
-            f"{tag_dir} holds {meta['num_layers']} layers but this PipelineModule has {engine.module._num_layers}"
-        )
     with_optimizer = load_optimizer_states and not load_module_only and inner.optimizer is not None
+    plan = agree(_world(engine), lambda: _plan(engine, load_dir, tag, with_optimizer), "load_checkpoint")
+    meta = plan.meta
     ensured: set[str] = set()  # optimizer state keys created on every master (once per load, not per parameter)
-    for fname, _, sub in _owned(engine):
-        path = tag_dir / fname
-        if not path.is_file():
-            continue  # a layer without parameters or buffers
-        saved = torch.load(path, weights_only=False)
-        for pname, p in sub.named_parameters():
-            if pname not in saved["module"]:
-                raise CheckpointError(f"{path} has no entry {pname!r} (it holds {sorted(saved['module'])})")
-            found = find(p)
-            if found is None:
-                with torch.no_grad():
-                    p.copy_(saved["module"][pname])
-                continue
-            access, g, i = found
-            access.set_full(g, i, saved["module"][pname], "fp32_param")
-            if with_optimizer:
-                for key, value in saved["optimizer"].get(pname, {}).items():
-                    if key not in ensured:
-                        _ensure_state(engine, key)
-                        ensured.add(key)
-                    access.set_full(g, i, value, "optimizer_state", key)
-        for bname, b in sub.named_buffers():
-            if bname in saved["module"]:
-                b.copy_(saved["module"][bname])
+    with torch.no_grad():
+        for access, g, i, fp32, states in plan.trainable:
+            access.set_local(g, i, fp32, "fp32_param")
+            for key, value in states.items():
+                if key not in ensured:
+                    _ensure_state(engine, key)
+                    ensured.add(key)
+                access.set_local(g, i, value, "optimizer_state", key)
+        for target, value in plan.module:
+            target.copy_(value)
     if with_optimizer:
         _ensure_scalars(engine, meta["optimizer_scalars"])
     if not load_module_only:
         restore_progress(inner, meta, scheduler=load_lr_scheduler_states)
+        engine.module.micro_offset = int(meta.get("micro_offset", engine.module.micro_offset))
+        if plan.rng is not None:
+            rng.restore(plan.rng)
     inner.stage.publish()
     dist.barrier(group=engine.control)
-    return str(tag_dir), dict(meta["client_state"])
+    return str(plan.tag_dir), dict(meta["client_state"])
 
 
 def _ensure_state(engine: PipelineEngine, key: str) -> None:
@@ -192,4 +423,8 @@ def _ensure_scalars(engine: PipelineEngine, scalars: dict[str, Any]) -> None:
     for group in opt.param_groups:
         for master in group["params"]:
             for k, v in scalars.items():
-                opt.state[master][k] = v.clone() if isinstance(v, torch.Tensor) else v
+                if isinstance(v, torch.Tensor):  # where the optimizer keeps it (a fused one: the device)
+                    old = opt.state[master].get(k)
+                    opt.state[master][k] = v.to(old.device if isinstance(old, torch.Tensor) else v.device, copy=True)
+                else:
+                    opt.state[master][k] = v
