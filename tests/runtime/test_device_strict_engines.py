@@ -292,6 +292,49 @@ def test_nvme_offload_under_the_strict_mode(stage: int, precision: str, tmp_path
             assert torch.equal(s["masters"][name], value), name
 
 
+# ---- other collectives the package issues (found by reading every collective call) -------------------------
+
+
+def _unused_parameter_check(rank: int, world: int, stage: int) -> dict[str, Any]:
+    """``ignore_unused_parameters: false`` agrees on the count of parameters without a gradient, with an empty
+    first param group (whose device is the host): the count must travel on the compute device. Once with the
+    model's unused layer frozen (the count is 0: training goes on), once with it trainable (every rank raises)."""
+    import ds_strategy
+    from tests.runtime.common import groups_of
+
+    out: dict[str, Any] = {"strict": _strict_active()}
+    for frozen in (True, False):
+        model = make_model()
+        model.unused.requires_grad_(not frozen)
+        cfg = config(stage=stage, micro=2, gas=1, bucket=200)
+        cfg["zero_optimization"]["ignore_unused_parameters"] = False
+        groups = [{"params": [], "weight_decay": 0.0}, *groups_of(model)]
+        engine, *_ = ds_strategy.initialize(model=model, model_parameters=groups, config=cfg)
+        dev = engine.device
+        losses: list[Any] = []
+        try:
+            for x, y in batches(2, 2 * world):
+                loss = engine(x[rank::world].to(dev), y[rank::world].to(dev))
+                engine.backward(loss)
+                engine.step()
+                losses.append(loss.item())
+        except RuntimeError as err:
+            losses.append(str(err))
+        out["frozen" if frozen else "trainable"] = losses
+        engine.destroy()
+    return out
+
+
+@pytest.mark.parametrize("stage", [1, 3])
+def test_the_unused_parameter_check_sends_its_count_on_the_device(stage: int) -> None:
+    strict = run_strict(_unused_parameter_check, stage)
+    plain = run_plain(_unused_parameter_check, stage)
+    for s, p in zip(strict, plain, strict=True):
+        assert s["strict"] and s["frozen"] == p["frozen"] and len(s["frozen"]) == 2, s["frozen"]
+        assert s["trainable"] == p["trainable"] and len(s["trainable"]) == 1, s["trainable"]
+        assert "ignore_unused_parameters is false" in s["trainable"][0] and "'unused.weight'" in s["trainable"][0]
+
+
 # ---- every engine has a device-strict case ---------------------------------------------------------------
 # [Note: what counts as an engine here]
 # Found by inspection of the package, so that a new one shows up without anyone listing it:

@@ -405,7 +405,8 @@ class ZeroEngine(nn.Module):
         """``ignore_unused_parameters: false``: every rank raises when any rank has a trainable parameter
         that got no gradient in this window (DeepSpeed asserts; here the ranks agree first, so none hangs)."""
         missing = self.stage.parameters_without_gradient()
-        count = torch.tensor([float(len(missing))], device=self.stage.groups[0].device if self.stage.groups else None)
+        # On the compute device (an empty first param group's device is the host, which NCCL refuses).
+        count = torch.tensor([float(len(missing))], device=self.stage.compute_device)
         self.coll.all_reduce(count)
         with strict.host_read_allowed("ignore_unused_parameters: false agrees on the host every step"):
             if count.item() == 0:
