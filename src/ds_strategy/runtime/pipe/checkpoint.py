@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import os
 import shutil
+import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any, cast
@@ -188,6 +189,8 @@ def save_pipe_checkpoint(
     module = engine.module
     dp_ranks = module.groups.data_ranks
 
+    save_id = gather(world, uuid.uuid4().hex)[0]  # rank 0's: ties every file to this save
+
     def prepare() -> tuple[str, dict[str, Any], dict[str, Any] | None]:
         name = check_tag(str(tag) if tag is not None else f"global_step{inner.global_steps}")
         keys = _state_keys(engine)
@@ -201,6 +204,7 @@ def save_pipe_checkpoint(
             "format": FORMAT,
             "version": VERSION,
             "tag": name,
+            "save_id": save_id,
             "rank": rank,
             "stage": engine.stage_id,
             "data_parallel_rank": dp_ranks.index(rank),
@@ -218,6 +222,7 @@ def save_pipe_checkpoint(
             "format": FORMAT,
             "version": VERSION,
             "tag": name,
+            "save_id": save_id,
             "num_layers": module._num_layers,
             "num_stages": module.num_stages,
             "data_parallel": len(dp_ranks),

@@ -121,10 +121,10 @@ class PipeCheckpoint:
         data = read(path, expected_size=self.meta.get("files", {}).get(name), mmap=True)
         if self.format1:
             return _from_format1(data, path)
-        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("tag") != self.meta.get("tag"):
+        if not isinstance(data, dict) or data.get("format") != FORMAT or data.get("save_id") != self.meta["save_id"]:
             raise CheckpointError(
-                f"{path} does not belong to the checkpoint of {self.tag_dir / PIPE_META} (its header names tag "
-                f"{data.get('tag') if isinstance(data, dict) else None!r}; files of different checkpoints mixed?)"
+                f"{path} was not written by the save that wrote {self.tag_dir / PIPE_META} (files of different "
+                "checkpoints mixed?)"
             )
         return data
 
