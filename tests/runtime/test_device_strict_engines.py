@@ -202,6 +202,45 @@ def test_hybrid_tensor_parallel_generate_on_the_shm_path() -> None:
             assert torch.equal(got, expected)
 
 
+def _hf_llama(rank: int, world: int) -> dict[str, Any]:
+    """A Hugging Face Llama's own generate: tensor-parallel from its config's plan (with an attention mask), and
+    data-parallel at stage 3 with uneven lengths, held (no synced_gpus) and per module (synced_gpus)."""
+    import ds_strategy
+    from tests.runtime.common import llama_prompt, tiny_llama
+
+    out: dict[str, Any] = {"strict": _strict_active()}
+    cfg: dict[str, Any] = {
+        "train_micro_batch_size_per_gpu": 2,
+        "optimizer": {"type": "AdamW", "params": {"lr": 0.05}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 0},
+        "hybrid_engine": {"enabled": True, "pin_parameters": False, "inference_tp_size": 2},
+    }
+    engine, *_ = ds_strategy.initialize(model=tiny_llama(), config=cfg)
+    dev = engine.device
+    prompt = torch.randint(1, 64, (2, 5), generator=torch.Generator().manual_seed(rank)).to(dev)
+    out["tp"] = engine.generate(prompt, attention_mask=torch.ones_like(prompt), max_new_tokens=4, do_sample=False)
+    out["tp"] = out["tp"].cpu()
+    engine.destroy()
+    new = 3 + 4 * rank  # the ranks generate different lengths
+    for name, hybrid, synced in (("held", {"enabled": True, "pin_parameters": False}, False), ("synced", None, True)):
+        cfg = {**cfg, "hybrid_engine": hybrid} if hybrid else {k: v for k, v in cfg.items() if k != "hybrid_engine"}
+        engine, *_ = ds_strategy.initialize(model=tiny_llama(), config=cfg)
+        got = engine.generate(llama_prompt(rank).to(dev), max_new_tokens=new, do_sample=False, synced_gpus=synced)
+        out[name] = got.cpu()
+        engine.destroy()
+    return out
+
+
+def test_hf_llama_generate_under_the_strict_mode() -> None:
+    pytest.importorskip("transformers")
+    strict = run_strict(_hf_llama)
+    plain = run_plain(_hf_llama)
+    for s, p in zip(strict, plain, strict=True):
+        assert s["strict"] and not p["strict"]
+        for name in ("tp", "held", "synced"):
+            assert torch.equal(s[name], p[name]), name
+
+
 # ---- NVMe offload ---------------------------------------------------------------------------------------
 
 STEPS, MICRO, GAS = 3, 2, 2
