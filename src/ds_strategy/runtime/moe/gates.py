@@ -16,10 +16,15 @@ and its output is ``sum_{e,c} combine_weights[s,e,c] * expert_out[e,c]``. ``C`` 
   ``top2_2nd_expert_sampling`` picks top-2's second expert by ``argmax`` of Gumbel-perturbed logits.
 - auxiliary loss (load balancing): top-1 ``E * sum_e mean_s(gates)[e] * mean_s(mask1)[e]``; top-2
   ``E * E * mean_e(...)`` of the same product (equal values: DeepSpeed's two spellings).
-- ``exp_counts``: tokens routed to each expert *before* dropping (top-2 counts both choices), on the host.
+- ``exp_counts``: tokens routed to each expert *before* dropping (top-2 counts both choices), on the
+  logits' device.
 
-One deliberate difference from DeepSpeed: top-1's token selection takes ``min(capacity, S)`` winners (a
-capacity above the token count would make ``torch.topk`` fail there); the kept tokens are the same.
+Deliberate differences from DeepSpeed: top-1's token selection takes ``min(capacity, S)`` winners (a
+capacity above the token count would make ``torch.topk`` fail there); the kept tokens are the same. And
+``exp_counts`` stays on the device (DeepSpeed copies it to the host, which makes every MoE forward wait for
+the GPU): a training step reads nothing back (see [Note: host reads inside a step] in
+accelerator/strict.py); ``.tolist()`` it where it is wanted. Without ``drop_tokens`` the capacity is the
+largest expert count, a tensor shape, so that one value is read (an allowed read, counted as such).
 """
 
 from __future__ import annotations
@@ -30,6 +35,8 @@ from typing import TYPE_CHECKING
 import torch
 import torch.nn.functional as F
 from torch import nn
+
+from ds_strategy.accelerator import strict
 
 if TYPE_CHECKING:
     from ds_strategy.comm import Communicator
@@ -59,18 +66,29 @@ def capacity_of(num_tokens: int, num_experts: int, capacity_factor: float, min_c
     return max(math.ceil(num_tokens / num_experts * capacity_factor), int(min_capacity))
 
 
-def _max_over(value: int, device: torch.device, ep_comm: Communicator | None) -> int:
-    if ep_comm is None or ep_comm.world_size == 1:
-        return value
-    t = torch.tensor([value], dtype=torch.int64, device=device)
-    ep_comm.all_reduce(t, "max")
-    return int(t.item())
+NO_DROP_READ = "MoE without drop_tokens: the capacity (a tensor shape) is the largest expert count"
+
+
+def _max_over(counts: torch.Tensor, ep_comm: Communicator | None) -> int:
+    """The largest of ``counts`` over the expert-parallel group, on the host (the one read of a no-drop gate)."""
+    t = counts.max().reshape(1).to(torch.int64)
+    if ep_comm is not None and ep_comm.world_size > 1:
+        ep_comm.all_reduce(t, "max")
+    with strict.host_read_allowed(NO_DROP_READ):
+        return int(t.item())
+
+
+def one_hot(indices: torch.Tensor, num_classes: int) -> torch.Tensor:
+    """``F.one_hot(indices, num_classes)`` (int64) without its range check, which reads the indices' minimum
+    and maximum on the host outside CUDA (the device-strict mode stands in for a GPU on the CPU)."""
+    out = torch.zeros((*indices.shape, num_classes), dtype=torch.int64, device=indices.device)
+    return out.scatter_(-1, indices.unsqueeze(-1), 1)
 
 
 def _slots(locations_s: torch.Tensor, capacity: int) -> torch.Tensor:
     """One-hot [S, C] of each token's slot (float)."""
     return (
-        F.one_hot(locations_s, num_classes=capacity).float()
+        one_hot(locations_s, capacity).float()
         if capacity > 0
         else locations_s.new_zeros((locations_s.shape[0], 0), dtype=torch.float32)
     )
@@ -93,14 +111,14 @@ def top1gating(
         indices1_s = torch.argmax(logits + gumbel_rsample(logits.shape, logits.device), dim=1)
     else:
         indices1_s = torch.argmax(gates, dim=1)
-    mask1 = F.one_hot(indices1_s, num_classes=num_experts)
+    mask1 = one_hot(indices1_s, num_experts)
     if used_token is not None:
         mask1 = torch.einsum("s,se->se", used_token.to(mask1.dtype), mask1)
-    exp_counts = torch.sum(mask1, dim=0).detach().to("cpu")
+    exp_counts = torch.sum(mask1, dim=0).detach()
     if drop_tokens:
         capacity = capacity_of(num_tokens, num_experts, capacity_factor, min_capacity)
     else:
-        capacity = _max_over(int(exp_counts.max().item()), logits.device, ep_comm)
+        capacity = _max_over(exp_counts, ep_comm)
     me = torch.mean(gates, dim=0)
     ce = torch.mean(mask1.float(), dim=0)
     l_aux = torch.sum(me * ce) * num_experts
@@ -131,24 +149,24 @@ def top2gating(
     num_tokens, num_experts = logits.shape
     gates = F.softmax(logits, dim=1)
     indices1_s = torch.argmax(gates, dim=1)
-    mask1 = F.one_hot(indices1_s, num_classes=num_experts)
+    mask1 = one_hot(indices1_s, num_experts)
     chooser = logits.detach()
     if top2_2nd_expert_sampling:
         chooser = chooser + gumbel_rsample(logits.shape, logits.device)
     indices2_s = torch.argmax(chooser.masked_fill(mask1.bool(), float("-inf")), dim=1)
-    mask2 = F.one_hot(indices2_s, num_classes=num_experts)
+    mask2 = one_hot(indices2_s, num_experts)
     locations1 = torch.cumsum(mask1, dim=0) - 1
     locations2 = torch.cumsum(mask2, dim=0) - 1 + torch.sum(mask1, dim=0, keepdim=True)
     me = torch.mean(gates, dim=0)
     ce = torch.mean(mask1.float(), dim=0)
     l_aux = torch.mean(me * ce) * num_experts * num_experts
-    exp_counts = torch.sum(mask1 + mask2, dim=0).detach().to("cpu")
+    exp_counts = torch.sum(mask1 + mask2, dim=0).detach()
     if drop_tokens:
         capacity = capacity_of(num_tokens, num_experts, capacity_factor * 2, min_capacity)
         mask1 = mask1 * torch.lt(locations1, capacity)
         mask2 = mask2 * torch.lt(locations2, capacity)
     else:
-        capacity = _max_over(int(exp_counts.max().item()), logits.device, ep_comm)
+        capacity = _max_over(exp_counts, ep_comm)
     locations1_s = torch.sum(locations1 * mask1, dim=1)
     locations2_s = torch.sum(locations2 * mask2, dim=1)
     mask1_float, mask2_float = mask1.float(), mask2.float()
