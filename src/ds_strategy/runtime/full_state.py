@@ -16,6 +16,10 @@ stage (0-3), with or without optimizer offload:
   elements with padding; here a parameter is cut where the flat layout's shards fall, without padding). At
   stage 0 the fragment is the whole parameter. ``safe_set_local_fp32_param`` updates this rank's copy of
   the weights only: at stages 1-2 the other ranks' replicas catch up at the next step's all-gather.
+- An MoE model's expert parameter (``engine.module.moe.deepspeed_moe.experts.deepspeed_experts.<local>...``)
+  is the expert this rank holds: its full value is that expert's (assembled over its expert-data-parallel
+  group, the ranks holding the same experts), and its local fragments concatenate in that group's rank
+  order. ``engine.full_state_dict()`` and ``save_hf_weights`` give every expert under its global name.
 - Parameters the engine does not train (``requires_grad=False``, left out of the optimizer, or no engine
   at all): the getters return None and the setters do nothing, as DeepSpeed's do. Exception, also
   DeepSpeed's: ``safe_get_full_grad`` / ``safe_set_full_grad`` use ``param.grad`` whenever it is set.

@@ -18,8 +18,9 @@ expert 0's), so they stay out of ``model_states.pt`` (rank 0's module entries) a
 
 Saving gathers each expert group's fp32 partitions and per-element optimizer state within its
 expert-data-parallel group (one all-gather per bucket and kind, on the compute device: an offloaded
-optimizer's host tensors are copied there first); that group's rank 0 writes the files of its experts. Loading reads the files of this rank's global experts and fills each master's flat range by
-the layout (so any stage 0-2, ``ep_size`` and world size reads any other). ``meta.pt`` lists, per expert
+optimizer's host tensors are copied there first); that group's rank 0 writes the files of its experts.
+Loading reads the files of this rank's global experts and fills each master's flat range by the layout
+(so any stage 0-2, ``ep_size`` and world size reads any other). ``meta.pt`` lists, per expert
 param group, its expert group name and hyperparameters (``expert_groups``) and the files under ``files``.
 """
 
@@ -151,14 +152,14 @@ def gather_experts(
     # Frozen expert parameters and expert buffers: whole on every replica (stages 0-2), this rank's experts.
     state = engine.module.state_dict(keep_vars=True)
     frozen = frozen_names(engine) if exclude_frozen else set()
-    for key, where in ExpertNames(engine.module).local.items():
+    for key, held in ExpertNames(engine.module).local.items():
         if key in stored or key in frozen:
             continue
-        edp = where.moe.expert_groups.edp_comm if getattr(where.moe, "expert_groups", None) is not None else None
-        if edp is not None and edp.rank != 0:
+        groups = getattr(held.moe, "expert_groups", None)
+        if groups is not None and groups.edp_comm.rank != 0:
             continue
-        entry = files.setdefault(expert_file(where.layer, where.expert), _new_file())
-        entry["module"][where.suffix] = state[key].detach().to("cpu", copy=True)
+        entry = files.setdefault(expert_file(held.layer, held.expert), _new_file())
+        entry["module"][held.suffix] = state[key].detach().to("cpu", copy=True)
     return files
 
 

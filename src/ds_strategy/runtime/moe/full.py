@@ -135,13 +135,13 @@ def _layer_items(
     prefix = entries[0][0].prefix
     for e in range(layer.num_experts):
         for suffix in suffixes:
-            value = got.get((e, suffix))
-            if value is None:
+            found = got.get((e, suffix))
+            if found is None:
                 raise RuntimeError(
                     f"expert {e} of the MoE layer {prefix!r} has no {suffix!r} on any rank of its expert-parallel "
                     "group (the ranks hold different expert modules)"
                 )
-            yield f"{prefix}{e}.{suffix}", value
+            yield f"{prefix}{e}.{suffix}", found
 
 
 def full_state_dict(module: nn.Module, *, rank: int | None, own_rank: int) -> dict[str, torch.Tensor]:
