@@ -8,6 +8,10 @@
 // sizes, so a pool keyed by size holds exactly the peak number of buckets live at once (bounded by
 // stage3_max_live_parameters + the prefetch) and reuses warm pages: no faults, no process-wide tuning.
 //
+// Buffers of 1 MiB and up are mapped from the kernel (mmap), not taken from malloc: malloc would raise glibc's
+// dynamic mmap threshold when one is trimmed, so later mid-sized allocations of the whole process (activations)
+// would come from its heap and stay resident when freed; a mapping is returned to the system by trim at once.
+//
 // The buffer is attached to the *existing* StorageImpl (not a new storage): autograd keeps views of the
 // weights for backward, and they must see the re-gathered data (see sharded.py, [Note: storage swap]).
 // Detaching installs an empty DataPtr; the previous DataPtr's deleter returns the buffer to the pool,
@@ -15,6 +19,8 @@
 #include <ATen/core/Tensor.h>
 #include <c10/core/StorageImpl.h>
 #include <torch/library.h>
+
+#include <sys/mman.h>
 
 #include <cstdlib>
 #include <mutex>
@@ -26,6 +32,24 @@ namespace ds::memory {
 namespace {
 
 constexpr size_t kAlignment = 64;  // c10's CPU allocator alignment: vectorised kernels may rely on it
+constexpr size_t kMapBytes = 1 << 20;  // from this size on a buffer is a mapping of its own (see the header)
+
+void* allocate(size_t nbytes) {
+  void* ptr = nullptr;
+  if (nbytes >= kMapBytes) {
+    ptr = mmap(nullptr, nbytes, PROT_READ | PROT_WRITE, MAP_PRIVATE | MAP_ANONYMOUS, -1, 0);
+    return ptr == MAP_FAILED ? nullptr : ptr;  // page-aligned, so kAlignment-aligned too
+  }
+  return posix_memalign(&ptr, kAlignment, nbytes) == 0 ? ptr : nullptr;
+}
+
+void deallocate(void* ptr, size_t nbytes) {
+  if (nbytes >= kMapBytes) {
+    munmap(ptr, nbytes);
+  } else {
+    std::free(ptr);
+  }
+}
 
 class HostPool {
  public:
@@ -47,8 +71,8 @@ class HostPool {
         return ptr;
       }
     }
-    void* ptr = nullptr;
-    TORCH_CHECK(posix_memalign(&ptr, kAlignment, nbytes) == 0 && ptr != nullptr,
+    void* ptr = allocate(nbytes);
+    TORCH_CHECK(ptr != nullptr,
                 "ds_strategy host pool: out of memory allocating ", nbytes, " bytes for a gathered ZeRO-3 bucket");
     std::lock_guard<std::mutex> lock(mutex_);
     in_use_ += nbytes;
@@ -62,12 +86,12 @@ class HostPool {
     cached_ += nbytes;
   }
 
-  // Give every cached (unused) buffer back to the allocator; buffers in use are unaffected.
+  // Give every cached (unused) buffer back to the system; buffers in use are unaffected.
   int64_t trim() {
     std::lock_guard<std::mutex> lock(mutex_);
     const int64_t freed = static_cast<int64_t>(cached_);
     for (auto& [nbytes, list] : free_) {
-      for (void* ptr : list) std::free(ptr);
+      for (void* ptr : list) deallocate(ptr, nbytes);
       list.clear();
     }
     free_.clear();

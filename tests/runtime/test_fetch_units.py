@@ -224,3 +224,101 @@ def test_external_parameter_registered_after_the_build_hooks_its_module(monkeypa
             engine.backward(loss)
             engine.step()
         engine.destroy()
+
+
+# ------------------------------------------------------------------ a large frozen rest (see units.py)
+def _wide_llama(vocab: int = 1024) -> nn.Module:
+    """Vocabulary-heavy: the embedding and head (32 x 1024 each) are over 6x a block (10k parameters)."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    torch.manual_seed(0)
+    cfg = LlamaConfig(
+        hidden_size=32, num_hidden_layers=LAYERS, intermediate_size=64, vocab_size=vocab, num_attention_heads=4,
+        num_key_value_heads=4, max_position_embeddings=SEQ,
+    )  # fmt: skip
+    return LlamaForCausalLM(cfg)
+
+
+def _freeze_all_but_mlps(model: nn.Module) -> None:
+    for name, p in model.named_parameters():
+        p.requires_grad_(".mlp." in name)
+
+
+def test_a_large_frozen_rest_is_split_into_its_modules_and_a_trained_one_stays_whole() -> None:
+    from ds_strategy.runtime.zero.units import BLOCKS, unit_owners
+
+    model = _wide_llama()
+    rest = (model.model.embed_tokens, model.model.norm, model.lm_head)
+    owners = unit_owners(model, BLOCKS)
+    assert all(owners[id(m)] is model for m in rest)  # trained: one unit, one reduce-scatter
+    _freeze_all_but_mlps(model)
+    owners = unit_owners(model, BLOCKS)
+    assert all(owners[id(m)] is m for m in rest)  # frozen, 6x a block: each gathered for its own use
+    for layer in model.model.layers:
+        assert all(owners[id(m)] is layer for m in layer.modules())
+    # Sizes come from ``numel`` (a built engine's parameters are partitions or placeholders): all equal, no split.
+    owners = unit_owners(model, BLOCKS, numel=lambda p: 1)
+    assert all(owners[id(m)] is model for m in rest)
+    small = _wide_llama(vocab=64)  # the rest is below twice a block: stays one unit though frozen
+    _freeze_all_but_mlps(small)
+    owners = unit_owners(small, BLOCKS)
+    assert owners[id(small.lm_head)] is small
+
+
+def _train_frozen_rest(rank: int, world: int) -> dict[str, Any]:
+    import ds_strategy
+
+    vocab = 1024
+    gen = torch.Generator().manual_seed(7)
+    data = [torch.randint(0, vocab, (MICRO * world, SEQ), generator=gen) for _ in range(STEPS)]
+    ref = _wide_llama(vocab)
+    _freeze_all_but_mlps(ref)
+    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
+    reference = []
+    for batch in data:
+        loss = ref(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        reference.append(loss.item())
+    model = _wide_llama(vocab)
+    _freeze_all_but_mlps(model)
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-2, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 3, "stage3_param_persistence_threshold": 40},
+    }
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = ds_strategy.initialize(model=model, model_parameters=params, config=cfg)
+    gatherer = engine.stage.gatherer
+    embed = gatherer.units[id(model.model.embed_tokens)]
+    live_at_head: list[bool] = []
+    hook = model.lm_head.register_forward_pre_hook(
+        lambda m, a: live_at_head.append(any(gatherer._live(k) for k in embed))
+    )
+    losses = []
+    for batch in data:
+        mine = batch[rank * MICRO : (rank + 1) * MICRO]
+        loss = engine(input_ids=mine, labels=mine).loss
+        engine.backward(loss)
+        engine.step()
+        total = loss.detach().clone()
+        torch.distributed.all_reduce(total)
+        losses.append(total.item() / world)
+    hook.remove()
+    out = {
+        "losses": losses,
+        "reference": reference,
+        "embed_unit_is_its_own": embed and embed != gatherer.units[id(model.lm_head)],
+        "live_at_head": live_at_head,
+    }
+    engine.destroy()
+    return out
+
+
+@pytest.mark.multiprocess
+def test_a_split_frozen_rest_trains_like_the_single_process_and_frees_the_embedding_before_the_head() -> None:
+    for r in run_distributed(_train_frozen_rest, world_size=WORLD, timeout=240):
+        torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["reference"]), rtol=2e-5, atol=2e-6)
+        assert r["embed_unit_is_its_own"]
+        assert r["live_at_head"] == [False] * STEPS, r["live_at_head"]  # freed after the embedding ran

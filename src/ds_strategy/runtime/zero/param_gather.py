@@ -165,7 +165,8 @@ class ParamGatherer:
         every policy. Externals registered on a module inside a unit join that unit. The modules owning
         parameters of the rest unit directly fetch it too (calls outside the root's forward)."""
         self._leaf_generation = leaf_generation()
-        owners = unit_owners(self.root, self.policy)
+        sizes = {id(p): s.numel for gs in self.groups for p, s in zip(gs.params, gs.layout.params, strict=True)}
+        owners = unit_owners(self.root, self.policy, lambda p: sizes.get(id(p), p.numel()))
         params: dict[int, list[torch.Tensor | None]] = defaultdict(list)
         holders: list[nn.Module] = []
         for m in self.root.modules():

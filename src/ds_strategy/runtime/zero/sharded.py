@@ -36,6 +36,8 @@ from .init import gather_init_param, init_shard, release_init_shard
 from .streams import GatherStream
 from .zeropp import ZeroPP, quantize_shard, quantized_all_gather, then
 
+BUILD_CHUNK = 1 << 22  # elements: the most of a bucket the build holds in fp32 scratch at once (16 MiB)
+
 
 class ShardedGroup(GroupStorage):
     """Partition buffer, per-bucket gathered tensors and fp32 masters of one param group (stage 3).
@@ -132,16 +134,24 @@ class ShardedGroup(GroupStorage):
         self.live: list[bool] = []
         self._live_numel = 0
         self._placeholder = torch.empty(0, dtype=compute_dtype, device=self.device)
-        # Two scratch buffers serve every bucket (the bucket in fp32, one gathered zero.Init parameter):
-        # per-bucket temporaries of alternating lifetimes would fragment the host heap, which then keeps
-        # about the whole model resident (measured with MALLOC_PERTURB_: 2.5x the model instead of 0.6x).
+        # Three scratch buffers serve every bucket (a chunk of the bucket in fp32, this rank's fp32 shard where
+        # it cannot be assembled in place, one gathered zero.Init parameter): per-bucket temporaries of
+        # alternating lifetimes would fragment the host heap, which then keeps about the whole model resident
+        # (measured with MALLOC_PERTURB_: 2.5x the model instead of 0.6x). The chunk bounds the build's
+        # scratch whatever the bucket: a block unit's bucket (the rest of a model: embeddings and head) can be
+        # a large part of the model, which every rank still holds whole while it is being partitioned.
         longest = max((b.padded for b in self.layout.buckets), default=0)
-        scratch32 = torch.empty(longest, dtype=torch.float32, device=self.device)
+        scratch32 = torch.empty(min(longest, BUILD_CHUNK), dtype=torch.float32, device=self.device)
+        shard32 = _LazyBuffer(torch.float32, self.device)
         gathered = max((s.per * coll.world_size for s in map(init_shard, self.params) if s is not None), default=0)
         gather_buf = torch.empty(gathered, dtype=torch.float32, device=self.device) if gathered else None
         for b in range(len(self.layout.buckets)):
-            self._take_bucket(b, scratch32, gather_buf, master_views)
-        del scratch32, gather_buf
+            self._take_bucket(b, scratch32, shard32, gather_buf, master_views)
+            if self.device.type == "cpu":
+                # The bucket's original parameters are gone; glibc keeps freed mid-sized blocks in its heap,
+                # so without a trim the build's peak is the whole model plus every partition taken so far.
+                host_memory.trim_heap()
+        del scratch32, shard32, gather_buf
         for b, bucket in enumerate(self.layout.buckets):
             if b not in self.persistent:  # a bucket-sized tensor without storage, filled by gather()
                 self.full[b] = torch.empty(bucket.padded, dtype=compute_dtype, device=self.device)
@@ -189,42 +199,80 @@ class ShardedGroup(GroupStorage):
 
     @torch.no_grad()
     def _take_bucket(
-        self, b: int, scratch32: torch.Tensor, gather_buf: torch.Tensor | None, master_views: list[torch.Tensor]
+        self,
+        b: int,
+        scratch32: torch.Tensor,
+        shard32: _LazyBuffer,
+        gather_buf: torch.Tensor | None,
+        master_views: list[torch.Tensor],
     ) -> None:
-        """Build bucket ``b`` in fp32 (exact for every input dtype) and keep this rank's shard of it. Rank 0's
-        values win, as in stages 0-2; parameters built under zero.Init are already agreed: gathered, not
-        broadcast, and their zero.Init shards dropped at once."""
+        """Build bucket ``b`` in fp32 (exact for every input dtype), one chunk of ``scratch32`` at a time, and
+        keep this rank's shard of it. Rank 0's values win, as in stages 0-2; parameters built under zero.Init
+        are already agreed: gathered, not broadcast, and their zero.Init shards dropped once taken."""
         bucket = self.layout.buckets[b]
-        full32 = scratch32[: bucket.padded].zero_()
-        from_init = True
-        for i in bucket.params:
-            p = self.params[i]
-            view = self.in_bucket(full32, i)
-            info = init_shard(p)
-            if info is not None:
-                out = gather_buf if gather_buf is not None and info.dtype == torch.float32 else None
-                view.copy_(gather_init_param(p, out=out).view_as(view))
-                release_init_shard(p)  # the partition below replaces zero.Init's shard
-            else:
-                view.copy_(p.detach())
-                from_init = False
-        if not from_init:
-            self.coll.broadcast(full32)
-        mine = full32.view(self.coll.world_size, -1)[self.rank]
-        self.write_part(b, mine)
+        per = bucket.padded // self.coll.world_size
+        lo, hi = self.rank * per, (self.rank + 1) * per  # this rank's shard, in bucket coordinates
+        mine = self._shard_target(b, per, shard32, master_views)
+        whole = (
+            torch.empty(bucket.padded, dtype=self.compute_dtype, device=self.device) if b in self.persistent else None
+        )
+        source: tuple[int, torch.Tensor] | None = None  # the flattened parameter being copied (spans chunks)
+        step = max(scratch32.numel(), 1)
+        for c0 in range(0, bucket.padded, step):
+            c1 = min(c0 + step, bucket.padded)
+            chunk = scratch32[: c1 - c0].zero_()
+            from_init = True
+            for i in bucket.params:
+                slot = self.layout.params[i]
+                s0, s1 = slot.offset - bucket.start, slot.end - bucket.start
+                a, z = max(s0, c0), min(s1, c1)
+                if a >= z:
+                    continue
+                p = self.params[i]
+                info = init_shard(p)
+                if source is None or source[0] != i:
+                    if info is not None:
+                        out = gather_buf if gather_buf is not None and info.dtype == torch.float32 else None
+                        source = (i, gather_init_param(p, out=out).reshape(-1))
+                    else:
+                        source = (i, p.detach().reshape(-1))
+                chunk[a - c0 : z - c0].copy_(source[1][a - s0 : z - s0])
+                if info is None:
+                    from_init = False
+                if z == s1:  # the parameter is all in the scratch now: its own storage can go
+                    release_init_shard(p)  # the partition below replaces zero.Init's shard (if any)
+                    p.data = self._placeholder
+                    source = None
+            if not from_init:
+                self.coll.broadcast(chunk)
+            a, z = max(c0, lo), min(c1, hi)
+            if a < z:
+                mine[a - lo : z - lo].copy_(chunk[a - c0 : z - c0])
+            if whole is not None:
+                whole[c0:c1].copy_(chunk)
+        if mine is not self._part_views[b]:
+            self.write_part(b, mine)
         if self.master_swap is not None:
             self.master_swap.store((self.index, b), mine)
-        elif master_views is not self._part_views:
+        elif master_views is not self._part_views and mine is not master_views[b]:
             master_views[b].copy_(mine)
-        if b in self.persistent:
-            self.full.append(full32.to(self.compute_dtype, copy=True))
+        if whole is not None:
+            self.full.append(whole)
             self.live.append(True)
             self._point_params(b)
         else:
             self.full.append(self._placeholder)  # given its own tensor once the scratch buffers are gone
             self.live.append(False)
-            for i in bucket.params:
-                self.params[i].data = self._placeholder  # the parameter's original storage goes now
+
+    def _shard_target(self, b: int, per: int, shard32: _LazyBuffer, master_views: list[torch.Tensor]) -> torch.Tensor:
+        """Where bucket ``b``'s fp32 shard is assembled: in place (the fp32 master, or an fp32 partition the
+        plain way), else in the shared scratch shard."""
+        if self.master_swap is None and master_views is not self._part_views:
+            return master_views[b]
+        view = self._part_views[b]
+        if view.dtype == torch.float32 and view.numel() == per and b not in self.swapped:
+            return view
+        return shard32.get(per)
 
     # ------------------------------------------------------------------ views
     def slot(self, index: int) -> ParamSlot:
@@ -447,3 +495,16 @@ class ShardedGroup(GroupStorage):
 
 def _compute_device(params: Sequence[nn.Parameter]) -> torch.device:
     return params[0].device if params else torch.device("cpu")
+
+
+class _LazyBuffer:
+    """A scratch buffer allocated on first use, at the largest size asked for so far."""
+
+    def __init__(self, dtype: torch.dtype, device: torch.device) -> None:
+        self.dtype, self.device = dtype, device
+        self.tensor = torch.empty(0, dtype=dtype, device=device)
+
+    def get(self, numel: int) -> torch.Tensor:
+        if self.tensor.numel() < numel:
+            self.tensor = torch.empty(numel, dtype=self.dtype, device=self.device)
+        return self.tensor[:numel]

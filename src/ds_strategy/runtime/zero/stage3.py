@@ -147,7 +147,7 @@ class Stage3(Stage2):
         # Each parameter belongs to its fetch unit ([Note: fetch units] in units.py; a leaf's subtree is the
         # leaf's: [Note: leaf modules]); under block units a unit is one bucket, whatever its size.
         self.fetch_policy = policy_of(module, s3.fetch_units)
-        owners = unit_owners(module, self.fetch_policy)
+        owners = unit_owners(module, self.fetch_policy, _numel)
         self.block_units = self.fetch_policy != MODULES and any(
             owners[id(m)] is not m for m in module.modules() if m._parameters
         )

@@ -13,7 +13,8 @@ are units, the outermost such lists only (a list inside a block is part of the b
 outside them (embeddings, final norm, output head) forms one more unit, the *rest*, gathered by the root
 module's hooks and also by the hooks of the modules that own those parameters directly, so a call of
 such a module outside the root's forward (a generate through an inner model) still finds them gathered.
-A model without such a list keeps per-module units (the ``"modules"`` policy).
+A model without such a list keeps per-module units (the ``"modules"`` policy). A frozen rest much larger
+than a block is split into its modules ([Note: a large frozen rest]).
 
 The policy is overridable, from the most specific to the least:
 * ``ds_strategy.zero.set_fetch_units(model, policy)`` (on the model, or on a LightningModule around it), with
@@ -32,6 +33,7 @@ from __future__ import annotations
 from collections.abc import Callable, Collection, Iterable
 from typing import Any
 
+import torch
 from torch import nn
 
 from .leaf import LEAF_ATTR, _matches, outermost_leaves
@@ -39,6 +41,8 @@ from .leaf import LEAF_ATTR, _matches, outermost_leaves
 POLICY_ATTR = "_ds_fetch_units"  # on the root module: set_fetch_units' policy
 BLOCKS = "blocks"
 MODULES = "modules"
+
+REST_SPLIT = 2  # a frozen rest larger than this many times the largest unit is split (see the note)
 
 FetchUnitPolicy = str | Collection[type[nn.Module] | str] | Callable[[nn.Module], bool]
 
@@ -121,10 +125,13 @@ def _selected(root: nn.Module, policy: FetchUnitPolicy) -> list[nn.Module] | Non
     return [m for m in root.modules() if m is not root and any(_matches(m, c) for c in wanted)]
 
 
-def unit_owners(root: nn.Module, policy: FetchUnitPolicy) -> dict[int, nn.Module]:
+def unit_owners(
+    root: nn.Module, policy: FetchUnitPolicy, numel: Callable[[torch.Tensor], int] = torch.Tensor.numel
+) -> dict[int, nn.Module]:
     """``id(module)`` -> the unit module whose hooks gather ``module``'s direct parameters, for every module
     of ``root``: itself under per-module units (its outermost leaf inside a leaf); its unit, or ``root`` for
-    the rest, under the other policies (see [Note: fetch units])."""
+    the rest, under the other policies (see [Note: fetch units]). ``numel``: a parameter's full size (its
+    storage may be a partition or a placeholder by now)."""
     chosen = _selected(root, policy)
     leaves = outermost_leaves(root)
     if chosen is None:
@@ -140,4 +147,28 @@ def unit_owners(root: nn.Module, policy: FetchUnitPolicy) -> dict[int, nn.Module
             visit(child, unit)
 
     visit(root, root)
+    _split_large_frozen_rest(root, out, numel)
     return out
+
+
+def _split_large_frozen_rest(
+    root: nn.Module, owners: dict[int, nn.Module], numel: Callable[[torch.Tensor], int]
+) -> None:
+    """[Note: a large frozen rest] When the rest holds more than ``REST_SPLIT`` times the largest unit's
+    parameters and trains none of them (a LoRA or other adapter fine-tune of a large-vocabulary model: the
+    frozen embedding and head are most of the rest, a large part of the model), each of its modules becomes
+    a unit of its own: the embedding is then gathered for the embedding only and the head for the head,
+    not both for the whole forward, which would hold about as much as partitioning saves. Frozen
+    parameters are never reduced, so this costs no reduce-scatter; a trained rest stays one unit (one
+    reduce-scatter in backward)."""
+    units: dict[int, nn.Module] = {id(u): u for u in owners.values() if u is not root}
+    if not units:
+        return
+    rest = [m for m in root.modules() if owners[id(m)] is root and m._parameters]
+    rest_params = {id(p): p for m in rest for p in m._parameters.values() if p is not None}
+    if any(p.requires_grad for p in rest_params.values()):
+        return
+    largest = max(sum(numel(p) for p in u.parameters()) for u in units.values())
+    if sum(numel(p) for p in rest_params.values()) > REST_SPLIT * largest:
+        for m in rest:
+            owners[id(m)] = m
