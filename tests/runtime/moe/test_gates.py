@@ -8,6 +8,7 @@ rtol 1e-6 / atol 1e-6 on values computed in a different order; exact on masks an
 from __future__ import annotations
 
 import math
+from pathlib import Path
 
 import pytest
 import torch
@@ -16,6 +17,7 @@ from torch import nn
 
 from ds_strategy.moe import MoE, TopKGate, split_params_into_different_moe_groups_for_optimizer, top1gating, top2gating
 from ds_strategy.runtime.moe.gates import capacity_of, gumbel_rsample, multiplicative_jitter
+from tests.runtime.moe.common import MoENet
 
 TOL = {"rtol": 1e-6, "atol": 1e-6}
 
@@ -260,3 +262,17 @@ def test_expert_params_are_tagged_and_split() -> None:
     assert {id(p) for p in groups[1]["params"]} == {id(p) for p in expert_params}
     small = split_params_into_different_moe_groups_for_optimizer([{"params": expert_params}], max_group_size=20)
     assert [sum(p.numel() for p in g["params"]) for g in small] == [20, 20]  # weight 16 + bias 4 per expert
+
+
+def test_whole_model_weights_need_the_expert_groups(tmp_path: Path) -> None:
+    """Without its expert-parallel group an ep_size-2 layer cannot say which experts it holds: writing or
+    reading the whole model's weights refuses (rather than naming this rank's experts 0 and 1)."""
+    from ds_strategy.utils import load_hf_weights, save_hf_weights
+
+    model = MoENet(ep_size=2)
+    for action in (lambda: save_hf_weights(model, tmp_path / "out"), lambda: load_hf_weights(model, tmp_path)):
+        with pytest.raises(RuntimeError, match="ep_size=2 has no expert-parallel group yet"):
+            action()
+    single = MoENet(ep_size=1)  # ep_size 1 holds every expert: nothing to know
+    save_hf_weights(single, tmp_path / "one")
+    load_hf_weights(single, tmp_path / "one")

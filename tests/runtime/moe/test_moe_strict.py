@@ -9,7 +9,8 @@ group), so the experts' partitions, gradient reductions and checkpoint gathers a
 checkpoint's expert gather used to all-gather them as they were). Collectives go through torch.distributed
 (``DS_STRATEGY_SHM=0``: the path a GPU group takes). Each run trains 3 steps against the single-process
 model holding every expert (tests/runtime/moe/common.py), then reads every expert's full value, writes the
-whole state dict, saves a checkpoint, loads it into a fresh engine and trains one more step on both.
+whole state dict, saves a checkpoint, loads it into a fresh engine and trains one more step, reading that
+step's gradients first (``safe_get_full_grad`` and, as Lightning's hooks see them, ``p.grad``).
 """
 
 from __future__ import annotations
@@ -43,12 +44,21 @@ def _config(stage: int, offload: bool) -> dict[str, Any]:
     }
 
 
-def _steps(engine: Any, batches: list[Any], rank: int, world: int) -> list[float]:
+def _steps(engine: Any, batches: list[Any], rank: int, world: int, grads: dict[str, Any] | None = None) -> list[float]:
+    """Train; with ``grads``, the last step's gradients are read first, as safe_get_full_grad and as p.grad
+    (Lightning's window: one all-gather per bucket over each group's communicator)."""
+    from ds_strategy import utils
+
     dev = engine.device
     losses = []
-    for x, y in batches:
+    for i, (x, y) in enumerate(batches):
         loss, _, _ = engine(x.chunk(world)[rank].to(dev), y.chunk(world)[rank].to(dev))
         engine.backward(loss)
+        if grads is not None and i == len(batches) - 1:
+            full = {n: utils.safe_get_full_grad(p) for n, p in engine.module.named_parameters()}
+            with engine.state_access.visible_grads():
+                for n, p in engine.module.named_parameters():
+                    grads[n] = (p.grad.detach().float().cpu(), full[n].cpu())
         engine.step()
         mean = loss.detach().clone()
         dist.all_reduce(mean)
@@ -81,7 +91,8 @@ def _body(rank: int, world: int, stage: int, offload: bool, root: str) -> dict[s
     other = local_model(full_model(seed=7), EP, ep_rank)
     engine, *_ = ds_strategy.initialize(model=other, config=_config(stage, offload))
     engine.load_checkpoint(root, tag="three")
-    resumed = _steps(engine, batches[STEPS:], rank, world)
+    grads: dict[str, Any] = {}
+    resumed = _steps(engine, batches[STEPS:], rank, world, grads)
     engine.destroy()
     return {
         "losses": losses + resumed,
@@ -89,6 +100,7 @@ def _body(rank: int, world: int, stage: int, offload: bool, root: str) -> dict[s
         "fp32": fp32,
         "whole": {k: v.float() for k, v in whole.items()},
         "ref_whole": after,
+        "grads": grads,
     }
 
 
@@ -107,5 +119,8 @@ def test_moe_trains_reads_and_checkpoints_under_the_strict_mode(tmp_path: Path, 
         for name, (got, want) in r["fp32"].items():
             torch.testing.assert_close(got, want, **TOL, msg=lambda m, n=name, r=rank: f"{n} on rank {r}: {m}")
         assert set(r["whole"]) == set(r["ref_whole"])
+        assert r["grads"]
+        for name, (as_p_grad, full) in r["grads"].items():
+            torch.testing.assert_close(as_p_grad, full, **TOL, msg=lambda m, n=name, r=rank: f"{n} on rank {r}: {m}")
         for name, want in r["ref_whole"].items():
             torch.testing.assert_close(r["whole"][name], want, **TOL, msg=lambda m, n=name: f"{n}: {m}")

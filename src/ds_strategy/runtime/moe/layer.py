@@ -177,7 +177,14 @@ class MoE(nn.Module):
 
     @property
     def ep_rank(self) -> int:
+        """This rank's place in its expert-parallel group (which experts it holds); 0 at ``ep_size`` 1."""
         comm = self.deepspeed_moe.ep_comm
+        if comm is None and self.ep_size > 1:  # which experts this rank holds is not known yet
+            raise RuntimeError(
+                f"MoE layer with ep_size={self.ep_size} has no expert-parallel group yet: wrap the model with "
+                "ds_strategy.initialize(...) (it builds the groups), or call "
+                "ds_strategy.moe.set_expert_groups(model) on every rank first"
+            )
         return 0 if comm is None else comm.rank
 
     def global_expert_index(self, local: int) -> int:

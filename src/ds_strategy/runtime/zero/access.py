@@ -375,8 +375,9 @@ class FullStateAccess:
         comm = self.stage.comm_of(group)
         if not gs.partitioned or comm.world_size == 1:
             return piece
-        full = torch.empty(gs.layout.buckets[bucket].padded, dtype=torch.float32, device=piece.device)
-        comm.all_gather(full, piece.float())
+        # On the compute device: an offloaded optimizer's gradient partitions are host tensors (NCCL takes none).
+        full = torch.empty(gs.layout.buckets[bucket].padded, dtype=torch.float32, device=gs.device)
+        comm.all_gather(full, piece.to(gs.device, torch.float32))
         return full
 
 
