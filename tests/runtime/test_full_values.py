@@ -25,8 +25,10 @@ every tensor (naming the accessor, key and rank on a mismatch):
   state dict, every expert under its global name;
 - ``save_hf_weights``: the same (a tied weight once, as Hugging Face writes it);
 - the consolidated fp32 checkpoint (``save_checkpoint`` + ``consolidate_fp32_state_dict``);
-- ``engine.load_full_state_dict`` of the reference state dict moved by +0.5, then ``load_hf_weights`` of
-  the files written above: after each, ``full_state_dict`` and ``safe_get_full_fp32_param`` give it back.
+- ``engine.load_full_state_dict`` of the reference state dict moved by +0.5 (``full_state_dict`` and
+  ``safe_get_full_fp32_param`` give it back), then ``load_checkpoint`` of the checkpoint written above and,
+  after another move, ``load_hf_weights`` of the files written above: each brings back the reference
+  (expert buffers and frozen expert parameters included, each expert its own).
 
 Tolerances (fp32): rtol 2e-5, atol 2e-6 (bucketed reductions round in other places than torch).
 """
@@ -171,6 +173,7 @@ ACCESSORS = ON_RANK_0 | {
     "engine.full_state_dict",
     "load_full_state_dict,",
     "load_hf_weights,",
+    "load_checkpoint,",
 }
 
 
@@ -351,6 +354,9 @@ def _body(rank: int, world: int, stage: int, ep_size: int | None, extra: dict[st
             check.close(
                 "load_full_state_dict, then safe_get_full_fp32_param", name, got, moved[global_name(name, ep, ep_rank)]
             )
+    engine.load_checkpoint(out / "ckpt", tag="t", load_optimizer_states=False)  # expert entries: their files
+    check.state_dict("load_checkpoint, then full_state_dict", engine.full_state_dict(rank=None), want)
+    engine.load_full_state_dict(moved)
     utils.load_hf_weights(engine, hf_dir)
     check.state_dict("load_hf_weights, then full_state_dict", engine.full_state_dict(rank=None), want)
     engine.destroy()

@@ -104,3 +104,54 @@ def test_zero_to_fp32_consolidates_every_expert(tmp_path: Path) -> None:
     model = full_model(seed=5)
     model.load_state_dict(torch.load(out, weights_only=True))  # the model holding every expert takes it
     torch.testing.assert_close(model.state_dict(), ref["state"], **TOL)
+
+
+def _entries_save(rank: int, world: int, path: str) -> dict[str, torch.Tensor]:
+    from tests.runtime.test_full_values import batches, full_model, local_model
+
+    model = local_model(full_model(moe=True), 2, rank % 2)
+    config = {
+        "train_micro_batch_size_per_gpu": 8,
+        "optimizer": {"type": "AdamW", "params": {"lr": LR, "weight_decay": 0.0}},
+        "zero_optimization": {"stage": 1, "reduce_bucket_size": 40, "allgather_bucket_size": 40},
+    }
+    engine, *_ = ds_strategy.initialize(model=model, config=config)
+    x, y = batches(world)[0]
+    engine.backward(engine(x.chunk(world)[rank], y.chunk(world)[rank]))
+    engine.step()
+    engine.save_checkpoint(path, tag="entries")
+    whole = engine.full_state_dict(rank=None)
+    engine.destroy()
+    return whole
+
+
+def _entries_load(rank: int, world: int, path: str, ep_size: int, stage: int) -> dict[str, torch.Tensor]:
+    from tests.runtime.test_full_values import Net
+
+    torch.manual_seed(11)  # other weights, and every expert's shift and scale at their defaults
+    engine, *_ = ds_strategy.initialize(
+        model=Net(ep_size),
+        config={"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": stage}},
+    )
+    engine.load_checkpoint(path, tag="entries", load_optimizer_states=False)
+    whole = engine.full_state_dict(rank=None)
+    engine.destroy()
+    return whole
+
+
+@pytest.mark.multiprocess
+@pytest.mark.slow
+def test_expert_buffers_and_frozen_expert_parameters_reshard(tmp_path: Path) -> None:
+    """Each expert's own buffer and frozen parameter (tests/runtime/test_full_values.py's expert) are saved in
+    its expert file and come back to whichever rank holds that expert: saved at 4 ranks (ep_size 2, each
+    expert on 2 ranks, stage 1), loaded at 2 ranks with ep_size 2 (stage 2) and with ep_size 1 (every
+    expert on every rank, stage 0); the whole state dict is the saved one, exactly."""
+    saved = run_distributed(_entries_save, world_size=4, args=(str(tmp_path),), timeout=240)[0]
+    assert any(k.endswith(".3.scale") for k in saved) and any(k.endswith(".3.shift") for k in saved)
+    for ep_size, stage in ((2, 2), (1, 0)):
+        for rank, got in enumerate(
+            run_distributed(_entries_load, world_size=2, args=(str(tmp_path), ep_size, stage), timeout=240)
+        ):
+            assert got.keys() == saved.keys()
+            for name, value in saved.items():
+                assert torch.equal(got[name], value), f"{name} on rank {rank} (ep_size {ep_size}, stage {stage})"
