@@ -5,7 +5,7 @@ loss average, the failure agreement) and of its checkpoints carries device memor
 optimizer step reads nothing back to the host (the cross-stage norm stays on the device).
 
 Two grids: 2 stages (2 processes) and 2 stages x 2 data-parallel ranks (4 processes), with ZeRO-1, gradient
-clipping and a tied weight, through torch.distributed (``DS_STRATEGY_SHM=0``; the strict mode switches the
+clipping and a tied weight (and the 2-stage run once more with the optimizer offloaded to the host), through torch.distributed (``DS_STRATEGY_SHM=0``; the strict mode switches the
 shared-memory channels off anyway). Each run trains, saves, loads the checkpoint into a fresh engine at
 another grid (pipe 2 -> pipe 1 x data 2; pipe 2 x data 2 -> pipe 4 x data 1), trains on, and is compared
 with the single-process torch reference (tests/runtime/pipe_common.py; fp32: losses rtol 1e-5, weights atol
@@ -57,7 +57,7 @@ def _collectives_during(fn: Any) -> list[tuple[str, str, int]]:
     return seen
 
 
-def _run(rank: int, world: int, root: str, stages_after: int) -> dict[str, Any]:
+def _run(rank: int, world: int, root: str, stages_after: int, offload: bool) -> dict[str, Any]:
     import ds_strategy
     from ds_strategy.accelerator import strict
     from ds_strategy.pipe import PipelineModule
@@ -65,6 +65,8 @@ def _run(rank: int, world: int, root: str, stages_after: int) -> dict[str, Any]:
 
     assert strict.ACTIVE
     cfg = pipe_config(micro=MICRO, gas=GAS, lr=LR, clip=CLIP)
+    if offload:  # the optimizer's masters and gradients on the host, the stage's compute on the device
+        cfg["zero_optimization"]["offload_optimizer"] = {"device": "cpu"}
     out: dict[str, Any] = {"losses": []}
     for stages, steps in ((2, range(SAVED_AT)), (stages_after, range(SAVED_AT, STEPS))):
         module = PipelineModule(
@@ -89,10 +91,21 @@ def _run(rank: int, world: int, root: str, stages_after: int) -> dict[str, Any]:
     return out
 
 
-@pytest.mark.parametrize(("world", "stages_after"), [(2, 1), (4, 4)], ids=["pipe2", "pipe2xdata2"])
-def test_pipeline_trains_saves_and_resumes_under_the_strict_mode(tmp_path: Path, world: int, stages_after: int) -> None:
+@pytest.mark.parametrize(
+    ("world", "stages_after", "offload"),
+    [(2, 1, False), (4, 4, False), (2, 1, True)],
+    ids=["pipe2", "pipe2xdata2", "pipe2-offload"],
+)
+def test_pipeline_trains_saves_and_resumes_under_the_strict_mode(
+    tmp_path: Path, world: int, stages_after: int, offload: bool
+) -> None:
     results = run_distributed(
-        _run, world_size=world, args=(str(tmp_path), stages_after), env=NO_SHM, process_env=STRICT, timeout=300
+        _run,
+        world_size=world,
+        args=(str(tmp_path), stages_after, offload),
+        env=NO_SHM,
+        process_env=STRICT,
+        timeout=300,
     )
     batches = data(STEPS, 1, GAS, MICRO)
     ref_losses, ref_weights = reference_run(batches, lr=LR, clip=CLIP)

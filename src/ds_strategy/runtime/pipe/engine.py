@@ -345,7 +345,7 @@ class PipelineEngine:
                 if found is None:
                     continue
                 access, g, i = found
-                full = access.get_full(g, i, "grad").to(self.device)  # an offloaded optimizer's is host memory
+                full = access.get_full(g, i, "grad")  # on the stage's compute device, offloaded or not
                 dist.all_reduce(full, group=comm["group"])
                 access.set_full(g, i, full, "grad")
                 if self.global_rank != min(comm["ranks"]):
