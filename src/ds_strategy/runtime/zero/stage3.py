@@ -140,6 +140,7 @@ class Stage3(Stage2):
         self.module = module
         self.s3 = s3
         devices = {p.device for named in groups for _, p in named}
+        self._host_compute = any(d.type == "cpu" for d in devices)
         if any(d.type == "cpu" and not host_memory.pooled(d) for d in devices):
             host_memory.return_freed_memory_to_os()  # see [Note: gathered buckets and host memory]
         owner: dict[int, int] = {}
@@ -394,6 +395,8 @@ class Stage3(Stage2):
             h.wait()
         if self.swap is not None and self.swap.params is not None:
             self.swap.params.end_step()  # see [Note: parameter read-ahead]
+        if self._host_compute:
+            host_memory.trim_heap()  # see [Note: gathered buckets and host memory]
 
     @torch.no_grad()
     def refresh_frozen(self) -> None:
