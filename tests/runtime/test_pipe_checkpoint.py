@@ -77,6 +77,8 @@ def _save_then_load(rank: int, world: int, root: str, root0: str) -> dict[str, A
     module, engine = pipeline(1)  # the ZeRO-0 checkpoint at ZeRO-1, pipe 1 x data 4
     engine.load_checkpoint(root0)
     out["from_zero0"] = {n: safe_get_full_fp32_param(p).clone() for n, p in module.named_parameters()}
+    # ranks passing different tags: checkpoint.tag_validation "Warn" (the default) saves under rank 0's
+    engine.save_checkpoint(root0, tag=f"t{rank}", save_latest=False)
     engine.destroy()
     # a plain ZeroEngine over a one-stage model takes the consolidated weights
     from ds_strategy.runtime.pipe.files import pipe_state_dict
@@ -160,6 +162,8 @@ def test_checkpoint_loads_at_other_depths_and_data_parallel_degrees(tmp_path: Pa
     assert set(state) == set(half_weights)
     for name, value in state.items():
         torch.testing.assert_close(value, half_weights[name], rtol=0, atol=1e-6, msg=name)
+    assert (root0 / "latest").read_text() == "global_step2"  # save_latest=False
+    assert sorted(p.name for p in root0.iterdir()) == ["global_step2", "latest", "t0"]
     zero0 = consolidate_fp32_state_dict(root0)
     for name, value in zero0.items():
         torch.testing.assert_close(value, half_weights[name], rtol=0, atol=1e-6, msg=name)

@@ -4,13 +4,14 @@ mode] in ds_strategy/accelerator/strict.py): every collective and point-to-point
 loss average, the failure agreement) and of its checkpoints carries device memory, as NCCL requires, and the
 optimizer step reads nothing back to the host (the cross-stage norm stays on the device).
 
-Two grids: 2 stages (2 processes) and 2 stages x 2 data-parallel ranks (4 processes), with ZeRO-1, gradient
-clipping and a tied weight (and the 2-stage run once more with the optimizer offloaded to the host), through torch.distributed (``DS_STRATEGY_SHM=0``; the strict mode switches the
-shared-memory channels off anyway). Each run trains, saves, loads the checkpoint into a fresh engine at
-another grid (pipe 2 -> pipe 1 x data 2; pipe 2 x data 2 -> pipe 4 x data 1), trains on, and is compared
-with the single-process torch reference (tests/runtime/pipe_common.py; fp32: losses rtol 1e-5, weights atol
-1e-6). The save is also watched: every collective it issues is an object collective's byte tensor (the
-file names and sizes the ranks agree on), none carries a parameter or optimizer value.
+Two grids: 2 stages (2 processes) and 2 stages x 2 data-parallel ranks (4 processes), with ZeRO-1,
+gradient clipping and a tied weight (and the 2-stage run once more with the optimizer offloaded to the
+host), through torch.distributed (``DS_STRATEGY_SHM=0``; the strict mode switches the shared-memory
+channels off anyway). Each run trains, saves, loads the checkpoint into a fresh engine at another grid
+(pipe 2 -> pipe 1 x data 2; pipe 2 x data 2 -> pipe 4 x data 1), trains on, and is compared with the
+single-process torch reference (tests/runtime/pipe_common.py; fp32: losses rtol 1e-5, weights atol 1e-6).
+The save is also watched: every collective it issues is an object collective's byte tensor (the tag, file
+names and sizes the ranks agree on), none carries a parameter or optimizer value.
 """
 
 from __future__ import annotations

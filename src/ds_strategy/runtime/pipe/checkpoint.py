@@ -46,6 +46,7 @@ from ds_strategy.log import get_logger
 from ..checkpoint import rng
 from ..checkpoint.format import LATEST, CheckpointError, atomic_save, atomic_write_text, check_safe, fsync_dir
 from ..checkpoint.load import restore_progress
+from ..checkpoint.save import _agreed_tag
 from ..checkpoint.store import check_tag, publish, staging_dir
 from ..checkpoint.sync import agree, gather
 from ..zero.access import find
@@ -64,6 +65,19 @@ class _World:
 
     world_size: int
     group: Any
+
+
+@dataclass(frozen=True)
+class _Rank:
+    rank: int
+
+
+@dataclass(frozen=True)
+class _TagPolicy:
+    """What ``save._agreed_tag`` reads of an engine: the tag policy and the rank (over the whole grid)."""
+
+    tag_validation: str
+    coll: _Rank
 
 
 def _world(engine: PipelineEngine) -> Any:
@@ -180,6 +194,8 @@ def save_pipe_checkpoint(
     save_dir: str | os.PathLike[str],
     tag: Any = None,
     client_state: dict[str, Any] | None = None,
+    *,
+    save_latest: bool = True,
 ) -> Path:
     """Every rank calls it; each writes its own file (no tensor crosses ranks). See the module docstring."""
     inner = engine.engine
@@ -244,12 +260,11 @@ def save_pipe_checkpoint(
         return name, ours, meta
 
     name, ours, meta = agree(world, prepare, "save_checkpoint (preparing)")
-    tags = gather(world, name)
-    if len(set(tags)) > 1:
-        raise CheckpointError(
-            f"save_checkpoint: the ranks passed different tags {tags}; pass the same tag on every rank "
-            "(a pipeline checkpoint is one tag written by every stage)"
-        )
+    # checkpoint.tag_validation as in the main format: "Fail" raises on every rank, else rank 0's tag
+    name = _agreed_tag(cast(Any, _TagPolicy(inner.tag_validation, _Rank(rank))), gather(world, name))
+    ours["tag"] = name
+    if meta is not None:
+        meta["tag"] = name
     written = gather(world, {key: {"prefix": e["prefix"]} for key, e in ours["entries"].items()})
     staging = staging_dir(root, name)
 
@@ -277,7 +292,8 @@ def save_pipe_checkpoint(
             meta["files"].update(s)
         atomic_save(meta, staging / PIPE_META)
         publish(staging, final)
-        atomic_write_text(name, root / LATEST)
+        if save_latest:
+            atomic_write_text(name, root / LATEST)
 
     agree(world, finish, "save_checkpoint (publishing)")
 

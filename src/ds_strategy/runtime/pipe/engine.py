@@ -370,12 +370,18 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ checkpoints (checkpoint.py)
     def save_checkpoint(
-        self, save_dir: str | os.PathLike[str], tag: Any = None, client_state: dict[str, Any] | None = None, **_: Any
+        self,
+        save_dir: str | os.PathLike[str],
+        tag: Any = None,
+        client_state: dict[str, Any] | None = None,
+        save_latest: bool = True,
+        **_: Any,
     ) -> str:
-        """Write ``save_dir/<tag>`` with one file per layer (every rank calls it); see checkpoint.py."""
+        """Write ``save_dir/<tag>``: one file per rank with its shards (every rank calls it; no tensor crosses
+        ranks), published atomically; ``latest`` is rewritten when ``save_latest``. See checkpoint.py."""
         from .checkpoint import save_pipe_checkpoint
 
-        return str(save_pipe_checkpoint(self, save_dir, tag, client_state))
+        return str(save_pipe_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest))
 
     def load_checkpoint(
         self,
