@@ -169,7 +169,7 @@ def _run_one(rank: int, world: int, case: Case, shape: dict[str, int], base_path
     gc.collect()
     out: dict[str, Any] = {"losses": losses, "rss_before_trim": _rss_bytes()}
     if peer == "ds_strategy":
-        from ds_strategy.runtime.zero import host_memory
+        from ds_strategy.runtime import host_memory
 
         # Stage 3's gathered buckets come from a pool that keeps the step's peak working set cached for the
         # next step (what torch's CUDA caching allocator does on a GPU); trimmed, RSS shows what is held.

@@ -1,11 +1,11 @@
-"""Stage 3's host pool for gathered buckets (csrc/memory/host_pool.cpp via runtime/zero/host_memory.py)."""
+"""Stage 3's host pool for gathered buckets (csrc/memory/host_pool.cpp via runtime/host_memory.py)."""
 
 from __future__ import annotations
 
 import pytest
 import torch
 
-from ds_strategy.runtime.zero import host_memory
+from ds_strategy.runtime import host_memory
 
 
 @pytest.fixture

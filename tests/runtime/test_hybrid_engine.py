@@ -258,7 +258,7 @@ def _rules(rank: int, world: int) -> dict[str, Any]:
     out["warnings"] = [m for m in records if "hybrid_engine" in m]
 
     # release_inference_cache: the host pool's cached gathered-bucket buffers are returned after the call.
-    from ds_strategy.runtime.zero import host_memory
+    from ds_strategy.runtime import host_memory
 
     for release in (False, True):
         hybrid = {"enabled": True, "pin_parameters": False, "release_inference_cache": release}

@@ -7,18 +7,30 @@ partitions around their gathers. All I/O goes through ``ds_strategy.ops.aio``.
 
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 
 from ds_strategy.ops.aio import AsyncIO
 
+from ..host_memory import return_freed_memory_to_os
 from .files import NvmePathError, SwapDir, SwapFile
 from .optimizer import OptimizerSwapper
 from .params import PartitionSwapper
 
-if TYPE_CHECKING:
-    from ..zero.offload import Offload
+
+class Offload(Protocol):
+    """What the swappers need of ZeRO's offload settings (``runtime/zero/offload.py``'s ``Offload``): the NVMe
+    blocks (``path``, ``buffer_count``, ``buffer_size``, ``pipeline_read``, ``pipeline_write``) and the aio
+    options. A protocol, so that swap/ stays below zero/."""
+
+    @property
+    def optimizer_nvme(self) -> Any: ...
+    @property
+    def params_nvme(self) -> Any: ...
+    @property
+    def aio(self) -> Any: ...
+
 
 # [Note: host memory under NVMe offload]
 # NVMe offload exists to keep host memory independent of the model's size, and glibc's malloc defeats that
@@ -30,18 +42,6 @@ if TYPE_CHECKING:
 # MALLOC_TRIM_THRESHOLD_) and trims the heap (``host_memory.trim_heap``) after each zero.Init partition
 # event, after the engine is built and after each optimizer step: a few milliseconds each, small beside
 # the disk transfers.
-
-
-def return_freed_memory_to_os() -> bool:
-    from ..zero.host_memory import return_freed_memory_to_os as pin
-
-    return pin()
-
-
-def trim_heap() -> None:
-    from ..zero.host_memory import trim_heap as trim
-
-    trim()
 
 
 __all__ = ["NvmePathError", "OptimizerSwapper", "PartitionSwapper", "Swap", "make_swap"]

@@ -29,7 +29,7 @@ from torch.optim import Optimizer
 
 from ds_strategy.ops.aio import AioRequest, aligned_empty
 
-from ..zero.host_memory import trim_heap  # [Note: host memory under NVMe offload] in __init__.py
+from ..host_memory import trim_heap  # [Note: host memory under NVMe offload] in __init__.py
 from .files import SwapFile, _align
 
 Key = tuple[int, int]  # (group, bucket)

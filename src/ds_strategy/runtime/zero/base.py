@@ -38,9 +38,10 @@ from ds_strategy.accelerator import strict
 from ds_strategy.ops import multi_tensor_l2norm
 from ds_strategy.ops.norm import multi_tensor_sum_of_squares
 
+from ..host_memory import trim_heap
 from ..optimizers import is_cpu_kernel_optimizer
 from ..precision import Precision
-from ..swap import OptimizerSwapper, Swap, make_swap, trim_heap
+from ..swap import OptimizerSwapper, Swap, make_swap
 from .buffers import GroupState, GroupStorage
 from .collectives import Collectives, Handle
 from .init import init_shard

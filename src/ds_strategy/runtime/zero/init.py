@@ -98,7 +98,7 @@ class InitStore:
     def __init__(self, nvme_path: str, aio: Any, rank: int) -> None:
         from ds_strategy.ops.aio import AsyncIO
 
-        from ..swap import return_freed_memory_to_os
+        from ..host_memory import return_freed_memory_to_os
         from ..swap.files import SwapDir, SwapFile
         from .offload import AioOptions, _aio_block
 
@@ -372,7 +372,7 @@ class Init:
                     self._partition(p)
         self._pending = keep
         if self._store is not None:
-            from ..swap import trim_heap
+            from ..host_memory import trim_heap
 
             trim_heap()  # [Note: host memory under NVMe offload] in runtime/swap/__init__.py
 

@@ -27,9 +27,9 @@ from torch import nn
 
 from ds_strategy.ops.quant import Quantized, dequantize_into
 
+from .. import host_memory
 from ..layout import FlatLayout, ParamSlot
 from ..swap import OptimizerSwapper, PartitionSwapper
-from . import host_memory
 from .buffers import GroupStorage
 from .collectives import DONE, Collectives, Handle
 from .init import gather_init_param, init_shard, release_init_shard

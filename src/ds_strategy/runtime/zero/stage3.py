@@ -38,8 +38,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from ..swap import trim_heap
-from . import host_memory
+from .. import host_memory
+from ..host_memory import trim_heap
 from .base import BucketKey, StageOptions, ZeroStage
 from .buffers import GroupStorage
 from .collectives import Collectives, Handle
