@@ -2,7 +2,7 @@
 
 The user initialises the fake group before fit; Lightning runs one process (``devices=1``) and the
 strategy takes the group's rank and size for ZeRO, the sampler and Lightning's own bookkeeping ([Note: one
-process for N ranks] in src/ds_strategy/lightning/shared.py). Runs in the pytest process (no workers): the
+process for N ranks] in src/ds_strategy/lightning/process.py). Runs in the pytest process (no workers): the
 group is destroyed and Lightning's rank_zero_only rank put back at the end of each test.
 """
 
@@ -146,7 +146,7 @@ def test_zero3_collectives_per_step_under_a_fake_group(monkeypatch: pytest.Monke
 
 
 def test_a_fake_group_needs_one_process(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ds_strategy.lightning.shared import fake_ranks
+    from ds_strategy.lightning.process import fake_ranks
 
     assert fake_ranks(2) is None  # no group: nothing to adopt
     with fake_group(monkeypatch, world_size=WORLD, rank=2):

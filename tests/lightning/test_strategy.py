@@ -18,7 +18,8 @@ from lightning.pytorch.strategies.launchers import _SubprocessScriptLauncher
 
 import ds_strategy.lightning as zl
 from ds_strategy.config import ConfigConflictWarning, ConfigError
-from ds_strategy.lightning import shared as shared_module  # the process-group setup both faces share
+from ds_strategy.lightning import core as core_module  # where "auto" is decided for both faces
+from ds_strategy.lightning import process as process_module  # the process-group setup both faces share
 from ds_strategy.lightning.config import apply_keywords, read_config, resolve
 from ds_strategy.lightning.launcher import ZeroMultiProcessingLauncher
 
@@ -217,7 +218,7 @@ def test_no_amp_scaler_and_unsupported_precision() -> None:
 # ---------------------------------------------------------------------- launching
 def test_script_launches_with_popen_notebooks_fork(monkeypatch: pytest.MonkeyPatch) -> None:
     assert isinstance(_trainer(strategy="zero2").strategy.launcher, _SubprocessScriptLauncher)
-    monkeypatch.setattr(shared_module, "_IS_INTERACTIVE", True)  # where "auto" is decided for both faces
+    monkeypatch.setattr(core_module, "_IS_INTERACTIVE", True)  # where "auto" is decided for both faces
     launcher = _trainer(strategy="zero2").strategy.launcher
     assert isinstance(launcher, ZeroMultiProcessingLauncher) and launcher.is_interactive_compatible
 
@@ -265,7 +266,7 @@ def test_a_reused_process_group_gets_no_default_timeout(
     seen: dict[str, object] = {}
     monkeypatch.setenv("MASTER_ADDR", "127.0.0.1")  # the strategy writes both: restored after the test
     monkeypatch.setenv("MASTER_PORT", "29500")
-    monkeypatch.setattr(shared_module, "init_distributed", lambda **kw: seen.update(kw))
+    monkeypatch.setattr(process_module, "init_distributed", lambda **kw: seen.update(kw))
     monkeypatch.setattr(torch.distributed, "is_initialized", lambda: initialised)
     kwargs = {} if timeout is None else {"timeout": timedelta(seconds=timeout)}
     strategy = zl.ZeroStrategy(stage=2, cluster_environment=LightningEnvironment(), **kwargs)

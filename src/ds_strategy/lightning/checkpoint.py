@@ -1,4 +1,5 @@
-"""Lightning checkpoints through the engine's sharded format (see docs/lightning.md, "Checkpoints").
+"""Lightning checkpoints through the engine's sharded format (see docs/lightning.md, "Checkpoints"): one
+engine's checkpoint under a Lightning path (``save_engine`` / ``load_engine``), for both faces.
 
 [Note: what goes where]
 Lightning builds one checkpoint dict (``dump_checkpoint``): the weights (``state_dict``), the optimizer
@@ -26,7 +27,10 @@ from __future__ import annotations
 import os
 from collections.abc import Mapping
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:
+    from ds_strategy.runtime import ZeroEngine
 
 # The one tag inside every Lightning checkpoint directory (as Lightning's DeepSpeedStrategy does).
 TAG = "checkpoint"
@@ -52,3 +56,44 @@ def locate(path: str | os.PathLike[str]) -> tuple[Path, str | None]:
 
 def is_single_file(path: str | os.PathLike[str]) -> bool:
     return Path(path).is_file()
+
+
+def save_engine(
+    engine: ZeroEngine,
+    path: str | os.PathLike[str],
+    checkpoint: Mapping[str, Any],
+    *,
+    exclude_frozen_parameters: bool = False,
+    exclude_optimizer_states: bool = False,
+) -> None:
+    """Every rank writes its shards under ``path/<TAG>`` (engine format, docs/checkpointing.md), with the rest
+    of Lightning's ``checkpoint`` dict as the client state."""
+    engine.save_checkpoint(
+        path,
+        tag=TAG,
+        client_state=client_state(checkpoint),
+        exclude_frozen_parameters=exclude_frozen_parameters,
+        exclude_optimizer_states=exclude_optimizer_states,
+    )
+
+
+def load_engine(
+    engine: ZeroEngine, path: str | os.PathLike[str], *, load_optimizer_states: bool, load_module_only: bool
+) -> dict[str, Any]:
+    """Load what ``save_engine`` wrote (at any world size and stage: the engine reshards); return the
+    client state. ``path`` is the directory or the tag directory inside it."""
+    load_dir, tag = locate(path)
+    _, state = engine.load_checkpoint(
+        load_dir,
+        tag=tag,
+        load_optimizer_states=load_optimizer_states,
+        load_lr_scheduler_states=False,  # schedulers belong to the Lightning side, restored from the state
+        load_module_only=load_module_only,
+    )
+    return state
+
+
+def is_engine_checkpoint(path: str | os.PathLike[str]) -> bool:
+    """Whether ``path`` is a directory ``save_engine`` wrote (or its tag directory)."""
+    root = Path(path)
+    return (root / "latest").is_file() or (root / "meta.pt").is_file()

@@ -25,7 +25,7 @@ import torch
 from torch.nn import Module
 from torch.optim import Optimizer
 
-from . import shared
+from . import checkpoint as lckpt
 from .fabric_optimizer import EngineOptimizer
 
 if TYPE_CHECKING:
@@ -82,7 +82,7 @@ def save(
         raise FileExistsError(f"fabric.save({str(path)!r}): a file is in the way; ZeRO checkpoints are directories")
     engines, owner = _owners(state)
     for key, engine in engines.items():
-        shared.save_engine(
+        lckpt.save_engine(
             engine,
             root / key,
             {},
@@ -127,9 +127,7 @@ def load(path: str | os.PathLike[str], state: Mapping[str, Any] | Module | Optim
         with_optimizer = key in owner.values()
         if with_optimizer and key not in meta["optimizers"].values():
             raise KeyError(f"fabric.load({str(path)!r}): the checkpoint holds no optimizer state for model {key!r}")
-        shared.load_engine(
-            engine, root / key, load_optimizer_states=with_optimizer, load_module_only=not with_optimizer
-        )
+        lckpt.load_engine(engine, root / key, load_optimizer_states=with_optimizer, load_module_only=not with_optimizer)
     assert isinstance(state, dict)
     for key, obj in list(state.items()):
         if key in engines or key in owner:
@@ -152,9 +150,9 @@ def _load_raw(root: Path, engine: ZeroEngine, strict: bool) -> None:
         full = torch.load(root, map_location="cpu", weights_only=True)
         engine.load_full_state_dict(full.get("state_dict", full) if isinstance(full, dict) else full, strict)
         return
-    if not shared.is_engine_checkpoint(root):
+    if not lckpt.is_engine_checkpoint(root):
         raise FileNotFoundError(
             f"fabric.load_raw({str(root)!r}, model): neither a file of full weights nor a model directory of a "
             "ZeroFabricStrategy checkpoint (path/<model key>)"
         )
-    shared.load_engine(engine, root, load_optimizer_states=False, load_module_only=True)
+    lckpt.load_engine(engine, root, load_optimizer_states=False, load_module_only=True)

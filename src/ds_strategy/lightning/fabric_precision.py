@@ -1,6 +1,6 @@
 """``ZeroFabricPrecision``: Fabric's precision flags mapped onto the engine's fp16 / bf16 / fp32.
 
-The same mapping as the Trainer's ``ZeroPrecision`` (``shared.EngineDtypes``). Fabric calls the plugin
+The same mapping as the Trainer's ``ZeroPrecision`` (``dtypes.EngineDtypes``). Fabric calls the plugin
 around every forward (``forward_context``), for the backward and for the optimizer step; ``ZeroFabricStrategy``
 hands backward and step to the engine directly, so what is left here is the dtype of the module, of its
 inputs and of tensors created under ``fabric.init_module()`` / ``fabric.init_tensor()``. No autocast: the
@@ -14,7 +14,7 @@ from contextlib import AbstractContextManager, nullcontext
 from lightning.fabric.plugins import Precision
 from typing_extensions import override
 
-from .shared import EngineDtypes, PrecisionFlag
+from .dtypes import EngineDtypes, PrecisionFlag
 
 
 class ZeroFabricPrecision(EngineDtypes, Precision):

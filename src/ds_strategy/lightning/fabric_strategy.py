@@ -22,8 +22,8 @@ its own. What Fabric calls on the strategy, and where it goes:
 - ``fabric.save`` / ``fabric.load``: a directory per model (fabric_checkpoint.py).
 - ``fabric.init_module()``: at stage 3 ``zero.Init`` (each rank materialises its shard only).
 
-The process group, precision mapping, engine build and checkpoint of one engine are shared with the
-Trainer's ``ZeroStrategy`` (shared.py).
+What both faces do alike (config, launcher, precision plugin, stage-3 init context, engine build) is
+their ``ZeroCore`` (core.py); the process layout is process.py's, one engine's checkpoint checkpoint.py's.
 """
 
 from __future__ import annotations
@@ -48,7 +48,7 @@ from typing_extensions import override
 from ds_strategy.config import OnConflict
 from ds_strategy.runtime.activation_checkpointing import Policy
 
-from . import fabric_checkpoint, shared, stage3
+from . import fabric_checkpoint
 from ._compat import (
     _PATH,
     _BackwardSyncControl,
@@ -58,15 +58,17 @@ from ._compat import (
     _sync_ddp_if_available,
 )
 from .compile import CompileArg
-from .config import ConfigArg, StartMethod, StrategyKeywords, states_micro_batch, strategy_config
+from .config import ConfigArg, StartMethod, StrategyKeywords
+from .core import ZeroCore, ZeroFace
 from .fabric_optimizer import EngineOptimizer
 from .fabric_precision import ZeroFabricPrecision
+from .process import ProcessLayout
 
 if TYPE_CHECKING:
     from ds_strategy.runtime import ZeroEngine
 
 
-class ZeroFabricStrategy(shared.ProcessLayout, ParallelStrategy, _Sharded):
+class ZeroFabricStrategy(ZeroFace, ProcessLayout, ParallelStrategy, _Sharded):
     """ZeRO data parallelism (stages 0-3, CPU/NVMe offload, fp16/bf16) for Lightning Fabric.
 
     The keywords are ``ZeroStrategy``'s (docs/lightning.md), ``activation_checkpointing_policy`` included
@@ -107,13 +109,14 @@ class ZeroFabricStrategy(shared.ProcessLayout, ParallelStrategy, _Sharded):
         exclude_frozen_parameters: bool = False,
         compile: CompileArg = None,
     ) -> None:
-        self.raw_config: dict[str, Any] = strategy_config(
+        self.core = ZeroCore(
             "ZeroFabricStrategy",
             config,
             StrategyKeywords.pick(locals()),
             compile,
             start_method=start_method,
             on_conflict=on_conflict,
+            activation_checkpointing_policy=activation_checkpointing_policy,
         )
         super().__init__(
             accelerator=accelerator,
@@ -127,12 +130,7 @@ class ZeroFabricStrategy(shared.ProcessLayout, ParallelStrategy, _Sharded):
                 'ZeroFabricStrategy: the DeepSpeed config has an "optimizer" block, but Fabric hands the optimizer '
                 "to fabric.setup(model, optimizer); remove the block and build the optimizer in your code"
             )
-        self._num_nodes = 1
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._start_method: StartMethod = start_method
-        self._on_conflict: OnConflict = on_conflict
-        self._activation_checkpointing_policy = activation_checkpointing_policy
+        self.layout_process_group(process_group_backend, timeout)
         self.exclude_frozen_parameters = exclude_frozen_parameters
         self.engines: list[ZeroEngine] = []
         self._clip_next_step: dict[int, float] = {}  # id(engine) -> max_norm of fabric.clip_gradients
@@ -148,27 +146,14 @@ class ZeroFabricStrategy(shared.ProcessLayout, ParallelStrategy, _Sharded):
     @precision.setter
     @override
     def precision(self, precision: Precision | None) -> None:
-        self._precision = shared.own_precision(
-            precision,
-            ZeroFabricPrecision,
-            (Precision, MixedPrecision, HalfPrecision),
-            owner="ZeroFabricStrategy",
-            where="Fabric(precision=...)",
+        plain = (Precision, MixedPrecision, HalfPrecision)
+        self._precision = self.core.precision_plugin(
+            precision, ZeroFabricPrecision, plain, where="Fabric(precision=...)"
         )
 
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if shared.fake_ranks(self.num_nodes * self.num_processes) is not None:
-            self._launcher = None  # this process is the run: nothing to start, no environment to set
-            return
-        method = shared.start_method_here(self._start_method)
-        if method == "popen":
-            self._launcher = _FabricSubprocessScriptLauncher(
-                self.cluster_environment, self.num_processes, self.num_nodes
-            )
-        else:
-            self._launcher = _FabricMultiProcessingLauncher(self, start_method=method)
+        self._launcher = self.core.launcher(self, _FabricSubprocessScriptLauncher, _FabricMultiProcessingLauncher)
 
     # ------------------------------------------------------------------ process group
     @override
@@ -197,7 +182,7 @@ class ZeroFabricStrategy(shared.ProcessLayout, ParallelStrategy, _Sharded):
                 "ZeroFabricStrategy: fabric.init_module() at ZeRO stage 3 partitions the model across the "
                 "processes, which must exist first: call fabric.launch() before it"
             )
-        return stage3.sharded_init(self.raw_config)
+        return self.core.sharded_init()
 
     @override
     def module_to_device(self, module: Module) -> None:
@@ -237,18 +222,14 @@ class ZeroFabricStrategy(shared.ProcessLayout, ParallelStrategy, _Sharded):
     def _new_engine(self, module: Module, optimizer: Optimizer | None) -> ZeroEngine:
         if not torch.distributed.is_initialized():
             raise RuntimeError("ZeroFabricStrategy: call fabric.launch() before fabric.setup()")
-        micro = None if states_micro_batch(self.raw_config) else 1
-        config = shared.engine_config(
-            self.raw_config,
+        config = self.core.resolve(
             world_size=self.world_size,
             precision=self.precision.precision,
-            micro_batch_size=micro,
+            micro_batch_size=self.core.micro_batch_size(),  # Fabric hands the engine no dataloader
             accumulate_grad_batches=1,
             gradient_clip_val=None,
-            on_conflict=self._on_conflict,
         )
-        shared.checkpoint_activations(module, self._activation_checkpointing_policy)
-        engine = shared.build_engine(module, config, optimizer, self.root_device)
+        engine = self.core.build_engine(module, config, optimizer, self.root_device)
         self.engines.append(engine)
         return engine
 

@@ -4,7 +4,7 @@ The engine owns loss scaling (fp16, DeepSpeed's dynamic scaler configured in the
 master weights and gradient clipping, so this plugin never stacks Lightning's AMP ``GradScaler`` or autocast
 on top: backward and the optimizer step are handed to the engine, clipping is a no-op here.
 
-Which flag selects which engine mode: ``shared.EngineDtypes``.
+Which flag selects which engine mode: ``dtypes.EngineDtypes``.
 """
 
 from __future__ import annotations
@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from ds_strategy.runtime import ZeroEngine
 
-from .shared import EngineDtypes, PrecisionFlag
+from .dtypes import EngineDtypes, PrecisionFlag
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -31,7 +31,7 @@ if TYPE_CHECKING:
 class ZeroPrecision(EngineDtypes, Precision):
     """Precision for ``ZeroStrategy``: ``precision`` is one of "32-true", "16-mixed", "bf16-mixed",
     "16-true", "bf16-true". The dtype handling (``convert_module``, ``convert_input``, the init contexts)
-    is ``shared.EngineDtypes``, the same as Fabric's ``ZeroFabricPrecision``."""
+    is ``dtypes.EngineDtypes``, the same as Fabric's ``ZeroFabricPrecision``."""
 
     def __init__(self, precision: PrecisionFlag = "32-true") -> None:
         self._set_flag(precision, "ZeroStrategy")

@@ -52,7 +52,6 @@ from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info, rank_zero_warn
 from lightning.pytorch.utilities.types import LRSchedulerConfig
 from torch import Tensor
-from torch.nn import Module
 from torch.optim import Optimizer
 from typing_extensions import override
 
@@ -60,7 +59,7 @@ from ds_strategy.config import OnConflict
 from ds_strategy.runtime.activation_checkpointing import Policy
 
 from . import checkpoint as lckpt
-from . import shared, stage3
+from . import stage3
 from ._compat import (
     _PATH,
     _init_optimizers_and_lr_schedulers,
@@ -71,9 +70,11 @@ from ._compat import (
     train_dataloader_of,
 )
 from .compile import CompileArg
-from .config import ConfigArg, StartMethod, StrategyKeywords, states_micro_batch, strategy_config
+from .config import ConfigArg, StartMethod, StrategyKeywords
+from .core import ZeroCore, ZeroFace
 from .launcher import ZeroMultiProcessingLauncher
 from .precision import ZeroPrecision
+from .process import ProcessLayout
 from .throughput import ThroughputProgress
 
 if TYPE_CHECKING:
@@ -83,7 +84,7 @@ if TYPE_CHECKING:
 log = logging.getLogger(__name__)
 
 
-class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
+class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
     """ZeRO data parallelism (stages 0-3, CPU offload, fp16/bf16) for the Lightning Trainer.
 
     Args:
@@ -155,13 +156,14 @@ class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
         compile: CompileArg = None,
     ) -> None:
         self.config = config
-        self.raw_config: dict[str, Any] = strategy_config(
+        self.core = ZeroCore(
             "ZeroStrategy",
             config,
             StrategyKeywords.pick(locals()),
             compile,
             start_method=start_method,
             on_conflict=on_conflict,
+            activation_checkpointing_policy=activation_checkpointing_policy,
         )
         super().__init__(
             accelerator=accelerator,
@@ -170,12 +172,7 @@ class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
             checkpoint_io=checkpoint_io,
             precision_plugin=precision_plugin,
         )
-        self._num_nodes = 1
-        self._process_group_backend = process_group_backend
-        self._timeout = timeout
-        self._start_method: StartMethod = start_method
-        self._activation_checkpointing_policy = activation_checkpointing_policy
-        self._on_conflict: OnConflict = on_conflict
+        self.layout_process_group(process_group_backend, timeout)
         self.exclude_frozen_parameters = exclude_frozen_parameters
         self.engine: ZeroEngine | None = None
         self.engine_config: DeepSpeedConfig | None = None
@@ -203,25 +200,14 @@ class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
-        self._precision_plugin = shared.own_precision(
-            plugin,
-            ZeroPrecision,
-            (Precision, MixedPrecision, HalfPrecision),
-            owner="ZeroStrategy",
-            where="Trainer(precision=...)",
+        plain = (Precision, MixedPrecision, HalfPrecision)
+        self._precision_plugin = self.core.precision_plugin(
+            plugin, ZeroPrecision, plain, where="Trainer(precision=...)"
         )
 
     @override
     def _configure_launcher(self) -> None:
-        assert self.cluster_environment is not None
-        if shared.fake_ranks(self.num_nodes * self.num_processes) is not None:
-            self._launcher = None  # this process is the run: nothing to start, no environment to set
-            return
-        method = shared.start_method_here(self._start_method)
-        if method == "popen":
-            self._launcher = _SubprocessScriptLauncher(self.cluster_environment, self.num_processes, self.num_nodes)
-        else:
-            self._launcher = ZeroMultiProcessingLauncher(self, start_method=method)
+        self._launcher = self.core.launcher(self, _SubprocessScriptLauncher, ZeroMultiProcessingLauncher)
 
     # ------------------------------------------------------------------ process group
     @override
@@ -244,7 +230,7 @@ class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
                 yield
             return
         if self._ranks_ready_for_init():
-            with stage3.sharded_init(self.raw_config):
+            with self.core.sharded_init():
                 yield
             return
         rank_zero_warn(
@@ -277,10 +263,7 @@ class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
     @contextmanager
     @override
     def model_sharded_context(self) -> Generator[None, None, None]:
-        if self.stage == 3:
-            with stage3.sharded_init(self.raw_config):
-                yield
-        else:
+        with self.core.sharded_init():
             yield
 
     @override
@@ -306,8 +289,7 @@ class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
             _check_clipping(trainer)
             optimizer, self.lr_scheduler_configs = self._client_optimizer(module)
         self.engine_config = self._resolve_config(trainer, fitting)
-        shared.checkpoint_activations(module, self._activation_checkpointing_policy)
-        self.engine = self._build_engine(module, self.engine_config, optimizer)
+        self.engine = self.core.build_engine(module, self.engine_config, optimizer, self.root_device)
         if fitting:
             if self.engine.optimizer is None:
                 raise MisconfigurationException(
@@ -324,9 +306,6 @@ class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
         self.model = self.engine
         self.setup_precision_plugin()
         self.barrier()
-
-    def _build_engine(self, module: Module, config: DeepSpeedConfig, optimizer: Optimizer | None) -> ZeroEngine:
-        return shared.build_engine(module, config, optimizer, self.root_device)
 
     def _client_optimizer(self, module: pl.LightningModule) -> tuple[Optimizer | None, list[LRSchedulerConfig]]:
         """The one optimizer (and its schedulers) from configure_optimizers; None when the config has one."""
@@ -363,17 +342,13 @@ class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
         engine.lr_scheduler = None
 
     def _resolve_config(self, trainer: pl.Trainer, fitting: bool) -> DeepSpeedConfig:
-        micro = None
-        if not states_micro_batch(self.raw_config):
-            micro = (_train_batch_size(trainer) if fitting else None) or 1  # 1: evaluation, bookkeeping only
-        return shared.engine_config(
-            self.raw_config,
+        return self.core.resolve(
             world_size=self.world_size,
             precision=self.precision_plugin.precision,
-            micro_batch_size=micro,
+            # the train dataloader's batch size; evaluation: 1 (the engine's bookkeeping only)
+            micro_batch_size=self.core.micro_batch_size(lambda: _train_batch_size(trainer) if fitting else None),
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             gradient_clip_val=trainer.gradient_clip_val if fitting else None,
-            on_conflict=self._on_conflict,
         )
 
     # ------------------------------------------------------------------ backward and step (from ZeroPrecision)
@@ -459,7 +434,7 @@ class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
             if self.is_global_zero:
                 self.checkpoint_io.save_checkpoint(checkpoint, filepath)
             return
-        shared.save_engine(
+        lckpt.save_engine(
             engine,
             filepath,
             checkpoint,
@@ -489,7 +464,7 @@ class ZeroStrategy(shared.ProcessLayout, ParallelStrategy):
             return self._load_single_file(checkpoint_path, weights_only)
         fitting = self.lightning_module is not None and self.lightning_module.trainer.state.fn == TrainerFn.FITTING
         # Lightning's schedulers are restored by Lightning from the returned state, not by the engine.
-        return shared.load_engine(engine, checkpoint_path, load_optimizer_states=fitting, load_module_only=not fitting)
+        return lckpt.load_engine(engine, checkpoint_path, load_optimizer_states=fitting, load_module_only=not fitting)
 
     def _load_single_file(self, path: _PATH, weights_only: bool | None) -> dict[str, Any]:
         checkpoint = super().load_checkpoint(path, weights_only=weights_only)
