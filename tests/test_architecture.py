@@ -173,3 +173,46 @@ def test_the_scheduler_environment_is_read_without_torch() -> None:
     code = "import sys, ds_strategy.scheduler_env; print('torch' in sys.modules)"
     out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
     assert out.strip() == "False"
+
+
+def _child_graphs(graph: dict[str, dict[str, int]]) -> dict[str, dict[str, dict[str, tuple[str, str, int]]]]:
+    """package -> {child: {other child: (module, imported module, line)}}: the import graph seen from each
+    package, every module collapsed into the child of that package it lies in (a sub-package or a module)."""
+    modules = _modules()
+    packages = {m for m, (_, is_package) in modules.items() if is_package}
+    out: dict[str, dict[str, dict[str, tuple[str, str, int]]]] = {}
+    for package in packages:
+
+        def child(module: str, package: str = package) -> str | None:
+            if not module.startswith(package + "."):
+                return None
+            return package + "." + module[len(package) + 1 :].split(".")[0]
+
+        edges: dict[str, dict[str, tuple[str, str, int]]] = {}
+        for module, targets in graph.items():
+            a = child(module)
+            for target, line in targets.items():
+                b = child(target)
+                if a is not None and b is not None and a != b:
+                    edges.setdefault(a, {}).setdefault(b, (module, target, line))
+        out[package] = edges
+    return out
+
+
+def test_no_cycle_between_sub_packages() -> None:
+    """Seen from every package, its sub-packages and modules import each other without a loop (issue 43):
+    ``runtime.zero`` -> ``runtime.swap`` -> ``runtime.zero`` is a seam that leaks, even when no two modules
+    form a cycle (a module-level cycle test misses it)."""
+    problems = []
+    for package, edges in sorted(_child_graphs(_imports()).items()):
+        flat = {a: dict.fromkeys(bs, 0) for a, bs in edges.items()}
+        for component in _cycles(flat):
+            members = set(component)
+            links = [
+                f"{m} -> {t} ({_modules()[m][0].relative_to(SRC)}:{line})"
+                for a in component
+                for b, (m, t, line) in edges.get(a, {}).items()
+                if b in members
+            ]
+            problems.append(f"in {package}: cycle between " + ", ".join(component) + ":\n    " + "\n    ".join(links))
+    assert not problems, "\n".join(problems)

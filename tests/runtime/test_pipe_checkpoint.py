@@ -81,7 +81,7 @@ def _save_then_load(rank: int, world: int, root: str, root0: str) -> dict[str, A
     engine.save_checkpoint(root0, tag=f"t{rank}", save_latest=False)
     engine.destroy()
     # a plain ZeroEngine over a one-stage model takes the consolidated weights
-    from ds_strategy.runtime.pipe.files import pipe_state_dict
+    from ds_strategy.runtime.checkpoint.pipe_files import pipe_state_dict
 
     plain = PipelineModule(specs(), num_stages=1, loss_fn=nn.MSELoss(), partition_method="uniform")
     zero = ds_strategy.ZeroEngine(plain, ds_strategy.config.load_config(cfg, world_size=world))
@@ -93,7 +93,7 @@ def _save_then_load(rank: int, world: int, root: str, root0: str) -> dict[str, A
 def _to_format1(root: Path, target: Path) -> None:
     """Rewrite a checkpoint in format 1: per entry ``<entry>-model_states.pt`` holding {"module": whole fp32
     values and buffers, "optimizer": {name: {key: whole state}}, "prefix"}, and a pipe_meta.pt without files."""
-    from ds_strategy.runtime.pipe.files import PipeCheckpoint, resolve_pipe
+    from ds_strategy.runtime.checkpoint.pipe_files import PipeCheckpoint, resolve_pipe
 
     source = PipeCheckpoint(resolve_pipe(root, None))
     tag_dir = target / "global_step2"
@@ -173,7 +173,7 @@ def test_checkpoint_loads_at_other_depths_and_data_parallel_degrees(tmp_path: Pa
 def _damaged(root: Path, root0: Path, tmp_path: Path) -> None:
     """Each damage is refused with a CheckpointError naming the file (read by pipe_state_dict, as a load reads)."""
     from ds_strategy.runtime.checkpoint.format import CheckpointError
-    from ds_strategy.runtime.pipe.files import pipe_state_dict
+    from ds_strategy.runtime.checkpoint.pipe_files import pipe_state_dict
 
     def copy(name: str) -> Path:
         target = tmp_path / name
@@ -256,7 +256,7 @@ def _frozen(rank: int, world: int, root: str) -> dict[str, Any]:
 
 def test_frozen_parameters_and_buffers_round_trip(tmp_path: Path) -> None:
     """Saved whole by the owning stage, loaded at another grid (pipe 2 -> pipe 1 x data 2) as they were."""
-    from ds_strategy.runtime.pipe.files import pipe_state_dict
+    from ds_strategy.runtime.checkpoint.pipe_files import pipe_state_dict
 
     results = run_distributed(_frozen, world_size=2, args=(str(tmp_path),), timeout=180)
     saved = next(r["saved"] for r in results if r["saved"])  # the stage holding layer 2

@@ -42,7 +42,7 @@ import torch.distributed as dist
 root, rank, second_tag = sys.argv[1], int(sys.argv[2]), sys.argv[3]
 dist.init_process_group("gloo", init_method="file://" + os.path.join(root, ".pg"), rank=rank, world_size=2)
 import torch
-from ds_strategy.runtime.pipe.files import pipe_state_dict
+from ds_strategy.runtime.checkpoint.pipe_files import pipe_state_dict
 from tests.runtime.test_pipe_checkpoint_kill import build, train
 engine, batches = build()
 train(engine, batches[:1])
@@ -141,7 +141,7 @@ def _kill_at(procs: list[subprocess.Popen[str]], marker: str, timeout: float = 2
 
 
 def test_sigkill_mid_save_keeps_the_previous_tag_and_the_run_resumes_bit_exactly(tmp_path: Path) -> None:
-    from ds_strategy.runtime.pipe.files import pipe_state_dict
+    from ds_strategy.runtime.checkpoint.pipe_files import pipe_state_dict
 
     for name, (tag, marker) in MOMENTS.items():  # one at a time: two processes each
         _kill_at(_start(tmp_path / name, tag), marker)

@@ -29,6 +29,7 @@ from ..layout import FlatLayout
 from .experts import expert_state, layer_of_key
 from .format import MODEL, CheckpointError, atomic_save, expect_format, read
 from .frozen import FrozenSource
+from .pipe_files import is_pipe_checkpoint, pipe_state_dict
 from .reshard import full_param, index_by_name
 from .store import rank_reader, read_meta, resolve
 
@@ -86,9 +87,7 @@ def consolidate_fp32_state_dict(
     checkpoint_dir: str | os.PathLike[str], tag: str | None = None
 ) -> dict[str, torch.Tensor]:
     """The checkpoint's weights as a plain fp32 state dict (``module.load_state_dict`` takes it); a
-    pipeline checkpoint's layer files merge into the names of a one-stage PipelineModule."""
-    from ..pipe.files import is_pipe_checkpoint, pipe_state_dict
-
+    pipeline checkpoint's per-rank files merge into the names of a one-stage PipelineModule."""
     if is_pipe_checkpoint(checkpoint_dir, tag):
         return pipe_state_dict(checkpoint_dir, tag)
     return dict(iter_fp32_state(checkpoint_dir, tag))
@@ -177,7 +176,6 @@ def write_fp32(
         out.parent.mkdir(parents=True, exist_ok=True)
         save_file(plain, str(out), metadata={"format": "pt"})
         return out
-    from ..pipe.files import is_pipe_checkpoint
 
     if is_pipe_checkpoint(checkpoint_dir, tag):
         if lightning:

@@ -46,12 +46,21 @@ from ds_strategy.log import get_logger
 from ..checkpoint import rng
 from ..checkpoint.format import LATEST, CheckpointError, atomic_save, atomic_write_text, check_safe, fsync_dir
 from ..checkpoint.load import restore_progress
+from ..checkpoint.pipe_files import (
+    FORMAT,
+    PIPE_META,
+    VERSION,
+    PipeCheckpoint,
+    layer_key,
+    rank_file,
+    resolve_pipe,
+    tied_key,
+)
 from ..checkpoint.save import _agreed_tag
 from ..checkpoint.store import check_tag, publish, staging_dir
 from ..checkpoint.sync import agree, gather
 from ..zero.access import find
 from ..zero.buffers import GroupStorage
-from .files import FORMAT, PIPE_META, VERSION, PipeCheckpoint, layer_key, rank_file, resolve_pipe, tied_key
 
 log = get_logger("ds_strategy.runtime.pipe")
 

@@ -1,8 +1,9 @@
 """Reading pipeline checkpoints without an engine: the file names, finding a tag, the saved pieces of each
 parameter, and the consolidated state dict (``pipe_state_dict``, also behind ``ds-zero-to-fp32``). See
-checkpoint.py for the layout and how a save is published.
+runtime/pipe/checkpoint.py for the layout and how a save is published. It lives here, beside the main
+format's readers, so that consolidation (consolidate.py) reads both without importing the pipeline engine.
 
-Every file is read with ``torch.load(weights_only=True)`` (``checkpoint.format.read``: a checkpoint cannot
+Every file is read with ``torch.load(weights_only=True)`` (``format.read``: a checkpoint cannot
 run code on load), memory-mapped, and checked against the size ``pipe_meta.pt`` recorded for it.
 """
 
@@ -15,8 +16,8 @@ from typing import Any
 
 import torch
 
-from ..checkpoint.format import LATEST, CheckpointError, read
-from ..checkpoint.store import replaced_dir
+from .format import LATEST, CheckpointError, read
+from .store import replaced_dir
 
 PIPE_META = "pipe_meta.pt"
 FORMAT = "ds_strategy.pipe_checkpoint"
