@@ -5,6 +5,8 @@
 - ``Communicator(group, *, logger=None, fast_path=None)``: all_reduce, reduce_scatter_tensor,
   all_gather_into_tensor, broadcast, barrier, coalesced variants; async handles; routing of CPU float
   reductions to the shared-memory fast path. See ``comm.collectives``.
+- ``GroupSet(owner)``: the process groups an object creates, destroyed by its ``close()``/``destroy()``
+  and at a normal exit; the package never destroys a group it did not create. See ``comm.ownership``.
 - ``CommsLogger(config.comms_logger)``: per-op counts, bytes, latency, algorithm / bus bandwidth and the
   path taken; ``log_summary()`` prints a table. See ``comm.logger``.
 
@@ -29,6 +31,7 @@ from ds_strategy.comm.distributed import (
     resolve_timeout,
 )
 from ds_strategy.comm.logger import CommsLogger, CommsStat, bus_factor
+from ds_strategy.comm.ownership import GroupSet
 
 __all__ = [
     "SHM_ENV",
@@ -39,6 +42,7 @@ __all__ = [
     "Communicator",
     "DistributedInfo",
     "FastPath",
+    "GroupSet",
     "bus_factor",
     "destroy_at_normal_exit",
     "init_distributed",

@@ -79,6 +79,7 @@ from ds_strategy import env
 from ds_strategy.accelerator import strict
 from ds_strategy.comm.distributed import FAKE_BACKEND, is_fake_backend
 from ds_strategy.comm.logger import CommsLogger, Timing
+from ds_strategy.comm.ownership import track_communicator
 from ds_strategy.comm.paths import (
     REDUCE_OPS,
     CollectivePath,
@@ -213,6 +214,8 @@ class Communicator:
         self._local = LocalPath()
         self._shm = None if self.fast_path is None else ShmPath(self.fast_path, self._worker)
         self._torch: dict[str, CollectivePath] = {}
+        self._released = False
+        track_communicator(self)  # weakly: its group's owner releases it (see comm/ownership.py)
 
     @property
     def has_peers(self) -> bool:
@@ -253,6 +256,16 @@ class Communicator:
             fast, self.fast_path, self._shm = self.fast_path, None, None
             fast.close()
 
+    def release(self) -> None:
+        """``close()``, then drop every reference to the process group: called when the group's owner
+        destroys it, or at exit for a group that was destroyed (see [Note: clean exits by ownership] in
+        comm/ownership.py). A collective on a released communicator raises."""
+        self.close()
+        if self.group is not None:
+            self._released = True
+            self.group = None
+            self._torch = {}
+
     def __enter__(self) -> Communicator:
         return self
 
@@ -286,6 +299,7 @@ class Communicator:
         return [] if self._shm is None else self._shm.peer_tags()
 
     def _route(self, name: str | None, tensors: Sequence[torch.Tensor]) -> CollectivePath:
+        self._check_live(name or "all_gather")
         if self.world_size == 1:
             return self._local
         if strict.ACTIVE:  # every tensor of the collective, whichever path (shm and the gloo emulations
@@ -294,6 +308,13 @@ class Communicator:
         if self._shm is not None and self._fast_ok(name, tensors):
             return self._shm
         return self._torch_for(tensors[0])
+
+    def _check_live(self, what: str) -> None:
+        if self._released:
+            raise RuntimeError(
+                f"Communicator {what}: this communicator was released (its process group was destroyed by the "
+                "object that created it, or at exit); build a new one on a live group"
+            )
 
     def _fast_ok(self, op: str | None, tensors: Sequence[torch.Tensor]) -> bool:
         return (
@@ -307,6 +328,7 @@ class Communicator:
         return self._torch_path_named(self._device_backends.get(tensor.device.type, self.backend))
 
     def _torch_path_named(self, backend: str) -> CollectivePath:
+        self._check_live(backend)
         path = self._torch.get(backend)
         if path is None:
             kind = GlooPath if backend == "gloo" and self.emulate_gloo and not self.is_fake else TorchPath

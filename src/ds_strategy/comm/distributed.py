@@ -49,24 +49,20 @@ accelerator's: ``gloo`` on CPU, ``cpu:gloo,cuda:nccl`` on CUDA (so CPU tensors c
 
 from __future__ import annotations
 
-import atexit
 import datetime
-import gc
-import inspect
 import logging
 import os
 import socket
-import sys
-import types
 import warnings
 from collections.abc import Mapping
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Literal
 
 import torch.distributed as dist
 
 from ds_strategy import env
 from ds_strategy.accelerator import get_accelerator
+from ds_strategy.comm import ownership
 from ds_strategy.scheduler_env import (
     LOCAL_RANK_VARS,
     MPI_LAUNCHER_VARS,
@@ -168,6 +164,7 @@ def init_distributed(
     backend = dist_backend or _default_backend(accelerator.communication_backend_name())
 
     if init_method is not None and not init_method.startswith("env://"):
+        ownership.prepare_torch_defaults()
         dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world_size, timeout=pg_timeout)
         info = DistributedInfo(
             rank=dist.get_rank(),
@@ -188,6 +185,7 @@ def init_distributed(
         return _init_single(backend, pg_timeout, device_type)
 
     _export(found)
+    ownership.prepare_torch_defaults()
     dist.init_process_group(
         backend, init_method="env://", rank=found.rank, world_size=found.world_size, timeout=pg_timeout
     )
@@ -247,7 +245,6 @@ def _reuse(dist_backend: str | None, timeout: object, init_method: str | None) -
             f"init_distributed: {', '.join(ignored)} ignored because torch.distributed is already initialised",
             stacklevel=3,
         )
-    destroy_at_normal_exit()
     local = os.environ.get("LOCAL_RANK")
     # A fake group's simulated ranks all compute on this process's device (see [Note: the fake process group]).
     alone = dist.get_world_size() == 1 or is_fake_backend(backend)
@@ -271,6 +268,7 @@ def _init_fake(rank: int, world_size: int, timeout: datetime.timedelta | None) -
         raise ValueError(f"init_distributed: rank={rank} is outside [0, world_size={world_size})")
     from torch.testing._internal.distributed.fake_pg import FakeStore  # registers the backend
 
+    ownership.prepare_torch_defaults()
     dist.init_process_group(FAKE_BACKEND, store=FakeStore(), rank=rank, world_size=world_size, timeout=timeout)
     local = _int_env(os.environ, "LOCAL_RANK")
     info = DistributedInfo(
@@ -370,6 +368,7 @@ def _init_single(backend: str, timeout: datetime.timedelta | None, device_type: 
     # A store on an ephemeral port: no race for a "free" port between probing and binding.
     store_timeout = timeout or datetime.timedelta(minutes=5)
     store = dist.TCPStore("127.0.0.1", 0, 1, is_master=True, timeout=store_timeout)
+    ownership.prepare_torch_defaults()
     dist.init_process_group(backend, store=store, rank=0, world_size=1, timeout=timeout)
     info = DistributedInfo(
         rank=0,
@@ -385,7 +384,7 @@ def _init_single(backend: str, timeout: datetime.timedelta | None, device_type: 
 
 
 def _finish(info: DistributedInfo, device_type: str, how: str | None = None) -> DistributedInfo:
-    destroy_at_normal_exit()
+    ownership.created_default_group()  # the package made it: the package destroys it at a normal exit
     if device_type == "cuda" and info.local_rank is not None:
         accelerator = get_accelerator("cuda")
         if info.local_rank < accelerator.device_count():
@@ -398,239 +397,14 @@ def _finish(info: DistributedInfo, device_type: str, how: str | None = None) -> 
 
 
 # ---- teardown ------------------------------------------------------------------------------------------
-# [Note: destroying the group at exit]
-# A script that never calls destroy_process_group() leaves gloo's worker threads to interpreter
-# finalisation, and a rank can then abort after a successful run ("terminate called without an active
-# exception", SIGABRT; pytorch/pytorch#190489), which a launcher reports as a failed rank. The group this
-# module created is therefore destroyed by an atexit handler - only on a normal exit: after an uncaught
-# exception another rank may still be inside a collective, and tearing down then can block (torchtitan
-# destroys only after success for the same reason). A group the caller made is destroyed the same way once
-# ds_strategy runs on it (init_distributed reusing it, or an engine built on it): the abort does not care
-# who created the group, and a script's own destroy_process_group() before exit leaves nothing to do.
-
-_exit_state = {"registered": False}
+# The default group init_distributed creates is recorded as the package's (comm/ownership.py, [Note: clean
+# exits by ownership]) and destroyed at a normal exit; a group it reuses is the caller's and is left alone.
 
 
 def destroy_at_normal_exit() -> None:
-    """Destroy the default process group at a normal interpreter exit (see the note above); idempotent."""
-    if _exit_state["registered"]:
-        return
-    _exit_state["registered"] = True
-    atexit.register(_destroy_if_clean)
-
-
-def _exiting_after_uncaught_exception() -> bool:
-    # The interpreter keeps an uncaught exception in sys.last_value (and sys.last_exc from 3.12) before it
-    # runs the atexit handlers: no sys.excepthook wrapper needed, which would outlive the group it served.
-    return getattr(sys, "last_exc", None) is not None or getattr(sys, "last_value", None) is not None
-
-
-# [Note: leaving together]
-# Measured with tests/comm/scripts/uneven_exit.py (one rank works on after training): 2 aborts in ~170
-# launches even with the group destroyed at exit, and always on the rank that reached exit FIRST, while its
-# peer was still alive. So the ranks also meet before tearing down: each marks its exit in the group's
-# store and waits (bounded: EXIT_WAIT_ENV seconds, default 300) until every rank has, then all destroy the
-# group at the same moment, as ranks that finish together do. A peer that crashed never marks: the wait
-# times out (or the launcher ends this rank first), then the group is destroyed as before.
-EXIT_WAIT_ENV = env.EXIT_WAIT
-
-
-def _destroy_if_clean() -> None:
-    if _exiting_after_uncaught_exception():
-        return
-    if not dist.is_initialized():  # the script destroyed its groups itself: torch may still hold them
-        _release_quietly(_groups_in_torch_defaults())
-        return
-    try:
-        _meet_peers_before_teardown()
-        groups = list(dist.distributed_c10d._world.pg_map)  # the default group and every new_group
-        dist.destroy_process_group()
-    except Exception as err:  # at exit: report, never raise
-        log.debug("init_distributed: destroying the process group at exit failed: %s", err)
-        return
-    _release_quietly(groups)
-
-
-def _release_quietly(groups: list[Any]) -> None:
-    try:
-        released = release_group_references(groups)
-        log.debug("exit: dropped %d reference(s) to the destroyed process groups", released)
-    except Exception as err:  # never worse off than without: the groups then die in finalisation
-        log.debug("exit: dropping references to the destroyed process groups failed: %s", err)
-    groups.clear()
-    gc.collect()  # the groups die here, their gloo threads joined while the interpreter is whole
-
-
-# [Note: dropping references to destroyed groups]
-# destroy_process_group() only unregisters the groups: gloo joins a group's threads when the last
-# reference to it dies. Whatever still holds one (an engine's communicator or MoE/tensor-parallel
-# subgroup, a hook's closure, the script's own ``pg = dist.new_group(...)``) keeps it, and its threads,
-# alive into interpreter finalisation, where they are torn down with the interpreter half gone: the abort
-# this section exists to prevent. Measured: after destroy_process_group() in this handler the gloo threads
-# of any engine-built run were still alive. One holder is torch itself: torch.distributed.nn.functional
-# writes ``group=group.WORLD`` as default argument values, evaluated at import, and torch.optim imports it
-# lazily (through torch._dynamo), usually after the group exists. So, after destroying them, every
-# reference to those groups is replaced with None (None is the default group in every torch.distributed
-# signature; the groups are unusable by then anyway), and the last reference dies inside this handler.
-# A group held only from C++, from slots or from a tuple nothing mutable holds stays; it is no worse off.
-# The slow pass over every object is for containers the collector does not track: a process group is a
-# pybind11 object, not tracked, so a dict holding only strings and groups is invisible to get_referrers.
-# Seen: FSDP2's DeviceMesh keeps such a dict ({'0': group}) in an attribute (measured 2026-11-27; DDP and
-# DeepSpeed's engines at stages 2 and 3 need only the fast passes).
-
-
-def release_group_references(groups: list[Any]) -> int:
-    """Replace references to ``groups`` (process groups already destroyed) with None; return how many.
-
-    Covers default argument values of torch.distributed functions, and the attributes, dict entries and
-    keys, list items, closure cells and tuples held by those that refer to a group. See [Note: dropping
-    references to destroyed groups].
-    """
-    targets = [g for g in groups if isinstance(g, dist.ProcessGroup)]
-    if not targets:
-        return 0
-    ids = {id(g) for g in targets}
-    replaced = _release_torch_defaults(ids)
-
-    def still_held() -> bool:
-        return any(sys.getrefcount(g) > 4 for g in targets)  # the two lists, the loop, the call
-
-    if still_held():  # the direct holders, found by a traversal in C
-        for holder in gc.get_referrers(*targets):
-            if holder is not groups and holder is not targets:
-                replaced += _drop_from(holder, ids)
-    if not still_held():
-        return replaced
-    for obj in gc.get_objects():  # slow: a container of untracked objects is only seen from its holder
-        if obj is groups or obj is targets:
-            continue
-        for ref in gc.get_referents(obj):
-            if id(ref) in ids or (type(ref) is tuple and any(id(v) in ids for v in ref)):
-                replaced += _drop_from(obj, ids)
-                break
-            if type(ref) is dict and not gc.is_tracked(ref):
-                replaced += _drop_from(ref, ids)
-    return replaced
-
-
-def _without_groups(value: object, ids: set[int]) -> object:
-    """None for a group, a tuple with None in place of its groups, else ``value`` itself."""
-    if id(value) in ids:
-        return None
-    if type(value) is tuple and any(id(v) in ids for v in value):
-        return tuple(None if id(v) in ids else v for v in value)
-    return value
-
-
-def _holds_group(namespace: dict[Any, Any], ids: set[int]) -> bool:
-    return any(id(k) in ids or _without_groups(v, ids) is not v for k, v in namespace.items())
-
-
-def _drop_from(holder: object, ids: set[int]) -> int:
-    replaced = 0
-    if isinstance(holder, dict) and not _holds_group(holder, ids):  # the common case, and cheap
-        return 0
-    if isinstance(holder, dict) and (owner := _type_owning(holder)) is not None:
-        for name, value in list(holder.items()):  # through setattr: the type's attribute cache is updated
-            if (clean := _without_groups(value, ids)) is not value:
-                setattr(owner, name, clean)
-                replaced += 1
-    elif isinstance(holder, dict):
-        for key in [k for k in holder if id(k) in ids]:  # a cache keyed by group
-            del holder[key]
-            replaced += 1
-        for key, value in list(holder.items()):
-            if (clean := _without_groups(value, ids)) is not value:
-                holder[key] = clean
-                replaced += 1
-    elif isinstance(holder, list):
-        for i, value in enumerate(holder):
-            if (clean := _without_groups(value, ids)) is not value:
-                holder[i] = clean
-                replaced += 1
-    elif isinstance(holder, types.CellType):
-        try:
-            value = holder.cell_contents
-        except ValueError:  # an empty cell
-            return 0
-        if (clean := _without_groups(value, ids)) is not value:
-            holder.cell_contents = clean
-            replaced += 1
-    elif isinstance(holder, types.FunctionType):
-        replaced += _release_defaults(holder, ids)
-    elif hasattr(holder, "__dict__") and not isinstance(holder, (type, types.ModuleType)):
-        try:
-            for name, value in list(vars(holder).items()):
-                if (clean := _without_groups(value, ids)) is not value:
-                    object.__setattr__(holder, name, clean)  # past a guarding __setattr__ (nn.Module)
-                    replaced += 1
-        except (AttributeError, TypeError):  # a read-only mapping, slots: left as is
-            pass
-    return replaced
-
-
-def _type_owning(namespace: dict[Any, Any]) -> type | None:
-    """The class whose namespace ``namespace`` is (written to only through setattr), else None."""
-    return next((t for t in gc.get_referrers(namespace) if isinstance(t, type) and t.__dict__ == namespace), None)
-
-
-def _release_torch_defaults(ids: set[int]) -> int:
-    return sum(_release_defaults(fn, ids) for fn in _torch_distributed_functions())
-
-
-def _groups_in_torch_defaults() -> list[Any]:
-    """Process groups held as default argument values by torch.distributed functions (no duplicates)."""
-    found: dict[int, Any] = {}
-    for fn in _torch_distributed_functions():
-        for value in (*(fn.__defaults__ or ()), *(fn.__kwdefaults__ or {}).values()):
-            if isinstance(value, dist.ProcessGroup):
-                found[id(value)] = value
-    return list(found.values())
-
-
-def _torch_distributed_functions() -> list[types.FunctionType]:
-    """The functions of the loaded torch.distributed modules and of their classes (unwrapped)."""
-    functions = []
-    with warnings.catch_warnings():  # touching deprecated module attributes (reduce_op) warns
-        warnings.simplefilter("ignore")
-        for name, module in list(sys.modules.items()):
-            if module is None or not name.startswith("torch.distributed"):
-                continue
-            for value in list(vars(module).values()):
-                for member in (value, *vars(value).values()) if isinstance(value, type) else (value,):
-                    try:
-                        fn = inspect.unwrap(member) if callable(member) else member  # a functools.wraps original
-                    except Exception:  # a __wrapped__ cycle, an attribute lookup that raises: not a function
-                        continue
-                    if isinstance(fn, types.FunctionType):
-                        functions.append(fn)
-    return functions
-
-
-def _release_defaults(fn: types.FunctionType, ids: set[int]) -> int:
-    replaced = 0
-    if fn.__defaults__ and (clean := _without_groups(fn.__defaults__, ids)) is not fn.__defaults__:
-        replaced += sum(id(v) in ids for v in fn.__defaults__)
-        fn.__defaults__ = clean  # type: ignore[assignment]  # a tuple, as given
-    if fn.__kwdefaults__:
-        replaced += _drop_from(fn.__kwdefaults__, ids)
-    return replaced
-
-
-def _meet_peers_before_teardown() -> None:
-    world = dist.get_world_size()
-    if world == 1 or is_fake_group():  # a fake group has no peers to meet, and its store holds nothing
-        return
-    seconds = float(env.get(EXIT_WAIT_ENV) or "300")
-    if seconds <= 0:
-        return
-    store = dist.distributed_c10d._get_default_store()
-    prefix = f"ds_strategy/exit/{dist.distributed_c10d._get_default_group().group_name}"
-    store.set(f"{prefix}/{dist.get_rank()}", "1")
-    try:
-        store.wait([f"{prefix}/{r}" for r in range(world)], datetime.timedelta(seconds=seconds))
-    except Exception as err:  # a peer that failed or works on for longer: tear down alone, as before
-        log.warning("exit: not every rank reached exit within %gs (%s); leaving without them", seconds, err)
+    """Register the package's exit handler (idempotent). It releases only what the package created (see
+    [Note: clean exits by ownership] in comm/ownership.py): a group the caller made is never destroyed."""
+    ownership._register_exit_handler()
 
 
 # ---- helpers -------------------------------------------------------------------------------------------

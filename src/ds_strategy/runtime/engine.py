@@ -37,7 +37,7 @@ from torch import nn
 from torch.optim import Optimizer
 
 from ds_strategy.accelerator import get_accelerator, strict
-from ds_strategy.comm import CommsLogger, destroy_at_normal_exit
+from ds_strategy.comm import CommsLogger
 from ds_strategy.config import DeepSpeedConfig, load_config
 from ds_strategy.log import get_logger
 from ds_strategy.runtime import activation_checkpointing
@@ -88,8 +88,6 @@ class ZeroEngine(nn.Module):
         super().__init__()
         self.comms_logger = CommsLogger.from_config(config.comms_logger)
         self.coll = Collectives(process_group, logger=self.comms_logger)
-        if dist.is_initialized():
-            destroy_at_normal_exit()  # the group a caller made too: see [Note: destroying the group at exit]
         if config.world_size != self.coll.world_size:
             config = load_config(config, world_size=self.coll.world_size)
         self.config = config

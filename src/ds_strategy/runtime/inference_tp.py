@@ -41,6 +41,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_strategy.comm.collectives import Communicator
+from ds_strategy.comm.ownership import GroupSet
 from ds_strategy.config.errors import ConfigError, ConfigProblem
 
 # Packed projections: how many blocks one weight stacks (each split alike): Hugging Face's packed_colwise is
@@ -130,11 +131,15 @@ def build_tensor_parallel(module: nn.Module, *, size: int, coll: Communicator) -
         return TensorParallelGeneration(splits, Communicator(coll.group, worker_from=coll))
     ranks = dist.get_process_group_ranks(coll.group) if coll.group is not None else list(range(world))
     mine = None
+    owned = GroupSet()  # the generation's groups: destroyed by its close() and at exit
     for start in range(0, world, size):  # every rank creates every group, in the same order
-        group = dist.new_group(ranks[start : start + size])
+        group = owned.new_group(ranks[start : start + size])
         if start <= coll.rank < start + size:
             mine = group
-    return TensorParallelGeneration(splits, Communicator(mine, worker_from=coll))
+    generation = TensorParallelGeneration(splits, Communicator(mine, worker_from=coll))
+    owned.bind(generation)
+    generation.owned = owned
+    return generation
 
 
 def plan_splits(module: nn.Module, plan: Mapping[str, str], size: int) -> list[PlannedLayer]:
@@ -208,9 +213,12 @@ class TensorParallelGeneration:
         self.comm = comm
         self.size = comm.world_size
         self.rank = comm.rank
+        self.owned: GroupSet | None = None  # the group below when this generation created it
 
     def close(self) -> None:
         self.comm.close()
+        if self.owned is not None:
+            self.owned.destroy()
 
     # ------------------------------------------------------------------ one call
     def generate(self, fn: Callable[..., Any], args: tuple[Any, ...], kwargs: dict[str, Any]) -> Any:

@@ -4,7 +4,9 @@ case); the script does nothing special at its end (no barrier, no destroy_proces
     python -m torch.distributed.run --nproc_per_node 2 uneven_exit.py
 
 KIND picks what runs: engine (STAGE, PREC, OFFLOAD as below), usergroup (the same on a group the script
-made with init_process_group), selfdestroy (an engine run that calls destroy_process_group() at its end),
+made with init_process_group and, as torch asks of the creator, destroys at its end: ds_strategy never
+destroys a group it did not create), selfdestroy (an engine run on init_distributed's group that calls
+destroy_process_group() at its end),
 checkpoint (an engine run that saves a sharded checkpoint), lightning (a Trainer fit with strategy
 zero2/zero3 under torchrun). LATE picks the rank that keeps working for about SECONDS after training (as
 a script that evaluates or reports on one rank does); every launch must exit 0 on every rank.
@@ -94,8 +96,8 @@ def engine_run() -> int:
         root = os.environ.get("CKPT_DIR") or tempfile.mkdtemp(prefix="uneven_exit_")
         engine.save_checkpoint(root, tag="last")
     rank = dist.get_rank()
-    if KIND == "selfdestroy":  # the script tears its group down itself (torch.optim's lazy imports still hold it)
-        dist.destroy_process_group()
+    if KIND in ("selfdestroy", "usergroup"):  # the script tears its group down itself (torch.optim's lazy
+        dist.destroy_process_group()  # imports may still hold it: the package releases exactly that holder)
     return rank
 
 

@@ -16,11 +16,11 @@ does that once, and the engine hands one object per ``ep_size`` to every MoE lay
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 
 import torch.distributed as dist
 
-from ds_strategy.comm import Communicator
+from ds_strategy.comm import Communicator, GroupSet
 
 
 def expert_group_name(ep_size: int) -> str:
@@ -52,6 +52,7 @@ class ExpertGroups:
     edp_ranks: list[int]  # global ranks of this rank's expert-data-parallel group
     ep_group: dist.ProcessGroup
     edp_group: dist.ProcessGroup
+    owned: GroupSet | None = field(default=None, repr=False, compare=False)  # the groups above, created here
 
     @property
     def name(self) -> str:
@@ -82,17 +83,18 @@ class ExpertGroups:
         ep_ranks: list[int] = []
         edp_ranks: list[int] = []
         # Every rank creates every group, in one order (new_group is collective over the world).
+        owned = GroupSet(attributes=("ep_group", "edp_group"))  # destroyed by close() and at exit
         for ranks in ep:
-            pg = _new_group(ranks)
+            pg = _new_group(ranks, owned)
             if me in ranks:
                 mine_ep, ep_ranks = pg, ranks
         for ranks in edp:
-            pg = _new_group(ranks)
+            pg = _new_group(ranks, owned)
             if me in ranks:
                 mine_edp, edp_ranks = pg, ranks
         if mine_ep is None or mine_edp is None:
             raise RuntimeError(f"rank {me} is not in the data-parallel group {world} the expert groups were built from")
-        return cls(
+        out = cls(
             ep_size,
             Communicator(mine_ep, worker_from=worker_from),  # the shared-memory all-to-all on one node
             Communicator(mine_edp, fast_path=False),
@@ -100,15 +102,21 @@ class ExpertGroups:
             edp_ranks,
             mine_ep,
             mine_edp,
+            owned,
         )
+        owned.bind(out)
+        return out
 
     def close(self) -> None:
+        """Close the communicators and destroy the groups (this object created them; comm/ownership.py)."""
         self.ep_comm.close()
         self.edp_comm.close()
+        if self.owned is not None:
+            self.owned.destroy()
 
 
-def _new_group(ranks: list[int]) -> dist.ProcessGroup:
+def _new_group(ranks: list[int], owned: GroupSet) -> dist.ProcessGroup:
     backend = dist.get_backend()
-    group = dist.new_group(ranks, backend=backend)
+    group = owned.new_group(ranks, backend=backend)
     assert group is not None
     return group

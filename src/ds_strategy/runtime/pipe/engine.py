@@ -31,6 +31,7 @@ from typing import Any
 import torch
 import torch.distributed as dist
 
+from ds_strategy.comm.ownership import GroupSet
 from ds_strategy.comm.shm_channel import same_host_peers
 
 from ..engine import ZeroEngine
@@ -84,7 +85,8 @@ class PipelineEngine:
         self.next_rank = groups.pipe_ranks[self.stage_id + 1] if self.stage_id < self.num_stages - 1 else None
         self.micro_batches = engine.gradient_accumulation_steps()
         self.device = engine.device
-        self.control = dist.new_group(backend="gloo")  # failure flags: a gloo group whatever the default backend
+        self._owned = GroupSet(self, attributes=("control",))  # destroyed by destroy() and at exit
+        self.control = self._owned.new_group(backend="gloo")  # failure flags: a gloo group whatever the default backend
         box = [uuid.uuid4().hex if self.global_rank == 0 else None]
         dist.broadcast_object_list(box, src=0, group=self.control)
         self._uid = str(box[0])
@@ -405,9 +407,11 @@ class PipelineEngine:
 
     # ------------------------------------------------------------------ the rest is the stage's engine
     def destroy(self, *, release_params: bool = True) -> None:
-        """Unmap the shared-memory channels, then release the stage engine's resources (``ZeroEngine.destroy``)."""
+        """Unmap the shared-memory channels, then release the stage engine's resources (``ZeroEngine.destroy``)
+        and destroy the control group this engine created."""
         self.link.close()
         self.engine.destroy(release_params=release_params)
+        self._owned.destroy()
 
     def __getattr__(self, name: str) -> Any:
         if name == "engine":

@@ -25,7 +25,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ds_strategy.accelerator import get_accelerator
-from ds_strategy.comm import init_distributed
+from ds_strategy.comm import GroupSet, init_distributed
 
 from ..activation_checkpointing import checkpoint as _default_checkpoint
 from .partition import partition_balanced, partition_uniform, type_weights
@@ -242,6 +242,7 @@ class PipelineModule(nn.Module):
         """One process group per tie key and per position on the other axes; every rank creates all of
         them in the same order (``new_group`` is collective)."""
         comms: dict[str, dict[str, Any]] = {}
+        self._tie_owned = GroupSet(self, attributes=("tied_comms",))  # destroyed at exit (comm/ownership.py)
         topo = self._topo
         others = [a for a in topo.get_axis_names() if a != "pipe"]
         for key, stages in sorted(self.tied_stages().items()):
@@ -249,7 +250,7 @@ class PipelineModule(nn.Module):
                 continue
             for ranks in topo.get_axis_comm_lists("pipe"):
                 tie_ranks = sorted(r for r in ranks if int(topo.get_coord(r).pipe) in stages)
-                group = dist.new_group(ranks=tie_ranks)
+                group = self._tie_owned.new_group(ranks=tie_ranks)
                 if self.global_rank in tie_ranks and key in self.tied_modules:
                     comms[key] = {"ranks": tie_ranks, "group": group, "weight_attr": self.tied_weight_attrs[key]}
         del others
@@ -336,10 +337,11 @@ class _Groups:
         self.pipe_group: dist.ProcessGroup | None = None
         self.pipe_ranks: list[int] = [rank]
         self.data_ranks: list[int] = [rank]
+        self.owned = GroupSet(self, attributes=("data_group", "pipe_group"))  # destroyed at exit
         world = topo.world_size()
         for axis in ("data", "pipe"):
             for ranks in topo.get_axis_comm_lists(axis) or [[r] for r in range(world)]:
-                group = dist.new_group(ranks=ranks) if world > 1 else None
+                group = self.owned.new_group(ranks=ranks) if world > 1 else None
                 if rank in ranks:
                     if axis == "data":
                         self.data_group, self.data_ranks = group, ranks

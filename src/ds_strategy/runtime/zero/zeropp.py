@@ -32,12 +32,13 @@ from __future__ import annotations
 
 import socket
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 import torch.distributed as dist
 
+from ds_strategy.comm.ownership import GroupSet
 from ds_strategy.comm.quantized_all_to_all import quantized_reduce_scatter
 from ds_strategy.config.errors import ConfigError, ConfigProblem
 from ds_strategy.ops.quant import Quantized, dequantize_into, num_blocks, packed_numel, quantize
@@ -60,6 +61,7 @@ class ZeroPP:
     hpz: Collectives | None = None  # this rank's secondary-partition group (hpZ), None: off
     grad_intra: Collectives | None = None  # qgZ: this rank's node group ...
     grad_inter: Collectives | None = None  # ... and its cross-node group; both None: qgZ off
+    owned: GroupSet | None = field(default=None, repr=False, compare=False)  # the node groups, created here
 
     @property
     def quantized_grads(self) -> bool:
@@ -86,7 +88,8 @@ class ZeroPP:
             )
         if (hpz_size > 1 or qgz) and world > 1:
             node = hpz_size if hpz_size > 1 else _host_node_size(coll)
-            intra, inter = node_groups(coll, node)
+            out.owned = GroupSet(out)  # destroyed by close() and at exit
+            intra, inter = node_groups(coll, node, out.owned)
             if hpz_size > 1 and hpz_size < world:
                 out.hpz = intra
             if qgz:
@@ -100,6 +103,8 @@ class ZeroPP:
     def close(self) -> None:
         for c in {id(c): c for c in (self.hpz, self.grad_intra, self.grad_inter) if c is not None}.values():
             c.close()
+        if self.owned is not None:
+            self.owned.destroy()
 
     # ------------------------------------------------------------------ qgZ
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Handle:
@@ -141,18 +146,20 @@ def _host_node_size(coll: Collectives) -> int:
     return coll.world_size
 
 
-def node_groups(coll: Collectives, node: int) -> tuple[Collectives, Collectives]:
+def node_groups(coll: Collectives, node: int, owned: GroupSet | None = None) -> tuple[Collectives, Collectives]:
     """(this rank's node group of ``node`` consecutive ranks, its cross-node group of the ranks with its local
-    index) as communicators sharing ``coll``'s logger. Every rank of the default group must call it."""
+    index) as communicators sharing ``coll``'s logger; ``owned`` records the groups (None: a set of their own,
+    destroyed at exit). Every rank of the default group must call it."""
+    owned = GroupSet() if owned is None else owned
     world = coll.world_size
     ranks = dist.get_process_group_ranks(coll.group) if coll.group is not None else list(range(world))
     mine_intra = mine_inter = None
     for start in range(0, world, node):
-        group = dist.new_group([ranks[i] for i in range(start, start + node)])
+        group = owned.new_group([ranks[i] for i in range(start, start + node)])
         if start <= coll.rank < start + node:
             mine_intra = group
     for local in range(node):
-        group = dist.new_group([ranks[i] for i in range(local, world, node)])
+        group = owned.new_group([ranks[i] for i in range(local, world, node)])
         if coll.rank % node == local:
             mine_inter = group
     return Collectives(mine_intra, logger=coll.logger), Collectives(mine_inter, logger=coll.logger)
