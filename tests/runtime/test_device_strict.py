@@ -541,3 +541,113 @@ def test_a_later_divergence_still_names_the_ranks_and_modules(shm: str) -> None:
     assert "ZeRO-3: ranks diverged at parameter gather" in text, text
     assert "rank 0 gathers 'block.0'" in text and "rank 1 gathers 'ln'" in text, text  # rank 1 skipped the block
     assert "device-strict mode" not in text, text
+
+
+# ------------------------------------------------------------------ the divergence check's device log
+def _with_device_log(fn: Any, *args: Any) -> Any:
+    """Run ``fn`` with stage 3's divergence check in its GPU mode (the device log, [Note: the device log] in
+    runtime/zero/divergence.py) on this CPU: one exchange per iteration instead of a header per fetch."""
+    from ds_strategy.runtime.zero.divergence import DivergenceCheck
+
+    DivergenceCheck.DEVICE_LOG = True
+    try:
+        return fn(*args)
+    finally:
+        DivergenceCheck.DEVICE_LOG = None
+
+
+def _sync_free_device_log(rank: int, world: int) -> list[dict[str, Any]]:
+    return _with_device_log(_sync_free, rank, world, 3, SYNC_CASES)
+
+
+def test_a_step_reads_nothing_on_the_host_stage_3_with_the_device_log() -> None:
+    for results in run_strict(_sync_free_device_log, env=NO_SHM):
+        _check_sync_free(results, 3)
+
+
+def _header_collectives(rank: int, world: int, log: bool) -> dict[str, int]:
+    import ds_strategy
+    from ds_strategy.runtime.zero.divergence import DivergenceCheck
+
+    DivergenceCheck.DEVICE_LOG = log
+    try:
+        model = make_model()
+        cfg = config(stage=3, micro=MICRO, gas=1, lr=LR, bucket=200)
+        cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+        cfg["comms_logger"] = {"enabled": True}
+        engine, *_ = ds_strategy.initialize(model=model, model_parameters=groups_of(model), config=cfg)
+        counts = {}
+        check = engine.stage.gatherer.divergence
+        for step, batch in enumerate(batches(3, MICRO * world)):
+            engine.comms_logger.reset()
+            seq = check._seq
+            x, y = micro_slice(batch, MICRO, world, 0, rank)
+            engine.backward(engine(x, y))
+            engine.step()
+            summary = {s.op: s.count for s in engine.comms_logger.summary()}
+            counts[f"step{step}"] = summary.get("all_reduce", 0)
+            counts[f"gathers{step}"] = summary.get("all_gather", 0)
+            counts[f"fetches{step}"] = check._seq - seq
+        engine.destroy()
+        return counts
+    finally:
+        DivergenceCheck.DEVICE_LOG = None
+
+
+def test_the_device_log_takes_one_collective_per_iteration_where_headers_take_one_per_fetch() -> None:
+    headers = run_distributed(_header_collectives, world_size=2, args=(False,), env=NO_SHM)[0]
+    log = run_distributed(_header_collectives, world_size=2, args=(True,), env=NO_SHM)[0]
+    fetches = headers["fetches2"]
+    assert fetches > 2 and log["fetches2"] == fetches and log["gathers2"] == headers["gathers2"], (headers, log)
+    # Stage 3's other all-reduces are the same in both: headers add one per fetch, the log one per iteration.
+    assert headers["step2"] - fetches == log["step2"] - 1, (headers, log)
+    assert log["step0"] == headers["step0"], (headers, log)  # the first iteration compares headers eagerly
+
+
+class _Triplets(nn.Module):
+    """Three Linear layers of one shape, called in a per-rank order: same-size gathers pair up wrongly."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.a = nn.Linear(8, 8)
+        self.b = nn.Linear(8, 8)
+        self.c = nn.Linear(8, 8)
+        self.order = "ab"
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        for name in self.order:
+            x = getattr(self, name)(x)
+        return torch.nn.functional.mse_loss(x, y)
+
+
+def _same_size_divergence(rank: int, world: int) -> None:
+    import ds_strategy
+
+    def run() -> None:
+        torch.manual_seed(0)
+        model = _Triplets()
+        cfg = config(stage=3, micro=MICRO, gas=1, lr=LR, bucket=200)
+        cfg["zero_optimization"].update(
+            stage3_param_persistence_threshold=0, stage3_prefetch_bucket_size=0, stage3_max_reuse_distance=0
+        )
+        engine, *_ = ds_strategy.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+        x, y = torch.randn(MICRO, 8), torch.randn(MICRO, 8)
+        for it in range(4):
+            # Both ranks leave the recorded order (a, b) at the same fetch, so both free each unit after use
+            # and issue the same collectives: only the modules differ.
+            model.order = ("ba" if rank == 0 else "ca") if it == 2 else "ab"
+            engine.backward(engine(x, y))
+            engine.step()
+
+    _with_device_log(run)
+
+
+def test_the_device_log_names_the_ranks_and_modules_of_a_same_size_divergence() -> None:
+    from tests.harness import DistributedTestError
+
+    with pytest.raises(DistributedTestError) as info:
+        run_strict(_same_size_divergence, env=NO_SHM, timeout=120)
+    text = str(info.value)
+    assert "ZeRO-3: ranks diverged at parameter gather" in text, text
+    assert "rank 0 gathers 'b'" in text and "rank 1 gathers 'c'" in text, text
+    assert "device-strict mode" not in text, text

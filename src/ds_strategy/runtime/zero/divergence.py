@@ -8,8 +8,12 @@ a hang, or silently wrong weights when sizes happen to match. Every fetch theref
 shared-memory path (CPU ranks on one node), the label rides on the all-gathers themselves: the path
 compares it with the op, dtype and size after its first barrier, so a mismatch raises on every rank at
 no extra cost, and one header per iteration (end of backward, or of a no-grad forward) catches ranks
-whose divergence never reached a gather. On other paths (NCCL, gloo) every fetch all-reduces a tiny
-header in the same stream of collectives, issued before the fetch's gathers.
+whose divergence never reached a gather. On other paths the first iteration (which records the order and
+may synchronise), and every iteration on a CPU (gloo: the host waits for its collectives anyway), all-reduce
+a tiny header per fetch in the same stream of collectives, issued before the fetch's gathers. On a GPU
+after the first iteration no fetch issues a collective of its own: its code is written into this
+iteration's *log* on the device (one small fill, no copy), and ``check_agreement`` all-reduces the whole
+log once ([Note: the device log]).
 
 A header is this rank's code in its own slot of a ``[world]`` int64 vector, built on the device (a
 multiplication of a one-hot vector made once, no host-to-device copy) and summed over the ranks
@@ -41,6 +45,17 @@ header on the host waits for every kernel queued before it. So:
   no wait) and raises naming the ranks and modules of the first mismatch (reading that one header is the
   error path). On a CPU device the copy is immediate, so the iteration's own check reads it.
 
+[Note: the device log]
+A ``[capacity]`` int64 tensor on the device, one slot per fetch of the iteration in order (the capacity:
+twice the first iteration's fetches, plus 16; fetches beyond it fold into the last slot as a running
+product-and-sum, so a longer iteration still differs there). ``check_agreement`` puts it in this rank's row
+of a zeroed ``[world, capacity]`` tensor, all-reduces that (one collective per iteration, where the headers
+took one per fetch: on NCCL each is a launch and a latency on the stream the gathers share) and compares
+slot by slot on the device among the ranks whose row is filled (torch's fake group moves no data: the
+other rows stay zero). A rank that fetched less leaves zeros where the others have codes: a mismatch. The
+summary and the error path are the headers' (below); the error names the first mismatched slot's ranks
+and modules.
+
 The trade-off: on a GPU, after the first iteration, a divergence is reported one iteration or so late,
 after the wrongly paired gathers ran (a hang ends at the process group's timeout, not with this error,
 and a size-matched pairing computes one wrong iteration first); in exchange no fetch and no iteration end
@@ -60,6 +75,7 @@ from .collectives import Collectives
 
 INDEX_BITS = 20  # a gather label: fetch number << 20 | (module index + 2)
 _MASK = (1 << INDEX_BITS) - 1
+_FOLD = 1_000_003  # folds fetches beyond the log's capacity into its last slot (see [Note: the device log])
 SUMMARY_COPY = "stage-3 divergence check: the iteration's summary copied to pinned host memory without waiting"
 ERROR_PATH = "stage-3 divergence check: reading the mismatched header to name the ranks (error path)"
 FIRST_ITERATION = "stage-3 divergence check: the first iteration compares its headers eagerly"
@@ -93,6 +109,10 @@ class DivergenceCheck:
     ``probe``: a tensor like the buckets gathered (its path decides whether labels ride on the gathers).
     """
 
+    # Whether fetches after the first iteration write the device log instead of a header each ([Note: the
+    # device log]); None: where the host does not wait for collectives (a GPU). Tests set True on a CPU.
+    DEVICE_LOG: bool | None = None
+
     def __init__(
         self,
         coll: Collectives,
@@ -120,6 +140,10 @@ class DivergenceCheck:
         self._onehot: torch.Tensor | None = None
         # On a GPU nothing waits for a header (a timed wait would block the host); a CPU's waits are the host's.
         self._host_waits = torch.device(device).type == "cpu"
+        logs = self.DEVICE_LOG if self.DEVICE_LOG is not None else not self._host_waits
+        self._logs = logs and not self.tagged and coll.world_size > 1
+        self._log: torch.Tensor | None = None  # [capacity] int64 on the device, sized after the first iteration
+        self._logged: list[tuple[int, int]] = []  # (mid, seq) per slot, on the host
 
     # ------------------------------------------------------------------ the interface param_gather.py calls
     def label(self, mid: int, *, blocking: bool) -> int:
@@ -130,6 +154,9 @@ class DivergenceCheck:
         self._last_mid = mid
         if self.tagged:
             return self._seq << INDEX_BITS | (self.index.get(mid, -1) + 2)
+        if self._logs and not self._eager:
+            self._write_log(mid, self._seq)
+            return 0
         self._header(mid, self._seq)
         if blocking and (self._eager or self._host_waits):
             self._wait_headers(read=self._eager)
@@ -145,14 +172,19 @@ class DivergenceCheck:
         eager = self._eager
         self._checks += 1
         if eager:
+            fetches = len(self._headers)
             self._wait_headers(read=True)
             self._headers.clear()
+            if self._logs:
+                self._log = torch.zeros(2 * fetches + 16, dtype=torch.int64, device=self.device)
             return
         headers, self._headers = self._headers, []
         if headers:
             for h in headers:
                 self._wait(h)
-            self._summaries.append(self._summarise(headers))
+            self._summaries.append(self._summarise(torch.stack([h.codes for h in headers]), headers))
+        if self._logged:
+            self._summaries.append(self._exchange_log())
         self._read_landed()
 
     def gather_failed(self, err: RuntimeError, tag: int, mid: int) -> RuntimeError:
@@ -207,10 +239,18 @@ class DivergenceCheck:
                     raise self._diverged(h.mid, h.seq, _rows(codes))
 
     # ------------------------------------------------------------------ comparing on the device
-    def _summarise(self, headers: list[_Header]) -> _Summary:
-        codes = torch.stack([h.codes for h in headers])  # [n, world]
-        hi = codes.amax(dim=1, keepdim=True)
-        lo = torch.where(codes == 0, hi, codes).amin(dim=1, keepdim=True)  # slots never filled: not compared
+    def _summarise(self, codes: torch.Tensor, labels: list[Any], *, rows_filled: bool = False) -> _Summary:
+        """Compare ``codes`` ([n, world]) across the ranks on the device. Headers: a zero slot was never
+        filled (no data moved there) and is not compared. The log (``rows_filled``): a rank whose whole row
+        is zero moved no data; a zero slot in a filled row is a fetch that rank did not make."""
+        if rows_filled:
+            filled = codes.ne(0).any(dim=0, keepdim=True)  # [1, world]
+            big = torch.iinfo(torch.int64).max
+            hi = torch.where(filled, codes, -1).amax(dim=1, keepdim=True)
+            lo = torch.where(filled, codes, big).amin(dim=1, keepdim=True)
+        else:
+            hi = codes.amax(dim=1, keepdim=True)
+            lo = torch.where(codes == 0, hi, codes).amin(dim=1, keepdim=True)
         bad = (hi != lo).squeeze(1)
         summary = torch.stack([bad.any().long(), bad.long().argmax()])
         event = None
@@ -223,7 +263,32 @@ class DivergenceCheck:
             host = torch.empty(2, dtype=torch.int64)
             with strict.host_read_allowed(SUMMARY_COPY):  # pinned and non-blocking on a GPU
                 host.copy_(summary)
-        return _Summary(host, event, codes, [(h.mid, h.seq) for h in headers])
+        return _Summary(host, event, codes, [(h.mid, h.seq) if isinstance(h, _Header) else h for h in labels])
+
+    # ------------------------------------------------------------------ the device log ([Note: the device log])
+    def _write_log(self, mid: int, seq: int) -> None:
+        assert self._log is not None
+        code = seq << INDEX_BITS | (self.index.get(mid, -1) + 2)
+        n = len(self._logged)
+        if n < self._log.numel():
+            self._log[n].fill_(code)  # a fill from a Python number: no copy, no wait
+            self._logged.append((mid, seq))
+        else:  # beyond the capacity: folded into the last slot (its label stays the last one logged)
+            last = self._log[-1]
+            last.mul_(_FOLD).add_(code)
+
+    def _exchange_log(self) -> _Summary:
+        """All-reduce this iteration's log in this rank's row (one collective) and compare it on the device."""
+        assert self._log is not None
+        rows = torch.zeros(self.coll.world_size, self._log.numel(), dtype=torch.int64, device=self.device)
+        rows[self.coll.rank].copy_(self._log)
+        handle = self.coll.all_reduce(rows, async_op=True)
+        header = _Header(handle, rows, self._last_mid, self._seq)
+        self._wait(header)
+        labels = self._logged + [self._logged[-1]] * (self._log.numel() - len(self._logged))
+        self._log.zero_()
+        self._logged = []
+        return self._summarise(rows.t(), labels, rows_filled=True)
 
     def _read_landed(self) -> None:
         """Read the summaries whose copy has landed, oldest first; raise at the first mismatch."""
@@ -258,6 +323,8 @@ class DivergenceCheck:
         and for callers outside a step); raise naming the ranks/modules if they do not match."""
         with strict.host_read_allowed(ERROR_PATH):
             found = self._mismatch_now()
+            if self._logged:  # a collective: every rank calls this at the same point
+                self._summaries.append(self._exchange_log())
             while self._summaries:
                 s = self._summaries.pop(0)
                 if s.event is not None:
