@@ -31,13 +31,12 @@ from .format import (
     atomic_save,
     atomic_write_text,
     check_safe,
-    fsync_dir,
     rank_file,
     ranks,
 )
 from .frozen import frozen_names, saved_layouts, saved_partitions
 from .partition import saved_group
-from .store import check_tag, publish, staging_dir
+from .store import adopt_node_local, check_tag, publish, staging_dir
 from .sync import agree, gather
 from .target import CheckpointTarget
 
@@ -223,14 +222,7 @@ def save_checkpoint(
     agree(coll, finish, "save_checkpoint (publishing)")
 
     def adopt() -> None:
-        # A node saving to its own disk still has its staging directory (rank 0 published on another
-        # filesystem): move its shards under the tag, where copying them to rank 0's directory completes it.
-        if rank != 0 and engine.local_rank == 0 and staging.is_dir():
-            final.mkdir(parents=True, exist_ok=True)
-            for f in staging.iterdir():
-                os.replace(f, final / f.name)
-            shutil.rmtree(staging, ignore_errors=True)
-            fsync_dir(final)
+        adopt_node_local(staging, final, rank=rank, local_rank=engine.local_rank)
 
     agree(coll, adopt, "save_checkpoint (node-local shards)")
     if rank == 0:

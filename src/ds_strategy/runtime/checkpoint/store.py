@@ -64,6 +64,18 @@ def publish(staging: Path, final: Path) -> None:
     shutil.rmtree(old, ignore_errors=True)
 
 
+def adopt_node_local(staging: Path, final: Path, *, rank: int, local_rank: int) -> None:
+    """After rank 0 published: a node saving to its own disk still has its staging directory (rank 0
+    published on another filesystem); its files move under the tag, where copying them to rank 0's directory
+    completes it."""
+    if rank != 0 and local_rank == 0 and staging.is_dir():
+        final.mkdir(parents=True, exist_ok=True)
+        for f in staging.iterdir():
+            os.replace(f, final / f.name)
+        shutil.rmtree(staging, ignore_errors=True)
+        fsync_dir(final)
+
+
 def tags_in(root: Path) -> list[str]:
     """Complete tags under ``root`` (directories holding meta.pt), sorted by modification time."""
     if not root.is_dir():

@@ -44,7 +44,7 @@ import torch.distributed as dist
 from ds_strategy.log import get_logger
 
 from ..checkpoint import rng
-from ..checkpoint.format import LATEST, CheckpointError, atomic_save, atomic_write_text, check_safe, fsync_dir
+from ..checkpoint.format import LATEST, CheckpointError, atomic_save, atomic_write_text, check_safe
 from ..checkpoint.load import restore_progress
 from ..checkpoint.pipe_files import (
     FORMAT,
@@ -57,7 +57,7 @@ from ..checkpoint.pipe_files import (
     tied_key,
 )
 from ..checkpoint.save import _agreed_tag
-from ..checkpoint.store import check_tag, publish, staging_dir
+from ..checkpoint.store import adopt_node_local, check_tag, publish, staging_dir
 from ..checkpoint.sync import agree, gather
 from ..zero.access import find
 from ..zero.buffers import GroupStorage
@@ -307,14 +307,7 @@ def save_pipe_checkpoint(
     agree(world, finish, "save_checkpoint (publishing)")
 
     def adopt() -> None:
-        # A node saving to its own disk still has its staging directory (rank 0 published on another
-        # filesystem): move its files under the tag, where copying them to rank 0's directory completes it.
-        if rank != 0 and inner.local_rank == 0 and staging.is_dir():
-            final.mkdir(parents=True, exist_ok=True)
-            for f in staging.iterdir():
-                os.replace(f, final / f.name)
-            shutil.rmtree(staging, ignore_errors=True)
-            fsync_dir(final)
+        adopt_node_local(staging, final, rank=rank, local_rank=inner.local_rank)
 
     agree(world, adopt, "save_checkpoint (node-local files)")
     if rank == 0:
