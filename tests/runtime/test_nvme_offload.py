@@ -92,7 +92,7 @@ def _check_at_rest(engine: Any, stage: int) -> None:
     """Between steps nothing swapped is in memory: masters, optimizer state and (stage 3) gradients and
     partitions are placeholders, and the files are owner-only."""
     masters = [m for gs in engine.stage.groups for m in gs.masters]
-    assert len(engine.stage._tile_lists()) > 1
+    assert len(engine.stage.stepper.tiles()) > 1
     assert all(m.numel() == 0 for m in masters)
     for m in masters:
         assert all(t.numel() == 0 for t in engine.optimizer.state[m].values() if t.dim() >= 1)

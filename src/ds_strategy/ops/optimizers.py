@@ -17,7 +17,7 @@ shape receiving the updated parameter) and ``skip_if_nonfinite``: when true and 
 NaN, nothing is updated (not even the step counts) and ``found_inf`` is set (decided on the host: one read
 of the gradients' inf/nan flag). ``skip_on_device`` is the engine's sync-free variant: every kernel call
 skips on its own device when its gradients hold inf or NaN, and the host never learns it (the engine makes
-every gradient non-finite for a step it skips: see [Note: the step on the device] in runtime/zero/base.py);
+every gradient non-finite for a step it skips: see [Note: the step on the device] in runtime/zero/step.py);
 the step counts advance either way.
 
 [Note: step counts on the host]

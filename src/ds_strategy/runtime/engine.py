@@ -12,7 +12,7 @@ beyond choosing the stage class; precision is decided once (``Precision``), the 
 A step never waits for the device (docs/zero3.md, "No host synchronisation in a step"): the gradient norm
 and the inf/nan flag are device tensors, the clipping coefficient ``clamp(clip / (norm + 1e-6), max=1)``
 too, and the stage skips a non-finite step on the device (see [Note: the step on the device] in
-zero/base.py). What the host used to read becomes lazy: ``get_global_grad_norm()``, ``was_step_applied()``
+zero/step.py). What the host used to read becomes lazy: ``get_global_grad_norm()``, ``was_step_applied()``
 and ``skipped_steps`` read the device when asked. The one read a step keeps is fp16's: the dynamic loss
 scale and the skipped step (lr scheduler not advanced, loss scale halved, the log line) must be known on
 the host, so ``_take_model_step`` reads ``[norm, overflow]`` once per optimizer step. Under the

@@ -76,7 +76,7 @@ def _kernel_types() -> tuple[type, ...]:
 
 def is_cpu_kernel_optimizer(optimizer: Optimizer) -> bool:
     """Whether ``optimizer`` is one of ds_strategy's kernel optimizers (what optimizer offload expects, and
-    what the engine's fused step drives: see [Note: the fused optimizer pass] in zero/base.py)."""
+    what the engine's fused step drives: see [Note: the fused optimizer pass] in zero/step.py)."""
     return isinstance(optimizer, _kernel_types())
 
 

@@ -23,7 +23,6 @@ runs one reducing pass over everything before the optimizer looks at gradients.
 from __future__ import annotations
 
 import enum
-import math
 from collections.abc import Callable, Collection, Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
 from dataclasses import dataclass, field
@@ -34,19 +33,17 @@ from torch import nn
 from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
-from ds_strategy.accelerator import strict
 from ds_strategy.ops import multi_tensor_l2norm
 from ds_strategy.ops.norm import multi_tensor_sum_of_squares
 
 from ..host_memory import trim_heap
-from ..optimizers import is_cpu_kernel_optimizer
 from ..precision import Precision
 from ..swap import OptimizerSwapper, Swap, make_swap
 from .buffers import GroupState, GroupStorage
 from .collectives import Collectives, Handle
 from .init import init_shard
 from .offload import Offload
-from .offload_copy import HostCopier
+from .step import OptimizerStep
 
 BucketKey = tuple[int, int]  # (group index, bucket index)
 
@@ -181,8 +178,7 @@ class ZeroStage:
         self._ptr = 0
         self._inflight: list[tuple[Handle, int]] = []  # (reduction, its bucket's elements)
         self._inflight_numel = 0
-        self._host_grad_buffers: dict[int, list[torch.Tensor]] = {}
-        self._host_copier = HostCopier(self.compute_device)  # offloaded gradients to the host masters
+        self.stepper = OptimizerStep(self)  # the optimizer step (step.py)
         if self.swap is not None:
             trim_heap()  # the build's freed blocks ([Note: host memory under NVMe offload], runtime/swap)
 
@@ -319,7 +315,7 @@ class ZeroStage:
         """Bytes this rank holds per kind: params, grads, master (optimizer state is the engine's)."""
         params = sum(gs.numel_bytes()["params"] for gs in self.groups)
         master = sum(gs.numel_bytes()["master"] for gs in self.groups)
-        host = sum(t.numel() * t.element_size() for views in self._host_grad_buffers.values() for t in views)
+        host = self.stepper.host_grad_bytes()
         return {"params": params, "grads": host, "master": master}
 
     # ------------------------------------------------------------------ hooks
@@ -516,7 +512,7 @@ class ZeroStage:
     def _grad_norm(self) -> tuple[torch.Tensor, torch.Tensor]:
         if self.swapper is not None and self.swapper.grad_of:  # NVMe: the gradients stream in tile by tile
             total, found = torch.zeros((), dtype=torch.float64), torch.zeros((), dtype=torch.float32)
-            for grads in self.swapper.stream_grads(self._tile_lists()):  # host memory: no device read
+            for grads in self.swapper.stream_grads(self.stepper.tiles()):  # host memory: no device read
                 sq, inf = multi_tensor_sum_of_squares(grads)
                 total += sq
                 found = torch.maximum(found, inf.float())
@@ -557,15 +553,9 @@ class ZeroStage:
         return sq.sqrt(), ((inf > 0) | ~torch.isfinite(sq)).float()
 
     def skip_mode(self, optimizer: torch.optim.Optimizer) -> str:
-        """How ``apply_step`` learns whether to skip a step it is handed the device flag of (see [Note: the
-        step on the device]): "device", "copy" (offloaded masters: with the gradients' copy) or "read"."""
-        if self.swap is not None or any(m.device != self.compute_device for gs in self.groups for m in gs.masters):
-            return "copy"
-        if is_cpu_kernel_optimizer(optimizer) or _takes_found_inf(optimizer):
-            return "device"
-        return "read"
+        """How ``apply_step`` learns whether to skip a step (``OptimizerStep.skip_mode``, step.py)."""
+        return self.stepper.skip_mode(optimizer)
 
-    @torch.no_grad()
     def apply_step(
         self,
         optimizer: torch.optim.Optimizer,
@@ -574,218 +564,14 @@ class ZeroStage:
         clip: torch.Tensor | None = None,
         skip: torch.Tensor | None = None,
     ) -> bool | None:
-        """Multiply the gradients by ``factor`` (unscale x average) and ``clip`` (the clipping coefficient, a
-        device tensor), step the masters unless ``skip`` (the device flag of a non-finite gradient) is set,
-        publish. Returns whether the step was skipped where the host learned it, None where only the device
-        knows (``skip`` given, "device" mode); without ``skip`` the caller decided already (False).
-
-        [Note: the fused optimizer pass]
-        ds_strategy's CPU kernels (``ds_strategy.ops.CPUAdam`` and siblings) read fp32, bf16 or fp16
-        gradients, fold ``factor`` in, step, and write the updated 16-bit parameters, all in one pass over
-        memory: with them the gradients are neither pre-multiplied nor copied to fp32, and the masters are
-        not copied into the parameters afterwards. Other optimizers get fp32 gradients already multiplied.
-
-        [Note: the step on the device]
-        The clipping coefficient and the skip decision of a bf16/fp32 step stay device tensors, so the step
-        never waits for the device (docs/zero3.md, "No host synchronisation in a step"):
-        * "device" (masters on the compute device; ds_strategy's kernel optimizers or a torch optimizer
-          that takes ``found_inf``, i.e. built with ``fused=True``): torch's fused optimizers get the flag
-          as ``optimizer.found_inf`` and skip on the device, step counts included. The kernels take their
-          coefficients as host numbers, so the gradients are multiplied by ``clip`` on the device first,
-          and a step to skip has a NaN put in every gradient (``clip`` or, without clipping, the first
-          element times NaN): each kernel call then skips itself on the device (``skip_on_device``). Their
-          step counts are host numbers and still advance (see [Note: step counts on the host] in
-          ops/optimizers.py).
-        * "copy" (offloaded or NVMe masters: the step runs on the host anyway): the flag comes to the host
-          with the gradients' copy, in the same wait, and a step to skip is skipped there.
-        * "read" (another torch optimizer on the device: it cannot skip on the device): one host read of
-          the flag per optimizer step, documented and allowed under the device-strict mode.
-        """
-        mode = "given" if skip is None else self.skip_mode(optimizer)
-        if mode == "read":
-            with strict.host_read_allowed(READ_SKIP):
-                if bool(skip):
-                    return True
-            mode, skip = "given", None
-        if self.swap is not None:
-            return self._apply_step_tiled(optimizer, factor, clip, skip)
-        fused = is_cpu_kernel_optimizer(optimizer)
-        if not fused:
-            pieces = self._reduced_grads()
-            scale: float | torch.Tensor = factor if clip is None else clip * factor
-            if pieces and (isinstance(scale, torch.Tensor) or scale != 1.0):
-                torch._foreach_mul_(pieces, scale)
-        elif clip is not None or mode == "device":
-            pieces = [p for p in self._reduced_grads() if p.numel()]
-            if clip is not None:
-                poisoned = torch.where(skip > 0, math.nan, clip) if skip is not None and mode == "device" else clip
-                torch._foreach_mul_(pieces, poisoned.to(self.compute_device))
-            elif pieces and skip is not None:  # a NaN in every kernel call's gradients, or a multiplication by one
-                heads = [p.as_strided((1,), (1,)) for p in pieces]  # each piece's first element
-                torch._foreach_mul_(heads, torch.where(skip > 0, math.nan, 1.0))
-        outputs: dict[torch.Tensor, torch.Tensor] = {}
-        written: set[int] = set()
-        to_host: dict[nn.Parameter, tuple[torch.Tensor, torch.Tensor]] = {}  # master -> (host copy, gradient)
-        for g, gs in enumerate(self.groups):
-            grads = self._grad_pieces(g)
-            device = gs.masters[0].device if gs.masters else None
-            if grads and (grads[0].device != device or (grads[0].dtype != torch.float32 and not fused)):
-                host = self._host_grads(g)  # offload / non-fp32 accumulation: fp32 copies on the master device
-                to_host.update(zip(gs.masters, zip(host, grads, strict=True), strict=True))
-                grads = host
-            for master, grad in zip(gs.masters, grads, strict=True):
-                master.grad = grad
-            if fused and (sixteen := gs.sixteen_bit_outputs()):
-                outputs.update(sixteen)
-                written.add(g)
-        tiles = self.step_tiles()
-        order = [m for gs in self.groups for m in gs.masters if m in to_host]
-        # Every tile's copies are issued now; each tile waits for its own before its step (offload_copy.py).
-        # "copy" mode: the skip flag travels with the first tile's gradients (one wait for both).
-        flag = self._skip_flag_host() if mode == "copy" and skip is not None else None
-        with_flag = [(flag, skip.reshape(1).float())] if flag is not None and skip is not None else []
-        with strict.host_read_allowed(OFFLOAD_COPY):
-            waits = [
-                self._host_copier.copy([to_host[m] for m in order if m in tile] + (with_flag if t == 0 else []))
-                for t, tile in enumerate(tiles)
-            ]
-            if with_flag and not tiles:  # no master here: the flag alone
-                waits = [self._host_copier.copy(with_flag)]
-        if flag is not None:
-            waits[0]()
-            if not tiles:
-                waits = []
-            if flag[0] > 0:  # host memory: no read of the device
-                for wait in waits[1:]:
-                    wait()
-                for gs in self.groups:
-                    for master in gs.masters:
-                        master.grad = None
-                return True
-        for tile, wait in zip(tiles, waits, strict=True):
-            wait()
-            # Only the tile's masters carry a gradient: optimizers skip the others, so the step's temporaries
-            # scale with the tile (the optimizers ZeRO accepts are elementwise: tiles give the same weights).
-            hidden: dict[nn.Parameter, torch.Tensor | None] = {
-                m: m.grad for gs in self.groups for m in gs.masters if m not in tile
-            }
-            for m in hidden:
-                m.grad = None
-            with record_function("ds::optimizer_step"):
-                if fused:
-                    out = {m: t for m, t in outputs.items() if m in tile}
-                    optimizer.step(  # type: ignore[call-overload]
-                        clip_coef=factor, out_16bit=out or None, skip_on_device=mode == "device"
-                    )
-                elif mode == "device":
-                    _step_with_found_inf(optimizer, skip)
-                else:
-                    optimizer.step()
-            for m, saved in hidden.items():
-                m.grad = saved
-        for gs in self.groups:
-            for master in gs.masters:
-                master.grad = None
-        self.publish(params_written=written)
-        return None if mode == "device" else False
-
-    def _skip_flag_host(self) -> torch.Tensor:
-        """The host buffer the skip flag of a "copy"-mode step lands in (pinned with the masters)."""
-        buf = getattr(self, "_skip_host", None)
-        if buf is None:
-            buf = self._skip_host = torch.zeros(1, dtype=torch.float32, pin_memory=self.options.pin_memory)
-        return buf
+        """The optimizer step (``OptimizerStep.apply`` in step.py: [Note: the fused optimizer pass], [Note:
+        the step on the device]); whether it was skipped where the host learned it, None where only the
+        device knows."""
+        return self.stepper.apply(optimizer, factor, clip=clip, skip=skip)
 
     def step_tiles(self) -> list[set[nn.Parameter]]:
-        """The masters in optimizer-step tiles of at most ``sub_group_size`` elements (DeepSpeed's sub-groups),
-        in layout order; a master larger than that is a tile of its own. One tile when everything fits."""
-        return [set(tile) for tile in self._tile_lists()]
-
-    def _tile_lists(self) -> list[list[nn.Parameter]]:
-        tiles: list[list[nn.Parameter]] = []
-        current: list[nn.Parameter] = []
-        filled = 0
-        for gs in self.groups:
-            for m in gs.masters:
-                numel = self.swapper.numel[m] if self.swapper is not None else m.numel()  # swapped: a placeholder
-                if current and filled + numel > self.options.sub_group_numel:
-                    tiles.append(current)
-                    current, filled = [], 0
-                current.append(m)
-                filled += numel
-        if current:
-            tiles.append(current)
-        return tiles
-
-    @torch.no_grad()
-    def _apply_step_tiled(
-        self,
-        optimizer: torch.optim.Optimizer,
-        factor: float,
-        clip: torch.Tensor | None = None,
-        skip: torch.Tensor | None = None,
-    ) -> bool:
-        """``apply_step`` with NVMe offload: tile by tile, each tile's masters, state and gradients brought in
-        by the swapper (``runtime/swap/optimizer.py``, [Note: the step pipeline]) and its updated parameters
-        written out before the next (swapped partitions cannot wait for a whole-model ``publish``). The
-        arithmetic per element is ``apply_step``'s. The clipping coefficient and skip flag are read on the
-        host once (the step runs there), and every copy between the device and the host is this path's
-        business: allowed under the device-strict mode."""
-        with strict.host_read_allowed(OFFLOAD_COPY):
-            return self._apply_tiles(optimizer, factor, clip, skip)
-
-    def _apply_tiles(
-        self, optimizer: torch.optim.Optimizer, factor: float, clip: torch.Tensor | None, skip: torch.Tensor | None
-    ) -> bool:
-        if clip is not None or skip is not None:
-            dev = (clip if clip is not None else skip).device  # type: ignore[union-attr]
-            one = torch.ones((), dtype=torch.float64, device=dev)
-            coef, skipped = torch.stack(
-                [one if clip is None else clip.double(), one * 0 if skip is None else skip.double()]
-            ).tolist()
-            if skipped > 0:
-                return True
-            factor *= coef
-        fused = is_cpu_kernel_optimizer(optimizer)
-        tiles = self._tile_lists()
-        where = {m: (g, b) for g, gs in enumerate(self.groups) for b, m in enumerate(gs.masters)}
-        sw = self.swapper
-
-        def run(t: int) -> None:
-            outputs: dict[torch.Tensor, torch.Tensor] = {}
-            for m in tiles[t]:
-                g, b = where[m]
-                grad = sw.grad_of[m] if sw is not None and m in sw.grad_of else self._grad_pieces(g)[b]
-                if grad.device != m.device or (grad.dtype != torch.float32 and not fused):
-                    grad = grad.to(m.device, torch.float32)
-                if not fused and factor != 1.0:
-                    grad.mul_(factor)
-                m.grad = grad
-                out = self.groups[g].sixteen_bit_output(b) if fused else None
-                if out is not None:
-                    outputs[m] = out
-            with record_function("ds::optimizer_step"):
-                if fused:
-                    optimizer.step(clip_coef=factor, out_16bit=outputs or None)  # type: ignore[call-overload]
-                else:
-                    optimizer.step()
-            for m in tiles[t]:
-                m.grad = None
-                g, b = where[m]
-                if m in outputs:
-                    self.groups[g].store_sixteen_bit_output(b, outputs[m])
-                else:
-                    self.groups[g].copy_master_to_param(b)
-
-        if sw is not None:
-            sw.optimizer = optimizer
-            sw.step(tiles, run)
-        else:
-            for t in range(len(tiles)):
-                run(t)
-        self.publish(params_written=range(len(self.groups)))
-        trim_heap()  # [Note: host memory under NVMe offload] in runtime/swap/__init__.py
-        return False
+        """The masters in optimizer-step tiles of at most ``sub_group_size`` elements (step.py)."""
+        return self.stepper.tile_sets()
 
     # ------------------------------------------------------------------ NVMe offload
     def swapped_storages(self) -> list[GroupStorage]:
@@ -825,17 +611,6 @@ class ZeroStage:
         """Names of trainable parameters that got no gradient in the current accumulation window."""
         return [self.groups[g].names[i] for pid, (g, i) in enumerate(self._where) if not self._got_grad[pid]]
 
-    def _host_grads(self, group: int) -> list[torch.Tensor]:
-        buffers = self._host_grad_buffers
-        if group not in buffers:
-            gs = self.groups[group]
-            numel = sum(m.numel() for m in gs.masters)
-            buf = torch.empty(
-                numel, dtype=torch.float32, device=gs.masters[0].device, pin_memory=self.options.pin_memory
-            )
-            buffers[group] = gs.master_shaped(buf)
-        return buffers[group]
-
     @torch.no_grad()
     def publish(self, params_written: Collection[int] = ()) -> None:
         """Masters -> compute-dtype parameters (except groups whose optimizer pass already wrote them),
@@ -865,30 +640,6 @@ class ZeroStage:
         self._window_reduced = False
         self._unmanaged = False
         self._reset_window()
-
-
-# The host reads of a bf16/fp32 step that [Note: the step on the device] allows (strict.host_read_allowed).
-READ_SKIP = "the skip flag of an optimizer that cannot skip on the device (a torch optimizer without fused=True)"
-OFFLOAD_COPY = "offloaded optimizer: gradients and the step's flags to the host masters"
-TORCH_FUSED = "torch's fused optimizer moves found_inf to its parameters' device (no copy on a GPU)"
-
-
-def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
-    """A torch optimizer whose step skips on the device when ``optimizer.found_inf`` is set (the fused ones,
-    as ``torch.amp.GradScaler`` drives them)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and not is_cpu_kernel_optimizer(optimizer)
-
-
-def _step_with_found_inf(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None) -> None:
-    """``optimizer.step()`` skipping on the device when ``skip`` (a 0-dim float32 flag) is set."""
-    optimizer.found_inf = skip  # type: ignore[attr-defined]
-    optimizer.grad_scale = None  # type: ignore[attr-defined]
-    try:
-        # Under the strict mode torch sees cpu:0 against its parameters' plain cpu and copies the flag.
-        with strict.host_read_allowed(TORCH_FUSED):
-            optimizer.step()
-    finally:
-        del optimizer.found_inf, optimizer.grad_scale  # type: ignore[attr-defined]
 
 
 def _true_numel(p: torch.Tensor) -> int:
