@@ -69,7 +69,7 @@ def test_communicator_takes_torch_paths_under_a_fake_group(monkeypatch: pytest.M
 
 
 def test_init_distributed_reuses_a_fake_group(monkeypatch: pytest.MonkeyPatch) -> None:
-    from ds_strategy.comm.distributed import _meet_peers_before_teardown
+    from ds_strategy.comm.ownership import _meet_peers_before_teardown
 
     monkeypatch.delenv("LOCAL_RANK", raising=False)
     with fake_group(monkeypatch, world_size=8, rank=5):

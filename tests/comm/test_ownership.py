@@ -219,3 +219,49 @@ def test_release_torch_defaults_touches_only_destroyed_groups(single_group: None
     finally:
         fn.broadcast.__defaults__, fn.gather.__defaults__ = saved
         dist.destroy_process_group(live)
+
+
+_FAILING_RANK = """
+import os, sys, time
+import ds_strategy
+ds_strategy.init_distributed()
+if os.environ["RANK"] == "1":
+    print("raising at", time.time(), flush=True)
+    raise RuntimeError("rank 1 fails")
+time.sleep(float(sys.argv[1]))  # rank 0 works on; it reaches exit long after rank 1 is gone
+"""
+
+
+def test_a_rank_that_failed_does_not_wait_for_its_peers(tmp_path: Path) -> None:
+    """Rank 1 raises while rank 0 works on for 20 s: rank 1 is gone within seconds (its handler neither
+    waits in the exit meeting nor tears down), whatever DS_STRATEGY_EXIT_WAIT allows."""
+    import time
+
+    from tests.launcher.common import free_port
+
+    script = tmp_path / "fail.py"
+    script.write_text(_FAILING_RANK)
+    base = {k: v for k, v in os.environ.items() if k not in (*ENV_VARS, "LOCAL_RANK")}
+    base.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(free_port()), WORLD_SIZE="2", OMP_NUM_THREADS="1")
+    base["DS_STRATEGY_EXIT_WAIT"] = "300"
+    procs = [
+        subprocess.Popen(
+            [sys.executable, str(script), "20"],
+            env={**base, "RANK": str(r), "LOCAL_RANK": str(r)},
+            stdout=subprocess.PIPE,
+            stderr=subprocess.PIPE,
+            text=True,
+        )
+        for r in range(2)
+    ]
+    try:
+        out, err = procs[1].communicate(timeout=120)
+        ended = time.time()
+        raised = float(next(line.split()[-1] for line in out.splitlines() if line.startswith("raising at")))
+        assert procs[1].returncode == 1 and "rank 1 fails" in err, err
+        assert ended - raised < 10, (ended - raised, err)  # 300 s if it waited for rank 0
+        assert procs[0].poll() is None  # rank 0 is still working: nobody met rank 1 at exit
+    finally:
+        for p in procs:
+            p.kill()
+            p.communicate()
