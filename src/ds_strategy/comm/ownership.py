@@ -95,6 +95,8 @@ _records = _Records()
 def created_default_group() -> None:
     """Record that the package (``init_distributed``) created the current default group; register the exit
     handler. A weak reference: the record keeps nothing alive."""
+    if not dist.is_initialized():  # nothing was created after all
+        return
     group = dist.distributed_c10d._get_default_group()
     _records.default_group = weakref.ref(group)
     _register_exit_handler()
