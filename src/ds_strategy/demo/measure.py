@@ -138,7 +138,7 @@ class RunRecorder(L.Callback):
         self.name = name
         self.gather = gather
         self.result: RunResult | None = None
-        self._losses: list[float] = []
+        self._losses: list[torch.Tensor] = []
         self._tokens = 0
         self._timed_from: float | None = None
         self._setup_rss = 0
@@ -162,20 +162,24 @@ class RunRecorder(L.Callback):
         self, trainer: L.Trainer, pl_module: L.LightningModule, outputs: Any, batch: Any, batch_idx: int
     ) -> None:
         loss = outputs["loss"] if isinstance(outputs, dict) else outputs
-        self._losses.append(float(loss.detach()))
+        self._losses.append(loss.detach().reshape(()))  # kept on the device: read once, at the end
         self._tokens += int(batch[0].numel())
 
     def on_train_end(self, trainer: L.Trainer, pl_module: L.LightningModule) -> None:
         elapsed = time.perf_counter() - self._timed_from if self._timed_from is not None else 0.0
         _, peak = rank_memory()
-        local_losses = torch.tensor(self._losses, dtype=torch.float64)
+        # The records travel on the losses' device (the model's): NCCL takes no host tensor.
+        device = self._losses[0].device if self._losses else torch.device("cpu")
+        local_losses = torch.stack(self._losses).double() if self._losses else torch.zeros(0, dtype=torch.float64)
+        local_losses = local_losses.to(device)
         state = model_state_bytes(trainer)
-        local_stats = torch.tensor([self._tokens, elapsed, peak, self._setup_rss, state], dtype=torch.float64)
+        stats_row = [self._tokens, elapsed, peak, self._setup_rss, state]
+        local_stats = torch.tensor(stats_row, dtype=torch.float64, device=device)
         gather = self.gather or trainer.strategy.all_gather
-        losses = _stacked(gather(local_losses), local_losses)
-        stats = _stacked(gather(local_stats), local_stats)
-        local_reset = torch.tensor([float(self._reset)])
-        resets = _stacked(gather(local_reset), local_reset)
+        losses = _stacked(gather(local_losses), local_losses).cpu()
+        stats = _stacked(gather(local_stats), local_stats).cpu()
+        local_reset = torch.tensor([float(self._reset)], device=device)
+        resets = _stacked(gather(local_reset), local_reset).cpu()
         if trainer.is_global_zero:
             self.result = summarize(self.name, losses, stats, peak_is_per_run=bool(resets.min().item() > 0))
 
