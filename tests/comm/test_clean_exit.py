@@ -1,8 +1,9 @@
 """Every rank of a successful run exits 0, whatever the script does or omits at its end (issue 18).
 
 Launches tests/comm/scripts/uneven_exit.py under torchrun with ranks that reach interpreter exit at
-different times, over stages, precisions, offload, a checkpoint save and a Lightning fit. A rank killed at
-exit (SIGABRT, "terminate called without an active exception") fails the launch. CI runs a few launches;
+different times, over stages, precisions, offload, a checkpoint save, a Lightning fit, an MoE model and a
+pipeline. A rank killed at exit (SIGABRT, "terminate called without an active exception") fails the
+launch; so does a gloo thread alive after ds_strategy's exit handler (exit 3). CI runs a few launches;
 DS_STRATEGY_EXIT_LAUNCHES=200 is the stress run quoted in docs/architecture.md. Two launches run at a
 time (4 processes on this 2-core machine: shorter, and the exits meet more varied timing).
 """
@@ -30,6 +31,8 @@ CASES = [
     ("selfdestroy", 1, "fp32", "none"),
     ("checkpoint", 3, "fp32", "none"),
     ("lightning", 3, "fp32", "none"),
+    ("moe", 2, "fp32", "none"),
+    ("pipeline", 1, "fp32", "none"),
 ]
 LAUNCHES = int(os.environ.get("DS_STRATEGY_EXIT_LAUNCHES", str(len(CASES))))
 

@@ -8,7 +8,9 @@ made with init_process_group and, as torch asks of the creator, destroys at its 
 destroys a group it did not create), selfdestroy (an engine run on init_distributed's group that calls
 destroy_process_group() at its end),
 checkpoint (an engine run that saves a sharded checkpoint), lightning (a Trainer fit with strategy
-zero2/zero3 under torchrun). LATE picks the rank that keeps working for about SECONDS after training (as
+zero2/zero3 under torchrun), moe (an MoE model with ep_size 2: the expert groups ds_strategy creates),
+pipeline (a 2-stage PipelineModule with a tied layer: stage, tie and control groups, and its p2p waiter).
+LATE picks the rank that keeps working for about SECONDS after training (as
 a script that evaluates or reports on one rank does); every launch must exit 0 on every rank.
 
 The deterministic half of the check: the atexit handler registered here, first, runs last, after
@@ -80,7 +82,7 @@ def engine_run() -> int:
 
     import ds_strategy
 
-    if KIND == "usergroup":  # the script makes the group itself and never destroys it
+    if KIND == "usergroup":  # the script makes the group itself (and destroys it below)
         dist.init_process_group("gloo")
     else:
         ds_strategy.init_distributed()
@@ -99,6 +101,56 @@ def engine_run() -> int:
     if KIND in ("selfdestroy", "usergroup"):  # the script tears its group down itself (torch.optim's lazy
         dist.destroy_process_group()  # imports may still hold it: the package releases exactly that holder)
     return rank
+
+
+def moe_run() -> int:
+    import torch.distributed as dist
+
+    import ds_strategy
+    from ds_strategy.moe import MoE
+
+    class Net(torch.nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            expert = torch.nn.Sequential(torch.nn.Linear(16, 32), torch.nn.GELU(), torch.nn.Linear(32, 16))
+            self.moe = MoE(16, expert, num_experts=4, ep_size=2, k=1, capacity_factor=4.0, min_capacity=1)
+            self.head = torch.nn.Linear(16, 1)
+
+        def forward(self, x: torch.Tensor) -> torch.Tensor:
+            h, l_aux, _ = self.moe(x)
+            return self.head(h).float().square().mean() + 0.01 * l_aux
+
+    ds_strategy.init_distributed()
+    torch.manual_seed(0)
+    model = Net()
+    engine, *_ = ds_strategy.initialize(model=model, model_parameters=model.parameters(), config=config())
+    for _ in range(4):
+        engine.backward(engine(torch.randn(4, 3, 16)))
+        engine.step()
+    return dist.get_rank()
+
+
+def pipeline_run() -> int:
+    import torch.distributed as dist
+
+    import ds_strategy
+    from ds_strategy.pipe import LayerSpec, PipelineModule, TiedLayerSpec
+
+    ds_strategy.init_distributed()
+    layers = [
+        TiedLayerSpec("proj", torch.nn.Linear, 16, 16, bias=False),
+        LayerSpec(torch.nn.Linear, 16, 32),
+        torch.nn.Tanh(),
+        LayerSpec(torch.nn.Linear, 32, 16),
+        TiedLayerSpec("proj", torch.nn.Linear, 16, 16, bias=False),
+    ]
+    module = PipelineModule(layers, num_stages=2, loss_fn=torch.nn.MSELoss(), partition_method="uniform")
+    cfg = {**config(), "gradient_accumulation_steps": 2, "zero_optimization": {"stage": 1}}
+    engine, *_ = ds_strategy.initialize(model=module, config=cfg)
+    g = torch.Generator().manual_seed(1)
+    for _ in range(3):
+        engine.train_batch(iter([(torch.randn(4, 16, generator=g), torch.randn(4, 16, generator=g))] * 2))
+    return dist.get_rank()
 
 
 def lightning_run() -> int:
@@ -136,7 +188,8 @@ def lightning_run() -> int:
 
 
 def main() -> None:
-    rank = lightning_run() if KIND == "lightning" else engine_run()
+    runs = {"lightning": lightning_run, "moe": moe_run, "pipeline": pipeline_run}
+    rank = runs.get(KIND, engine_run)()
     if rank == LATE:  # extra work on one rank only: a reference computation, a report
         ref = torch.nn.Sequential(torch.nn.Embedding(97, 64), torch.nn.Linear(64, 97))
         opt = torch.optim.AdamW(ref.parameters(), lr=1e-3)

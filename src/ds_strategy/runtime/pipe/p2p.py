@@ -99,11 +99,23 @@ class _Waiter:
     def _run(self) -> None:
         while True:
             work, done = self._queue.get()
+            if work is None:  # close()
+                return
             try:
                 work.wait()
             except BaseException as e:
                 done.error = e
             done.set()
+            # Hold no finished Work while waiting for the next: it keeps its gloo context (and a gloo thread)
+            # alive after the group is destroyed, into interpreter finalisation (comm/ownership.py).
+            del work, done
+
+    def close(self) -> None:
+        """Stop the thread (idempotent)."""
+        thread, self._thread = self._thread, None
+        if thread is not None:
+            self._queue.put((None, _Done()))
+            thread.join(timeout=5)
 
 
 def _make_channel(slots: int, slot_bytes: int, what: str) -> ShmChannel | None:
@@ -230,10 +242,12 @@ class Link:
         return [g for _, _, g in self.meta[key]]
 
     def close(self) -> None:
-        """Unmap every shared-memory channel of this rank (the link is unusable afterwards)."""
+        """Unmap every shared-memory channel of this rank and stop the waiter thread (the link is unusable
+        afterwards)."""
         for chan in self.channels.values():
             chan.close()
         self.channels.clear()
+        self._waiter.close()
 
     def drain(self) -> None:
         """Complete this batch's sends (each was matched by a receive of the batch)."""
