@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import sys
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
@@ -225,9 +226,18 @@ class ActivationCheckpointingConfig:
     profile: bool = False
 
 
+AIO_ALIGNMENT = 4096  # bytes: the O_DIRECT unit; ops/aio.py's ALIGNMENT (a test keeps the two equal)
+
+
 @dataclass(frozen=True, kw_only=True)
 class AioConfig:
-    """``aio``: the asynchronous I/O engine of NVMe offload (``ds_strategy.ops.aio``)."""
+    """``aio``: the asynchronous I/O engine of NVMe offload (``ds_strategy.ops.aio``).
+
+    The one place the block is validated: positive integers, ``block_size`` a multiple of 4096 bytes (the
+    O_DIRECT unit), true/false flags, ``use_gds`` refused, and DeepSpeed's newer name for ``thread_count``
+    (``intra_op_parallelism``, which wins when set: ``threads``). ``ds_strategy.ops.aio.AioOptions`` takes
+    these values as they are. ``AioConfig.from_block(dict)`` validates a block outside a whole config.
+    """
 
     block_size: int = 1_048_576
     queue_depth: int = 8
@@ -237,9 +247,49 @@ class AioConfig:
     overlap_events: bool = True
     use_gds: bool = False
 
+    def __post_init__(self) -> None:
+        problems: list[ConfigProblem] = []
+        counts = ["block_size", "queue_depth", "thread_count"]
+        if self.intra_op_parallelism is not None:
+            counts.append("intra_op_parallelism")
+        for key in counts:
+            value = getattr(self, key)
+            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
+                problems.append(ConfigProblem(f"aio.{key}", f"got {format_value(value)}; expected a positive integer"))
+            elif key == "block_size" and value % AIO_ALIGNMENT:
+                multiple = -(-value // AIO_ALIGNMENT) * AIO_ALIGNMENT
+                problems.append(
+                    ConfigProblem(
+                        "aio.block_size",
+                        f"got {value}; expected a multiple of {AIO_ALIGNMENT} bytes (the O_DIRECT unit), "
+                        f"for example {multiple}",
+                    )
+                )
+        for key in ("single_submit", "overlap_events", "use_gds"):
+            value = getattr(self, key)
+            if not isinstance(value, bool):
+                problems.append(ConfigProblem(f"aio.{key}", f"got {format_value(value)}; expected true or false"))
+        if self.use_gds is True:
+            problems.append(ConfigProblem("aio.use_gds", "GPUDirect Storage is not supported; set it to false"))
+        if problems:
+            raise ConfigError(problems)
+
     @property
     def threads(self) -> int:
         return self.intra_op_parallelism or self.thread_count
+
+    @classmethod
+    def from_block(cls, block: Mapping[str, Any] | None) -> AioConfig:
+        """The ``aio`` block of a DeepSpeed config (a dict with DeepSpeed's keys, or None for every default),
+        validated, for code that drives ``ds_strategy.ops.aio`` without a whole config; a whole config
+        validates its block in ``load_config``. Raises ``ConfigError`` naming each ``aio.<key>`` at fault."""
+        block = dict(block or {})
+        names = [f.name for f in dataclasses.fields(cls)]
+        unknown = [key for key in block if key not in names]
+        if unknown:
+            valid = ", ".join(sorted(names))
+            raise ConfigError([ConfigProblem(f"aio.{key}", f"unknown key; valid keys are {valid}") for key in unknown])
+        return cls(**block)
 
 
 @dataclass(frozen=True, kw_only=True)

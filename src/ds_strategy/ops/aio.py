@@ -74,14 +74,14 @@ def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
 
 # -- options ---------------------------------------------------------------------------------------------
 
-_INT_KEYS = ("block_size", "queue_depth", "thread_count")
-_BOOL_KEYS = ("single_submit", "overlap_events")
-_ALIASES = {"intra_op_parallelism": "thread_count"}  # DeepSpeed >= 0.14 renamed thread_count
-
 
 @dataclass(frozen=True)
 class AioOptions:
-    """The ds_config ``"aio"`` block, and what each key means for this engine.
+    """What the engine reads of the ds_config ``"aio"`` block, and what each key means for it.
+
+    The values are taken as validated: the block is checked once, by ``ds_strategy.config.AioConfig``
+    (positive integers, ``block_size`` a multiple of ALIGNMENT, DeepSpeed's ``intra_op_parallelism`` for
+    ``thread_count``, ``use_gds`` refused); nothing here checks them again.
 
     - ``block_size``: bytes per transfer (one pread/pwrite per block); a multiple of ALIGNMENT.
     - ``queue_depth``: blocks in flight per engine (queued + transferring); submitters block beyond it.
@@ -99,44 +99,31 @@ class AioOptions:
     single_submit: bool = False
     overlap_events: bool = True
 
-    def __post_init__(self) -> None:
-        for key in _INT_KEYS:
-            value = getattr(self, key)
-            if isinstance(value, bool) or not isinstance(value, int) or value <= 0:
-                raise ValueError(f"aio.{key} must be a positive integer, got {value!r}")
-        if self.block_size % ALIGNMENT:
-            raise ValueError(
-                f"aio.block_size must be a multiple of {ALIGNMENT} bytes (the O_DIRECT unit), got "
-                f"{self.block_size}; for example {_round_up(self.block_size, ALIGNMENT)}"
-            )
-        for key in _BOOL_KEYS:
-            value = getattr(self, key)
-            if not isinstance(value, bool):
-                raise ValueError(f"aio.{key} must be true or false, got {value!r}")
-
     @classmethod
     def from_config(cls, aio: Mapping[str, Any] | object | None) -> AioOptions:
-        """Options from the ds_config ``"aio"`` block (a dict), an object with these attributes, or None
-        (every default). Raises ValueError naming the ``aio.<key>`` at fault."""
+        """Options from a validated ``aio`` block: a ``ds_strategy.config.AioConfig`` (its ``threads``: the
+        thread count whichever name the config used), a mapping of these field names (what the engine
+        passes), or None (every default). A DeepSpeed ``aio`` dict is validated first:
+        ``AioOptions.from_config(AioConfig.from_block(block))``."""
         if aio is None:
             return cls()
-        names = {f.name for f in fields(cls)}
-        values: dict[str, Any] = {}
         if isinstance(aio, Mapping):
-            for key, value in aio.items():
-                name = _ALIASES.get(key, key)
-                if key == "use_gds":
-                    if value:
-                        raise ValueError("aio.use_gds: GPUDirect Storage is not supported; set it to false")
-                    continue
-                if name not in names:
-                    raise ValueError(f"aio.{key}: unknown key; valid keys are {', '.join(sorted(names))}")
-                values[name] = value
-        else:
-            for name in names:
-                if hasattr(aio, name):
-                    values[name] = getattr(aio, name)
-        return cls(**values)
+            names = {f.name for f in fields(cls)}
+            foreign = sorted(set(aio) - names)
+            if foreign:
+                raise TypeError(
+                    f"AioOptions.from_config takes a validated block with the keys {', '.join(sorted(names))}; "
+                    f"got {', '.join(foreign)}: pass ds_strategy.config.AioConfig.from_block(block) instead"
+                )
+            return cls(**aio)
+        config: Any = aio
+        return cls(
+            block_size=config.block_size,
+            queue_depth=config.queue_depth,
+            thread_count=config.threads,
+            single_submit=config.single_submit,
+            overlap_events=config.overlap_events,
+        )
 
 
 # -- errors ----------------------------------------------------------------------------------------------
