@@ -7,7 +7,6 @@ loop one per ``fabric.setup``); each holds one ``ZeroCore`` (``strategy.core``) 
   checked once at construction (config.py), and the ZeRO stage it states;
 - the keywords that are not config and decide how it is used: ``start_method``, ``on_conflict``,
   ``activation_checkpointing_policy``;
-- the precision plugin: the face's own in place of the one Lightning built (dtypes.py);
 - the launcher: none under a fake process group, else the script launcher or the fork launcher;
 - stage 3's init context (``zero.Init``, stage3.py);
 - the engine: the config resolved with the face's values, activation checkpointing applied, the engine built.
@@ -21,9 +20,9 @@ Nothing here imports ``lightning.pytorch``: the Fabric face must not need the Tr
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Mapping
 from contextlib import AbstractContextManager, nullcontext
-from typing import TYPE_CHECKING, Any, Literal, TypeVar, cast
+from typing import TYPE_CHECKING, Any, Literal, cast
 
 from torch.nn import Module
 
@@ -41,7 +40,6 @@ from .config import (
     states_micro_batch,
     strategy_config,
 )
-from .dtypes import own_precision
 from .process import ProcessLayout, fake_ranks
 
 if TYPE_CHECKING:
@@ -51,8 +49,6 @@ if TYPE_CHECKING:
     from ds_strategy.config import DeepSpeedConfig
     from ds_strategy.runtime import ZeroEngine
     from ds_strategy.runtime.activation_checkpointing import Policy
-
-P = TypeVar("P")
 
 
 class ZeroCore:
@@ -78,13 +74,23 @@ class ZeroCore:
         self.on_conflict: OnConflict = on_conflict
         self.activation_checkpointing_policy = activation_checkpointing_policy
 
+    @classmethod
+    def of(cls, owner: str, arguments: Mapping[str, Any]) -> ZeroCore:
+        """The core of a strategy from its constructor's arguments (its ``locals()``): both faces take the
+        same keywords."""
+        return cls(
+            owner,
+            arguments["config"],
+            StrategyKeywords.pick(arguments),
+            arguments["compile"],
+            start_method=arguments["start_method"],
+            on_conflict=arguments["on_conflict"],
+            activation_checkpointing_policy=arguments["activation_checkpointing_policy"],
+        )
+
     @property
     def stage(self) -> int:
         return configured_stage(self.raw_config)
-
-    def precision_plugin(self, plugin: Any, ours: type[P], plain_types: tuple[type, ...], *, where: str) -> P | None:
-        """The face's own plugin ``ours`` for the one Lightning built from ``where`` (``own_precision``)."""
-        return own_precision(plugin, ours, plain_types, owner=self.owner, where=where)
 
     def launcher(self, strategy: ProcessLayout, script: Callable[..., Any], fork: Callable[..., Any]) -> Any:
         """The launcher ``strategy`` starts its ranks with: none when this process stands for a rank of a fake

@@ -11,7 +11,7 @@ Nothing here imports ``lightning.pytorch``: the Fabric face must not need the Tr
 from __future__ import annotations
 
 from contextlib import AbstractContextManager, nullcontext
-from typing import Any, Literal, TypeVar, cast, get_args
+from typing import Any, ClassVar, Literal, TypeVar, cast, get_args
 
 import torch
 from lightning_utilities import apply_to_collection
@@ -21,6 +21,7 @@ from torch.nn import Module
 from ._compat import _convert_fp_tensor, _DtypeContextManager
 
 P = TypeVar("P")
+D = TypeVar("D", bound="EngineDtypes")
 
 PrecisionFlag = Literal["32-true", "16-mixed", "bf16-mixed", "16-true", "bf16-true"]
 PRECISION_FLAGS: tuple[str, ...] = get_args(PrecisionFlag)
@@ -71,10 +72,25 @@ class EngineDtypes:
 
     precision: Any  # a PrecisionFlag; Any to agree with Lightning's own annotation of the attribute
     dtype: torch.dtype
+    # Set by each plugin: the strategy it serves, where its users state the flag, and Lightning's plain
+    # plugins (no AMP of their own) whose flag it takes over.
+    owner: ClassVar[str]
+    flag_given_in: ClassVar[str]
+    takes_over: ClassVar[tuple[type, ...]]
 
-    def _set_flag(self, precision: Any, owner: str) -> None:
-        self.precision = check_precision_flag(precision, owner)
+    def __init__(self, precision: PrecisionFlag = "32-true") -> None:
+        self.precision = check_precision_flag(precision, self.owner)
         self.dtype = PRECISION_DTYPE[self.precision]
+
+    @classmethod
+    def adopt(cls: type[D], plugin: Any) -> D | None:
+        """This plugin in place of the one Lightning built from its flag (``own_precision``)."""
+        return own_precision(plugin, cls, cls.takes_over, owner=cls.owner, where=cls.flag_given_in)
+
+    @classmethod
+    def current(cls: type[D], plugin: Any) -> D:
+        """The strategy's plugin: ``plugin`` when it is this one, else the default ("32-true")."""
+        return plugin if isinstance(plugin, cls) else cls("32-true")
 
     def convert_module(self, module: Module) -> Module:
         return module.to(dtype=self.dtype) if self.precision.endswith("-true") else module

@@ -12,17 +12,19 @@ from __future__ import annotations
 from contextlib import AbstractContextManager, nullcontext
 
 from lightning.fabric.plugins import Precision
+from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision
 from typing_extensions import override
 
-from .dtypes import EngineDtypes, PrecisionFlag
+from .dtypes import EngineDtypes
 
 
 class ZeroFabricPrecision(EngineDtypes, Precision):
     """Precision for ``ZeroFabricStrategy``: one of "32-true", "16-mixed", "bf16-mixed", "16-true",
     "bf16-true" (``Fabric(precision=...)`` is turned into this plugin by the strategy)."""
 
-    def __init__(self, precision: PrecisionFlag = "32-true") -> None:
-        self._set_flag(precision, "ZeroFabricStrategy")
+    owner = "ZeroFabricStrategy"
+    flag_given_in = "Fabric(precision=...)"
+    takes_over = (Precision, MixedPrecision, HalfPrecision)
 
     @override
     def forward_context(self) -> AbstractContextManager:

@@ -37,7 +37,6 @@ import torch
 from lightning.fabric.accelerators import Accelerator
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment, Precision
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.plugins.precision import HalfPrecision, MixedPrecision
 from lightning.fabric.strategies import ParallelStrategy
 from lightning.fabric.utilities.types import ReduceOp
 from torch import Tensor
@@ -58,7 +57,7 @@ from ._compat import (
     _sync_ddp_if_available,
 )
 from .compile import CompileArg
-from .config import ConfigArg, StartMethod, StrategyKeywords
+from .config import ConfigArg, StartMethod
 from .core import ZeroCore, ZeroFace
 from .fabric_optimizer import EngineOptimizer
 from .fabric_precision import ZeroFabricPrecision
@@ -109,15 +108,7 @@ class ZeroFabricStrategy(ZeroFace, ProcessLayout, ParallelStrategy, _Sharded):
         exclude_frozen_parameters: bool = False,
         compile: CompileArg = None,
     ) -> None:
-        self.core = ZeroCore(
-            "ZeroFabricStrategy",
-            config,
-            StrategyKeywords.pick(locals()),
-            compile,
-            start_method=start_method,
-            on_conflict=on_conflict,
-            activation_checkpointing_policy=activation_checkpointing_policy,
-        )
+        self.core = ZeroCore.of("ZeroFabricStrategy", locals())
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -139,17 +130,13 @@ class ZeroFabricStrategy(ZeroFace, ProcessLayout, ParallelStrategy, _Sharded):
     # ------------------------------------------------------------------ what Fabric asks of a strategy
     @property
     @override
-    def precision(self) -> Precision:
-        plugin = self._precision
-        return plugin if isinstance(plugin, ZeroFabricPrecision) else ZeroFabricPrecision("32-true")
+    def precision(self) -> ZeroFabricPrecision:
+        return ZeroFabricPrecision.current(self._precision)
 
     @precision.setter
     @override
     def precision(self, precision: Precision | None) -> None:
-        plain = (Precision, MixedPrecision, HalfPrecision)
-        self._precision = self.core.precision_plugin(
-            precision, ZeroFabricPrecision, plain, where="Fabric(precision=...)"
-        )
+        self._precision = ZeroFabricPrecision.adopt(precision)
 
     @override
     def _configure_launcher(self) -> None:

@@ -13,7 +13,7 @@ from collections.abc import Callable
 from contextlib import AbstractContextManager, nullcontext
 from typing import TYPE_CHECKING, Any
 
-from lightning.pytorch.plugins.precision import Precision
+from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
 from lightning.pytorch.utilities import GradClipAlgorithmType
 from lightning.pytorch.utilities.exceptions import MisconfigurationException
 from torch import Tensor
@@ -22,7 +22,7 @@ from typing_extensions import override
 
 from ds_strategy.runtime import ZeroEngine
 
-from .dtypes import EngineDtypes, PrecisionFlag
+from .dtypes import EngineDtypes
 
 if TYPE_CHECKING:
     import lightning.pytorch as pl
@@ -33,8 +33,9 @@ class ZeroPrecision(EngineDtypes, Precision):
     "16-true", "bf16-true". The dtype handling (``convert_module``, ``convert_input``, the init contexts)
     is ``dtypes.EngineDtypes``, the same as Fabric's ``ZeroFabricPrecision``."""
 
-    def __init__(self, precision: PrecisionFlag = "32-true") -> None:
-        self._set_flag(precision, "ZeroStrategy")
+    owner = "ZeroStrategy"
+    flag_given_in = "Trainer(precision=...)"
+    takes_over = (Precision, MixedPrecision, HalfPrecision)
 
     # ------------------------------------------------------------------ the engine does the rest
     # [Note: who decides the accumulation boundary] (strategy.py): Lightning does. Inside a window the

@@ -43,7 +43,7 @@ from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
-from lightning.pytorch.plugins.precision import HalfPrecision, MixedPrecision, Precision
+from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from lightning.pytorch.utilities import GradClipAlgorithmType
@@ -70,7 +70,7 @@ from ._compat import (
     train_dataloader_of,
 )
 from .compile import CompileArg
-from .config import ConfigArg, StartMethod, StrategyKeywords
+from .config import ConfigArg, StartMethod
 from .core import ZeroCore, ZeroFace
 from .launcher import ZeroMultiProcessingLauncher
 from .precision import ZeroPrecision
@@ -156,15 +156,7 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
         compile: CompileArg = None,
     ) -> None:
         self.config = config
-        self.core = ZeroCore(
-            "ZeroStrategy",
-            config,
-            StrategyKeywords.pick(locals()),
-            compile,
-            start_method=start_method,
-            on_conflict=on_conflict,
-            activation_checkpointing_policy=activation_checkpointing_policy,
-        )
+        self.core = ZeroCore.of("ZeroStrategy", locals())  # checks the config before anything is launched
         super().__init__(
             accelerator=accelerator,
             parallel_devices=parallel_devices,
@@ -194,16 +186,12 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
     @property
     @override
     def precision_plugin(self) -> ZeroPrecision:
-        plugin = self._precision_plugin
-        return plugin if isinstance(plugin, ZeroPrecision) else ZeroPrecision("32-true")
+        return ZeroPrecision.current(self._precision_plugin)
 
     @precision_plugin.setter
     @override
     def precision_plugin(self, plugin: Precision | None) -> None:
-        plain = (Precision, MixedPrecision, HalfPrecision)
-        self._precision_plugin = self.core.precision_plugin(
-            plugin, ZeroPrecision, plain, where="Trainer(precision=...)"
-        )
+        self._precision_plugin = ZeroPrecision.adopt(plugin)  # never Lightning's AMP around the engine
 
     @override
     def _configure_launcher(self) -> None:
