@@ -12,8 +12,9 @@ loop one per ``fabric.setup``); each holds one ``ZeroCore`` (``strategy.core``) 
 - the engine: the config resolved with the face's values, activation checkpointing applied, the engine built.
 
 ``ZeroFace`` is the strategy's side of it: ``raw_config`` and ``stage`` on either strategy, answered by its
-core. The process layout (devices,
-ranks, process group, object collectives) is process.py's ``ProcessLayout``.
+core. Beside the core: the process layout (devices, ranks, process group, object collectives) is
+process.py's ``ProcessLayout``, the precision plugins' dtypes dtypes.py's ``EngineDtypes``, one engine's
+checkpoint checkpoint.py's.
 
 Nothing here imports ``lightning.pytorch``: the Fabric face must not need the Trainer's modules.
 """

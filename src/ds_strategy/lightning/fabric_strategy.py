@@ -54,7 +54,6 @@ from ._compat import (
     _FabricMultiProcessingLauncher,
     _FabricSubprocessScriptLauncher,
     _Sharded,
-    _sync_ddp_if_available,
 )
 from .compile import CompileArg
 from .config import ConfigArg, StartMethod
@@ -302,9 +301,7 @@ class ZeroFabricStrategy(ZeroFace, ProcessLayout, ParallelStrategy, _Sharded):
     # ------------------------------------------------------------------ collectives
     @override
     def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return self.reduce_tensor(tensor, group, reduce_op)
 
     # ------------------------------------------------------------------ checkpoints (fabric_checkpoint.py)
     @override

@@ -14,7 +14,7 @@ from __future__ import annotations
 
 import os
 from datetime import timedelta
-from typing import TYPE_CHECKING, Any, TypeVar
+from typing import TYPE_CHECKING, Any, TypeVar, cast
 
 import torch
 from lightning.fabric.plugins import ClusterEnvironment
@@ -23,7 +23,12 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from ds_strategy.accelerator import get_accelerator
 from ds_strategy.comm import init_distributed, is_fake_group
 
-from ._compat import _distributed_is_initialized, _get_default_process_group_backend_for_device, _group
+from ._compat import (
+    _distributed_is_initialized,
+    _get_default_process_group_backend_for_device,
+    _group,
+    _sync_ddp_if_available,
+)
 
 T = TypeVar("T")
 
@@ -159,6 +164,13 @@ class ProcessLayout:
 
     def barrier(self, *args: Any, **kwargs: Any) -> None:
         barrier(self.root_device)
+
+    def reduce_tensor(self, tensor: T, group: Any | None = None, reduce_op: Any = "mean") -> T:
+        """A tensor reduced over the ranks as Lightning's DDP does it (``self.log(sync_dist=True)``,
+        torchmetrics: the Trainer's ``reduce``, Fabric's ``all_reduce``); anything else as it is."""
+        if isinstance(tensor, torch.Tensor):
+            return cast(T, _sync_ddp_if_available(tensor, group, reduce_op=reduce_op))
+        return tensor
 
     def broadcast(self, obj: T, src: int = 0) -> T:
         return broadcast_object(obj, src)

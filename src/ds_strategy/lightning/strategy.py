@@ -66,7 +66,6 @@ from ._compat import (
     _launch_process_observer,
     _MockOptimizer,
     _SubprocessScriptLauncher,
-    _sync_ddp_if_available,
     train_dataloader_of,
 )
 from .compile import CompileArg
@@ -361,9 +360,7 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
     # ------------------------------------------------------------------ collectives
     @override
     def reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
-        if isinstance(tensor, Tensor):
-            return _sync_ddp_if_available(tensor, group, reduce_op=reduce_op)
-        return tensor
+        return self.reduce_tensor(tensor, group, reduce_op)
 
     # ------------------------------------------------------------------ state
     @override

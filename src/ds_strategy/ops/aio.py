@@ -107,23 +107,18 @@ class AioOptions:
         ``AioOptions.from_config(AioConfig.from_block(block))``."""
         if aio is None:
             return cls()
+        names = [f.name for f in fields(cls)]
         if isinstance(aio, Mapping):
-            names = {f.name for f in fields(cls)}
-            foreign = sorted(set(aio) - names)
+            foreign = sorted(set(aio) - set(names))
             if foreign:
                 raise TypeError(
                     f"AioOptions.from_config takes a validated block with the keys {', '.join(sorted(names))}; "
                     f"got {', '.join(foreign)}: pass ds_strategy.config.AioConfig.from_block(block) instead"
                 )
             return cls(**aio)
+        # An AioConfig: its values by name, the thread count as the config resolved it (under either name).
         config: Any = aio
-        return cls(
-            block_size=config.block_size,
-            queue_depth=config.queue_depth,
-            thread_count=config.threads,
-            single_submit=config.single_submit,
-            overlap_events=config.overlap_events,
-        )
+        return cls(**{**{name: getattr(config, name) for name in names}, "thread_count": config.threads})
 
 
 # -- errors ----------------------------------------------------------------------------------------------
