@@ -287,3 +287,28 @@ def test_a_bad_config_fails_at_construction_before_any_process_starts() -> None:
         zl.ZeroStrategy(config={"gradient_clipping": "a lot"})
     ok = zl.ZeroStrategy(config={"train_micro_batch_size_per_gpu": "auto", "bf16": {"enabled": "auto"}})
     assert ok.stage == 2
+
+
+def test_both_faces_hold_one_kind_of_core_built_alike() -> None:
+    """The Trainer's and Fabric's strategies each hold a ``ZeroCore`` (core.py), built alike from the same
+    keywords: the same raw config and stage, the same conflict policy; errors name the face."""
+    from ds_strategy.lightning.core import ZeroCore
+
+    kw: dict[str, Any] = {
+        "stage": 3,
+        "offload_optimizer": True,
+        "config": {"gradient_clipping": 1.0},
+        "on_conflict": "prefer_config",
+        "start_method": "popen",
+    }
+    trainer_face, fabric_face = zl.ZeroStrategy(**kw), zl.ZeroFabricStrategy(**kw)
+    assert type(trainer_face.core) is ZeroCore and type(fabric_face.core) is ZeroCore
+    assert trainer_face.raw_config == fabric_face.raw_config
+    assert trainer_face.raw_config["zero_optimization"]["offload_optimizer"] == {"device": "cpu"}
+    assert trainer_face.stage == fabric_face.stage == 3
+    assert trainer_face.core.on_conflict == fabric_face.core.on_conflict == "prefer_config"
+    assert trainer_face.core.start_method == fabric_face.core.start_method == "popen"
+    with pytest.raises(ValueError, match=r"^ZeroFabricStrategy\(stage=5\)"):
+        zl.ZeroFabricStrategy(stage=5)  # type: ignore[arg-type]
+    with pytest.raises(ValueError, match=r"^ZeroStrategy\(stage=5\)"):
+        zl.ZeroStrategy(stage=5)  # type: ignore[arg-type]
