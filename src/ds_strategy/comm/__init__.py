@@ -26,10 +26,9 @@ from ds_strategy.comm.distributed import (
     DistributedInfo,
     destroy_at_normal_exit,
     init_distributed,
-    is_fake_backend,
-    is_fake_group,
     resolve_timeout,
 )
+from ds_strategy.comm.fake import is_fake_backend, is_fake_group
 from ds_strategy.comm.logger import CommsLogger, CommsStat, bus_factor
 from ds_strategy.comm.ownership import GroupSet
 

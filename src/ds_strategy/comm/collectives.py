@@ -77,7 +77,7 @@ from torch.profiler import record_function
 
 from ds_strategy import env
 from ds_strategy.accelerator import strict
-from ds_strategy.comm.distributed import FAKE_BACKEND, is_fake_backend
+from ds_strategy.comm.fake import FAKE_BACKEND, is_fake_backend
 from ds_strategy.comm.logger import CommsLogger, Timing
 from ds_strategy.comm.ownership import track_communicator
 from ds_strategy.comm.paths import (

@@ -63,6 +63,7 @@ import torch.distributed as dist
 from ds_strategy import env
 from ds_strategy.accelerator import get_accelerator
 from ds_strategy.comm import ownership
+from ds_strategy.comm.fake import FAKE_BACKEND, is_fake_backend
 from ds_strategy.scheduler_env import (
     LOCAL_RANK_VARS,
     MPI_LAUNCHER_VARS,
@@ -75,27 +76,9 @@ log = logging.getLogger(__name__)
 
 TIMEOUT_ENV = env.DIST_TIMEOUT
 DEFAULT_PORT = 29500
-FAKE_BACKEND = "fake"  # torch's fake process group (torch.testing._internal.distributed.fake_pg)
 ENV_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 Source = Literal["existing", "init_method", "env", "mpi", "launcher", "single", "fake"]
-
-
-def is_fake_backend(backend: str) -> bool:
-    """Whether ``backend`` (a name as ``dist.get_backend`` gives it, ``"fake"`` or a device map such as
-    ``"cpu:fake,cuda:fake"``) is torch's fake process group (see [Note: the fake process group])."""
-    return any(item.split(":", 1)[-1].strip().lower() == FAKE_BACKEND for item in str(backend).split(","))
-
-
-def is_fake_group(group: dist.ProcessGroup | None = None) -> bool:
-    """Whether ``group`` (None: the default group) is a fake process group: one process, no peers behind it."""
-    if not (dist.is_available() and dist.is_initialized()):
-        return False
-    try:
-        backend = dist.get_backend(group)
-    except (RuntimeError, ValueError):  # not a member of ``group``, or no default group after all
-        return False
-    return is_fake_backend(str(backend))
 
 
 @dataclass(frozen=True)

@@ -59,14 +59,21 @@ import time
 import types
 import weakref
 from collections.abc import Iterable
-from typing import TYPE_CHECKING, Any
+from typing import Any, Protocol
 
 import torch.distributed as dist
 
 from ds_strategy import env
+from ds_strategy.comm.fake import is_fake_group
 
-if TYPE_CHECKING:
-    from ds_strategy.comm.collectives import Communicator
+
+class Communicator(Protocol):
+    """What ownership needs of a ``comm.collectives.Communicator``: its group, and to let go of it."""
+
+    group: Any
+
+    def release(self) -> None: ...
+
 
 log = logging.getLogger(__name__)
 
@@ -337,8 +344,6 @@ def release_torch_defaults() -> int:
 # never gets here (the handler returns first), so it never waits; its peers wait at most the bound (or
 # until the launcher ends them, as torchrun does when a rank fails).
 def _meet_peers_before_teardown() -> None:
-    from ds_strategy.comm.distributed import is_fake_group  # distributed imports this module
-
     world = dist.get_world_size()
     if world == 1 or is_fake_group():  # a fake group has no peers to meet, and its store holds nothing
         return

@@ -30,7 +30,7 @@ import torch
 import torch.distributed as dist
 
 from ds_strategy import env
-from ds_strategy.comm.distributed import is_fake_group
+from ds_strategy.comm.fake import is_fake_group
 
 TIMEOUT_ENV = env.SHM_TIMEOUT
 SLOT_BYTES_ENV = env.SHM_SLOT_BYTES

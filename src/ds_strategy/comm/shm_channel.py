@@ -23,7 +23,7 @@ import torch
 import torch.distributed as dist
 
 from ds_strategy import env
-from ds_strategy.comm.distributed import is_fake_group
+from ds_strategy.comm.fake import is_fake_group
 from ds_strategy.comm.shm import DEFAULT_TIMEOUT, TIMEOUT_ENV, env_number, host_identity, kernel_class
 
 _SLICE_S = 0.02  # how long one kernel-side wait lasts before ``poll`` runs
