@@ -24,19 +24,17 @@ from . import rng
 from .experts import expert_group_indices, expert_module_entries, gather_experts, moe_meta
 from .format import (
     FORMAT,
-    LATEST,
     META,
     MODEL,
     VERSION,
     atomic_save,
-    atomic_write_text,
     check_safe,
     rank_file,
     ranks,
 )
 from .frozen import frozen_names, saved_layouts, saved_partitions
 from .partition import saved_group
-from .store import adopt_node_local, check_tag, publish, staging_dir
+from .store import adopt_node_local, check_tag, publish_with_meta, staging_dir
 from .sync import agree, gather
 from .target import CheckpointTarget
 
@@ -212,12 +210,7 @@ def save_checkpoint(
 
     def finish() -> None:
         if meta is not None:
-            for s in all_sizes:
-                meta["files"].update(s)
-            atomic_save(meta, staging / META)
-            publish(staging, final)
-            if save_latest:
-                atomic_write_text(name, root / LATEST)
+            publish_with_meta(meta, all_sizes, staging, final, META, save_latest=save_latest)
 
     agree(coll, finish, "save_checkpoint (publishing)")
 

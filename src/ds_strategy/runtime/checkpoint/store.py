@@ -23,6 +23,8 @@ from .format import (
     LATEST,
     META,
     CheckpointError,
+    atomic_save,
+    atomic_write_text,
     expect_format,
     fsync_dir,
     pause_for_tests,
@@ -62,6 +64,19 @@ def publish(staging: Path, final: Path) -> None:
     os.rename(staging, final)
     fsync_dir(final.parent)
     shutil.rmtree(old, ignore_errors=True)
+
+
+def publish_with_meta(
+    meta: dict[str, Any], sizes: list[dict[str, int]], staging: Path, final: Path, meta_name: str, *, save_latest: bool
+) -> None:
+    """Rank 0's end of a save: every rank's file sizes into ``meta``, ``meta`` written last into the staging
+    directory, the tag moved into place (``publish``) and ``latest`` pointed at it atomically."""
+    for s in sizes:
+        meta["files"].update(s)
+    atomic_save(meta, staging / meta_name)
+    publish(staging, final)
+    if save_latest:
+        atomic_write_text(final.name, final.parent / LATEST)
 
 
 def adopt_node_local(staging: Path, final: Path, *, rank: int, local_rank: int) -> None:

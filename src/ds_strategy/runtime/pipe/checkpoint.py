@@ -44,7 +44,7 @@ import torch.distributed as dist
 from ds_strategy.log import get_logger
 
 from ..checkpoint import rng
-from ..checkpoint.format import LATEST, CheckpointError, atomic_save, atomic_write_text, check_safe
+from ..checkpoint.format import CheckpointError, atomic_save, check_safe
 from ..checkpoint.load import restore_progress
 from ..checkpoint.pipe_files import (
     FORMAT,
@@ -57,7 +57,7 @@ from ..checkpoint.pipe_files import (
     tied_key,
 )
 from ..checkpoint.save import _agreed_tag
-from ..checkpoint.store import adopt_node_local, check_tag, publish, staging_dir
+from ..checkpoint.store import adopt_node_local, check_tag, publish_with_meta, staging_dir
 from ..checkpoint.sync import agree, gather
 from ..zero.access import find
 from ..zero.buffers import GroupStorage
@@ -297,12 +297,7 @@ def save_pipe_checkpoint(
         for r, entries in enumerate(written):
             for key, entry in entries.items():
                 meta["entries"].setdefault(key, {"prefix": entry["prefix"], "ranks": []})["ranks"].append(r)
-        for s in sizes:
-            meta["files"].update(s)
-        atomic_save(meta, staging / PIPE_META)
-        publish(staging, final)
-        if save_latest:
-            atomic_write_text(name, root / LATEST)
+        publish_with_meta(meta, sizes, staging, final, PIPE_META, save_latest=save_latest)
 
     agree(world, finish, "save_checkpoint (publishing)")
 
