@@ -145,12 +145,15 @@ class ShardedGroup(GroupStorage):
         shard32 = _LazyBuffer(torch.float32, self.device)
         gathered = max((s.per * coll.world_size for s in map(init_shard, self.params) if s is not None), default=0)
         gather_buf = torch.empty(gathered, dtype=torch.float32, device=self.device) if gathered else None
+        freed = 0  # bytes of original parameter storage dropped since the last heap trim
         for b in range(len(self.layout.buckets)):
-            self._take_bucket(b, scratch32, shard32, gather_buf, master_views)
-            if self.device.type == "cpu":
-                # The bucket's original parameters are gone; glibc keeps freed mid-sized blocks in its heap,
-                # so without a trim the build's peak is the whole model plus every partition taken so far.
+            freed += self._take_bucket(b, scratch32, shard32, gather_buf, master_views)
+            if self.device.type == "cpu" and freed >= BUILD_CHUNK * 4:
+                # glibc keeps freed mid-sized blocks in its heap, so without a trim the build's peak is the
+                # whole model plus every partition taken so far; a trim costs milliseconds, so once a chunk's
+                # worth of parameters is gone, not after every (possibly tiny) bucket.
                 host_memory.trim_heap()
+                freed = 0
         del scratch32, shard32, gather_buf
         for b, bucket in enumerate(self.layout.buckets):
             if b not in self.persistent:  # a bucket-sized tensor without storage, filled by gather()
@@ -205,10 +208,11 @@ class ShardedGroup(GroupStorage):
         shard32: _LazyBuffer,
         gather_buf: torch.Tensor | None,
         master_views: list[torch.Tensor],
-    ) -> None:
+    ) -> int:
         """Build bucket ``b`` in fp32 (exact for every input dtype), one chunk of ``scratch32`` at a time, and
         keep this rank's shard of it. Rank 0's values win, as in stages 0-2; parameters built under zero.Init
-        are already agreed: gathered, not broadcast, and their zero.Init shards dropped once taken."""
+        are already agreed: gathered, not broadcast, and their zero.Init shards dropped once taken. Returns
+        the bytes of parameter storage it dropped."""
         bucket = self.layout.buckets[b]
         per = bucket.padded // self.coll.world_size
         lo, hi = self.rank * per, (self.rank + 1) * per  # this rank's shard, in bucket coordinates
@@ -217,6 +221,7 @@ class ShardedGroup(GroupStorage):
             torch.empty(bucket.padded, dtype=self.compute_dtype, device=self.device) if b in self.persistent else None
         )
         source: tuple[int, torch.Tensor] | None = None  # the flattened parameter being copied (spans chunks)
+        dropped = 0
         step = max(scratch32.numel(), 1)
         for c0 in range(0, bucket.padded, step):
             c1 = min(c0 + step, bucket.padded)
@@ -241,6 +246,7 @@ class ShardedGroup(GroupStorage):
                     from_init = False
                 if z == s1:  # the parameter is all in the scratch now: its own storage can go
                     release_init_shard(p)  # the partition below replaces zero.Init's shard (if any)
+                    dropped += info.shard.nbytes if info is not None else p.numel() * p.element_size()
                     p.data = self._placeholder
                     source = None
             if not from_init:
@@ -263,6 +269,7 @@ class ShardedGroup(GroupStorage):
         else:
             self.full.append(self._placeholder)  # given its own tensor once the scratch buffers are gone
             self.live.append(False)
+        return dropped
 
     def _shard_target(self, b: int, per: int, shard32: _LazyBuffer, master_views: list[torch.Tensor]) -> torch.Tensor:
         """Where bucket ``b``'s fp32 shard is assembled: in place (the fp32 master, or an fp32 partition the
