@@ -14,8 +14,12 @@ Cases (each in a fresh process; ``--only`` picks some):
 Per case: the median step time after warm-up, the spread (max / min), ``max_memory_allocated`` (GPU) or peak
 RSS (CPU), the losses of the first steps (equal across cases at world size 1). ``--device cuda`` (default
 when a GPU is there) uses the ~271M shape of the issue (hidden 1024, 16 layers, batch 8 x 1024); ``--device
-cpu`` or ``--quick`` a small one. ``--trace`` also writes a torch.profiler trace of one zero3 step
-(NAME_trace.json.gz) and its timeline picture (NAME_timeline.png: compute, gather and reduce streams).
+cpu`` or ``--quick`` a small one. ``--trace`` also writes a torch.profiler trace of one step of the zero3
+case (NAME_trace.json.gz) and its timeline picture (NAME_timeline.png: compute, gather and reduce streams),
+and of the other Lightning cases (NAME_CASE_trace.json.gz, NAME_CASE_timeline.png) to compare with.
+``--sample`` samples every thread's Python stack (benchmarks/stack_sampler.py) over 10 steps before the
+last few of each Lightning case, which are then not timed, into NAME_stacks_CASE.txt: where the host's time
+goes, the autograd thread's hooks included.
 Results: benchmarks/results/NAME.{json,md,png} (NAME: zero3_gpu, or zero3_cpu on the CPU).
 """
 
@@ -84,7 +88,12 @@ def _fake_group(world: int) -> None:
     dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=world)
 
 
-def _lightning_case(case: str, shape: dict[str, int], steps: int, device: str, trace: Path | None) -> dict[str, Any]:
+SAMPLED = 10  # steps under the stack sampler (--sample)
+
+
+def _lightning_case(
+    case: str, shape: dict[str, int], steps: int, device: str, trace: Path | None, stacks: Path | None = None
+) -> dict[str, Any]:
     import lightning.pytorch as pl
     import torch
 
@@ -113,23 +122,45 @@ def _lightning_case(case: str, shape: dict[str, int], steps: int, device: str, t
         def train_dataloader(self) -> Any:
             return torch.utils.data.DataLoader(batches, batch_size=None)
 
+    sampled = range(steps - 2 - SAMPLED, steps - 2) if stacks is not None else range(0)
+    gc_ms, mallocs = _StepCosts(), []  # per step: Python's garbage collection, new allocator segments
+
+    def segments() -> int:
+        return int(torch.cuda.memory_stats().get("segment.all.allocated", 0)) if device == "cuda" else 0
+
     class Timer(pl.Callback):
         start = 0.0
+        sampler: Any = None
 
         def on_train_batch_start(self, trainer: Any, module: Any, batch: Any, batch_idx: int) -> None:
+            # The step number, not batch_idx: a rank of a fake group of 8 sees 1/8 of the batches per epoch.
+            step = trainer.global_step
             synchronize(device)
-            if trace is not None and batch_idx == steps - 2:
+            if stacks is not None and step == sampled.start:
+                from benchmarks.stack_sampler import StackSampler
+
+                self.sampler = StackSampler().__enter__()
+            self.segments = segments()
+            gc_ms.begin_step()
+            if trace is not None and step == steps - 2:
                 self.prof = _profiler(device)
                 self.prof.__enter__()
             self.start = time.perf_counter()
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
+            step = trainer.global_step - 1  # counted once the optimizer stepped
             synchronize(device)
-            if trace is None or batch_idx != steps - 2:  # the profiled step runs slower: not timed
+            gc_ms.end_step()
+            mallocs.append(segments() - self.segments)
+            profiled = (trace is not None and step == steps - 2) or step in sampled
+            if not profiled:  # a profiled step runs slower: not timed
                 times.append(time.perf_counter() - self.start)
+            if stacks is not None and step == sampled.stop - 1:
+                self.sampler.__exit__(None, None, None)
+                stacks.write_text(f"{case}, steps {sampled.start}..{sampled.stop - 1}\n" + self.sampler.report())
             if len(losses) < 8:
                 losses.append(float(outputs["loss"]))
-            if trace is not None and batch_idx == steps - 2:
+            if trace is not None and step == steps - 2:
                 self.prof.__exit__(None, None, None)
                 self.prof.export_chrome_trace(str(trace))
 
@@ -141,7 +172,13 @@ def _lightning_case(case: str, shape: dict[str, int], steps: int, device: str, t
                 stats["gathers_per_step"] = gatherer.gathers / max(1, steps)
                 stats["fetch_units"] = len({tuple(keys) for keys in gatherer.units.values() if keys})
 
-    strategy: Any = {"auto": "auto", "deepspeed_stage_3": "deepspeed_stage_3"}.get(case, "zero3")
+    strategy: Any = {"auto": "auto"}.get(case, "zero3")
+    if case == "deepspeed_stage_3":
+        from lightning.pytorch.strategies import DeepSpeedStrategy
+
+        # The registered name, with the micro batch stated: Lightning reads it from the loader's batch
+        # sampler otherwise, and this loader yields ready batches (batch_size=None).
+        strategy = DeepSpeedStrategy(stage=3, logging_batch_size_per_gpu=shape["micro"])
     trainer = pl.Trainer(
         accelerator="gpu" if device == "cuda" else "cpu",
         devices=1,
@@ -157,7 +194,45 @@ def _lightning_case(case: str, shape: dict[str, int], steps: int, device: str, t
     module = Module()
     params = sum(p.numel() for p in module.parameters())
     trainer.fit(module)
-    return {"times": times, "losses": losses, "params": params, "peak_bytes": peak_memory_bytes(device), **stats}
+    gc_ms.close()
+    return {
+        "times": times,
+        "losses": losses,
+        "params": params,
+        "peak_bytes": peak_memory_bytes(device),
+        "gc_ms_steps": [round(t, 2) for t in gc_ms.steps],
+        "new_segments_steps": mallocs,
+        **stats,
+    }
+
+
+class _StepCosts:
+    """Milliseconds of Python garbage collection in each step (gc.callbacks): a cause of step-time spread."""
+
+    def __init__(self) -> None:
+        import gc
+
+        self.steps: list[float] = []
+        self._current = 0.0
+        self._started = 0.0
+        gc.callbacks.append(self._on_gc)
+
+    def _on_gc(self, phase: str, info: dict[str, Any]) -> None:
+        if phase == "start":
+            self._started = time.perf_counter()
+        elif self._started:
+            self._current += 1e3 * (time.perf_counter() - self._started)
+
+    def begin_step(self) -> None:
+        self._current = 0.0
+
+    def end_step(self) -> None:
+        self.steps.append(self._current)
+
+    def close(self) -> None:
+        import gc
+
+        gc.callbacks.remove(self._on_gc)
 
 
 def _profiler(device: str) -> Any:
@@ -200,14 +275,16 @@ def _fsdp2_case(shape: dict[str, int], steps: int, device: str) -> dict[str, Any
     return {"times": times, "losses": losses, "params": params, "peak_bytes": peak_memory_bytes(device)}
 
 
-def run_case(case: str, shape: dict[str, int], steps: int, device: str, trace: Path | None) -> dict[str, Any]:
+def run_case(
+    case: str, shape: dict[str, int], steps: int, device: str, trace: Path | None, stacks: Path | None = None
+) -> dict[str, Any]:
     if device == "cuda":
         import torch
 
         torch.cuda.set_device(0)
     if case == "torch FSDP2":
         return _fsdp2_case(shape, steps, device)
-    return _lightning_case(case, shape, steps, device, trace if case == "zero3" else None)
+    return _lightning_case(case, shape, steps, device, trace, stacks)
 
 
 # ---- the driver ----------------------------------------------------------------------------------------------
@@ -278,6 +355,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--name", default=None)
     parser.add_argument("--trace", action="store_true", help="profile one zero3 step and draw its timeline")
+    parser.add_argument("--sample", action="store_true", help="sample the host's Python stacks (Lightning cases)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per case")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, write JSON to --out
     parser.add_argument("--out", help=argparse.SUPPRESS)
@@ -289,7 +367,8 @@ def main(argv: list[str] | None = None) -> None:
     steps = args.steps or (12 if args.quick else 40 if device == "cuda" else 20)
     if args.case:
         trace = Path(args.out).with_suffix(".trace.json") if args.trace else None
-        Path(args.out).write_text(json.dumps(run_case(args.case, shape, steps, device, trace)))
+        stacks = Path(args.out).with_suffix(".stacks.txt") if args.sample else None
+        Path(args.out).write_text(json.dumps(run_case(args.case, shape, steps, device, trace, stacks)))
         return
     name = args.name or f"zero3_{'gpu' if device == 'cuda' else 'cpu'}"
     chosen = [c.strip() for c in args.only.split(",") if c.strip()] or [
@@ -305,7 +384,8 @@ def main(argv: list[str] | None = None) -> None:
             out = Path(tmp) / "case.json"
             cmd = [sys.executable, "-m", "benchmarks.bench_zero3_gpu", "--case", case, "--out", str(out)]
             cmd += ["--device", device, "--steps", str(steps)] + (["--quick"] if args.quick else [])
-            cmd += ["--trace"] if args.trace and case == "zero3" else []
+            cmd += ["--trace"] if args.trace and case != "torch FSDP2" else []
+            cmd += ["--sample"] if args.sample and case != "torch FSDP2" else []
             try:
                 proc = subprocess.run(cmd, capture_output=True, text=True, timeout=args.timeout, check=False)
                 ok = proc.returncode == 0 and out.exists()
@@ -313,8 +393,11 @@ def main(argv: list[str] | None = None) -> None:
             except subprocess.TimeoutExpired:
                 ok, error = False, f"timed out after {args.timeout:g} s"
             record = summarize(case, json.loads(out.read_text())) if ok else {"case": case, "error": error}
-            if ok and args.trace and case == "zero3":
-                _keep_trace(out.with_suffix(".trace.json"), name)
+            slug = case.replace(" ", "_").replace("-", "")
+            if ok and args.trace and case != "torch FSDP2":
+                _keep_trace(out.with_suffix(".trace.json"), name if case == "zero3" else f"{name}_{slug}")
+            if ok and out.with_suffix(".stacks.txt").exists():
+                (results_dir() / f"{name}_stacks_{slug}.txt").write_text(out.with_suffix(".stacks.txt").read_text())
         records.append(record)
         shown = f"{record['ms_median']:.1f} ms/step" if ok else f"failed: {error.strip().splitlines()[-1:]}"
         print(f"{case}: {shown}", flush=True)
@@ -334,7 +417,7 @@ def _keep_trace(trace: Path, name: str) -> None:
         out.write(src.read())
     from benchmarks.timeline import draw_timeline
 
-    draw_timeline(dest, results_dir() / f"{name}_timeline.png")
+    draw_timeline(dest, results_dir() / f"{name}_timeline.png")  # every case's: compare the streams' gaps
 
 
 if __name__ == "__main__":

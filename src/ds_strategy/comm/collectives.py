@@ -73,10 +73,10 @@ from typing import Any, TypeVar, cast
 
 import torch
 import torch.distributed as dist
-from torch.profiler import record_function
 
 from ds_strategy import env
 from ds_strategy.accelerator import strict
+from ds_strategy.accelerator.spans import span
 from ds_strategy.comm.fake import FAKE_BACKEND, is_fake_backend
 from ds_strategy.comm.logger import CommsLogger, Timing
 from ds_strategy.comm.ownership import track_communicator
@@ -109,7 +109,7 @@ def _labelled(label: str) -> Callable[[F], F]:
     def wrap(method: F) -> F:
         @functools.wraps(method)
         def run(*args: Any, **kwargs: Any) -> Any:
-            with record_function(label):
+            with span(label):
                 return method(*args, **kwargs)
 
         return cast(F, run)

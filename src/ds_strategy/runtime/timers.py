@@ -7,7 +7,8 @@ from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 
 import torch
-from torch.profiler import record_function
+
+from ds_strategy.accelerator.spans import span
 
 
 def _device_sync(device: torch.device) -> Callable[[], None] | None:
@@ -45,7 +46,7 @@ class Timers:
         """Time ``name``; in a profiler trace the span is labelled ``ds::<name>``."""
         self.start(name)
         try:
-            with record_function(f"ds::{name}"):
+            with span(f"ds::{name}"):
                 yield
         finally:
             self.stop(name)

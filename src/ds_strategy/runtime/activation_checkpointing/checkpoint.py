@@ -26,7 +26,8 @@ from typing import Any
 
 import torch
 import torch.utils.checkpoint as torch_checkpoint
-from torch.profiler import record_function
+
+from ds_strategy.accelerator.spans import span
 
 from . import rng
 from .options import model_parallel, settings, tell_once
@@ -57,7 +58,7 @@ def _boundary(kind: str, device: torch.device | None) -> Iterator[None]:
     if s.synchronize:
         _sync(device)
     start = time.perf_counter()
-    with record_function(f"ds::checkpoint_{kind}"):
+    with span(f"ds::checkpoint_{kind}"):
         yield
     if s.synchronize:
         _sync(device)

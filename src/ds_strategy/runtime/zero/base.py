@@ -30,9 +30,9 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
+from ds_strategy.accelerator.spans import span
 from ds_strategy.ops import multi_tensor_l2norm
 from ds_strategy.ops.norm import multi_tensor_sum_of_squares
 
@@ -330,11 +330,14 @@ class ZeroStage:
 
     def _hook_for(self, pid: int) -> Callable[[torch.Tensor], None]:
         def hook(param: torch.Tensor) -> None:
-            self._on_grad(pid, param)
+            if torch.is_grad_enabled():  # backward(create_graph=True); a plain backward runs without grad mode
+                with torch.no_grad():
+                    self._on_grad(pid, param)
+            else:  # no decorator: a no_grad context per gradient costs microseconds in the autograd thread
+                self._on_grad(pid, param)
 
         return hook
 
-    @torch.no_grad()
     def _on_grad(self, pid: int, param: torch.Tensor) -> None:
         grad = param.grad
         param.grad = None
@@ -506,7 +509,7 @@ class ZeroStage:
         Still scaled: the engine divides by the loss scale and averaging factor. Stages 1-2 combine the
         per-rank squares with one all-reduce of ``[norm**2, found_inf]``.
         """
-        with record_function("ds::grad_norm"):
+        with span("ds::grad_norm"):
             return self._grad_norm()
 
     def _grad_norm(self) -> tuple[torch.Tensor, torch.Tensor]:

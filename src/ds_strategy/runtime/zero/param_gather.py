@@ -75,10 +75,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
-from torch.profiler import record_function
 from torch.utils.hooks import RemovableHandle
 
 from ds_strategy import env
+from ds_strategy.accelerator.spans import span
 
 from .base import BucketKey
 from .collectives import Collectives, Handle
@@ -297,7 +297,7 @@ class ParamGatherer:
         keys = self.units.get(id(module))
         if not keys:
             return
-        with record_function(f"ds::gather[{self.names.get(id(module), '?')}]"):
+        with span(lambda: f"ds::gather[{self.names.get(id(module), '?')}]"):
             self._fetch(module, keys)
 
     def _fetch(self, module: nn.Module, keys: list[BucketKey]) -> None:
@@ -327,7 +327,7 @@ class ParamGatherer:
 
     def acquire(self, keys: Sequence[BucketKey], label: str) -> None:
         """Gather ``keys`` for temporary full access (GatheredParameters); every rank must call it."""
-        with record_function(f"ds::gather[{label}]"):
+        with span(lambda: f"ds::gather[{label}]"):
             self._acquire(keys, label)
 
     def _acquire(self, keys: Sequence[BucketKey], label: str) -> None:

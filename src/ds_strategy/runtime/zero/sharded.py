@@ -131,6 +131,7 @@ class ShardedGroup(GroupStorage):
         # plus its compute-dtype twin when persistent) exists at once, and each parameter's original
         # storage is dropped as soon as its bucket is partitioned.
         self.full: list[torch.Tensor] = []
+        self._param_views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # see _point_params
         self.live: list[bool] = []
         self._live_numel = 0
         self._placeholder = torch.empty(0, dtype=compute_dtype, device=self.device)
@@ -292,8 +293,17 @@ class ShardedGroup(GroupStorage):
         return bucket_tensor[slot.offset - start : slot.end - start].view(slot.shape)
 
     def _point_params(self, bucket: int) -> None:
-        for i in self.layout.buckets[bucket].params:
-            self.params[i].data = self.in_bucket(self.full[bucket], i)
+        # A bucket's gathered tensor keeps its storage object across gathers (only the bytes behind it come
+        # and go), so the parameters' views of it are made once per tensor, not sliced again every fetch.
+        full = self.full[bucket]
+        cached = self._param_views.get(bucket)
+        if cached is None or cached[0] is not full:
+            cached = self._param_views[bucket] = (
+                full,
+                [self.in_bucket(full, i) for i in self.layout.buckets[bucket].params],
+            )
+        for i, view in zip(self.layout.buckets[bucket].params, cached[1], strict=True):
+            self.params[i].data = view
 
     # ------------------------------------------------------------------ gather / free (see the note)
     def gather(

@@ -42,6 +42,7 @@ class Stage2(ZeroStage):
         super().__init__(groups, registration, coll=coll, options=options)
         self.partition_grads = [self._partition_grad(gs) for gs in self.groups]
         self._staging: dict[BucketKey, torch.Tensor] = {}
+        self._grad_places: dict[tuple[int, int], tuple[BucketKey, int, int]] = {}  # see _target
         # Buckets whose partition gradient holds nothing of this window yet: the first result is copied
         # in (or reduce-scattered straight into place), later ones are added.
         self._fresh = {key: True for key in self.bucket_order}
@@ -61,10 +62,13 @@ class Stage2(ZeroStage):
         return buf
 
     def _target(self, group: int, index: int) -> torch.Tensor:
-        slot = self.groups[group].layout.params[index]
-        bucket = self.groups[group].layout.buckets[slot.bucket]
-        staging = self._staging_for((group, slot.bucket))
-        return staging[slot.offset - bucket.start : slot.end - bucket.start]
+        place = self._grad_places.get((group, index))
+        if place is None:  # once per parameter: this runs in every gradient hook
+            slot = self.groups[group].layout.params[index]
+            start = self.groups[group].layout.buckets[slot.bucket].start
+            place = self._grad_places[(group, index)] = ((group, slot.bucket), slot.offset - start, slot.end - start)
+        key, lo, hi = place
+        return self._staging_for(key)[lo:hi]
 
     def _launch(self, key: BucketKey) -> Handle:
         g, b = key

@@ -272,7 +272,6 @@ class Stage3(Stage2):
         self.gatherer.detach()
         host_memory.trim()
 
-    @torch.no_grad()
     def _on_grad(self, pid: int, param: torch.Tensor) -> None:
         had_grad = param.grad is not None
         super()._on_grad(pid, param)

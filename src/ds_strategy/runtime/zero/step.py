@@ -15,9 +15,9 @@ from typing import Protocol
 
 import torch
 from torch import nn
-from torch.profiler import record_function
 
 from ds_strategy.accelerator import strict
+from ds_strategy.accelerator.spans import span
 
 from ..host_memory import trim_heap
 from ..optimizers import is_cpu_kernel_optimizer
@@ -185,7 +185,7 @@ class OptimizerStep:
             }
             for m in hidden:
                 m.grad = None
-            with record_function("ds::optimizer_step"):
+            with span("ds::optimizer_step"):
                 if fused:
                     out = {m: t for m, t in outputs.items() if m in tile}
                     optimizer.step(  # type: ignore[call-overload]
@@ -280,7 +280,7 @@ class OptimizerStep:
                 out = self.stage.groups[g].sixteen_bit_output(b) if fused else None
                 if out is not None:
                     outputs[m] = out
-            with record_function("ds::optimizer_step"):
+            with span("ds::optimizer_step"):
                 if fused:
                     optimizer.step(clip_coef=factor, out_16bit=outputs or None)  # type: ignore[call-overload]
                 else:
