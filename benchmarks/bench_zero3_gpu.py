@@ -122,8 +122,10 @@ def _lightning_case(
         def train_dataloader(self) -> Any:
             return torch.utils.data.DataLoader(batches, batch_size=None)
 
-    sampled = range(steps - 2 - SAMPLED, steps - 2) if stacks is not None else range(0)
+    # The SAMPLED steps before the last two (fewer in a short run: never the warm-up), not timed.
+    sampled = range(max(WARMUP, steps - 2 - SAMPLED), steps - 2) if stacks is not None else range(0)
     gc_ms, mallocs = _StepCosts(), []  # per step: Python's garbage collection, new allocator segments
+    host_ms: list[float] = []  # per step: until the host has issued it (close to the step time: host-bound)
 
     def segments() -> int:
         return int(torch.cuda.memory_stats().get("segment.all.allocated", 0)) if device == "cuda" else 0
@@ -136,7 +138,7 @@ def _lightning_case(
             # The step number, not batch_idx: a rank of a fake group of 8 sees 1/8 of the batches per epoch.
             step = trainer.global_step
             synchronize(device)
-            if stacks is not None and step == sampled.start:
+            if step == sampled.start and len(sampled):
                 from benchmarks.stack_sampler import StackSampler
 
                 self.sampler = StackSampler().__enter__()
@@ -149,13 +151,14 @@ def _lightning_case(
 
         def on_train_batch_end(self, trainer: Any, module: Any, outputs: Any, batch: Any, batch_idx: int) -> None:
             step = trainer.global_step - 1  # counted once the optimizer stepped
+            host_ms.append(round(1e3 * (time.perf_counter() - self.start), 2))  # issued; the device may lag
             synchronize(device)
             gc_ms.end_step()
             mallocs.append(segments() - self.segments)
             profiled = (trace is not None and step == steps - 2) or step in sampled
             if not profiled:  # a profiled step runs slower: not timed
                 times.append(time.perf_counter() - self.start)
-            if stacks is not None and step == sampled.stop - 1:
+            if self.sampler is not None and step == sampled.stop - 1:
                 self.sampler.__exit__(None, None, None)
                 stacks.write_text(f"{case}, steps {sampled.start}..{sampled.stop - 1}\n" + self.sampler.report())
             losses.append(float(outputs["loss"]))  # after the synchronize: no extra wait
@@ -188,6 +191,9 @@ def _lightning_case(
         enable_checkpointing=False,
         enable_progress_bar=False,
         enable_model_summary=False,
+        # The same batches in the same order at world size 1 (equal losses across cases); a fake rank of 8
+        # takes its share, as it would at that size.
+        use_distributed_sampler=case == "zero3 fake-8",
         callbacks=[Timer()],
     )
     module = Module()
@@ -201,6 +207,7 @@ def _lightning_case(
         "peak_bytes": peak_memory_bytes(device),
         "gc_ms_steps": [round(t, 2) for t in gc_ms.steps],
         "new_segments_steps": mallocs,
+        "host_ms_steps": host_ms,
         **stats,
     }
 

@@ -63,6 +63,8 @@ class StackSampler:
             for ident, frame in sys._current_frames().items():
                 if ident == me:
                     continue
+                if ident not in self.names:  # named while alive: a thread may end before the report
+                    self.names.update((t.ident, t.name) for t in threading.enumerate() if t.ident is not None)
                 self.samples[ident] += 1
                 self.self_time.setdefault(ident, Counter())[_where(frame)] += 1
                 seen: set[str] = set()
@@ -74,7 +76,6 @@ class StackSampler:
                         seen.add(key)
                         inclusive[key] += 1
                     f = f.f_back
-        self.names = {t.ident: t.name for t in threading.enumerate() if t.ident is not None}
 
     def report(self, top: int = 30, focus: str = "ds_strategy") -> str:
         lines = [f"stack samples every {1e3 * self.interval:g} ms over {self.elapsed:.2f} s"]

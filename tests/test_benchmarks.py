@@ -218,7 +218,17 @@ def test_zero3_gpu_and_fetch_cost_plumbing_on_the_cpu(tmp_path: Path) -> None:
     """bench_zero3_gpu (through Lightning, world 1 and a fake group of 8) and bench_fetch_cost, tiny runs on the
     CPU: the tables and files are written, the fake case is rank 0 of 8, stage 3 gathers once per block."""
     runs = [
-        ["benchmarks.bench_zero3_gpu", "--device", "cpu", "--quick", "--only", "zero3,zero3 fake-8", "--steps", "7"],
+        [
+            "benchmarks.bench_zero3_gpu",
+            "--device",
+            "cpu",
+            "--quick",
+            "--only",
+            "zero3,zero3 fake-8",
+            "--steps",
+            "9",
+            "--sample",
+        ],
         ["benchmarks.bench_fetch_cost", "--worlds", "8", "--cases", "plain,zero3", "--steps", "3"],
     ]
     for args in runs:
@@ -235,3 +245,31 @@ def test_zero3_gpu_and_fetch_cost_plumbing_on_the_cpu(tmp_path: Path) -> None:
     fetch = json.loads((tmp_path / "fetch_cost.json").read_text())["records"]
     assert {r["case"] for r in fetch} == {"plain", "zero3"} and all("ms" in r for r in fetch), fetch
     assert (tmp_path / "zero3_cpu.png").exists() and (tmp_path / "fetch_cost.md").exists()
+    for case in cases.values():  # steps 5, 6 sampled (not timed), 7 and 8 timed: per-step costs of every step
+        assert len(case["ms_steps"]) == 9 - 2 and len(case["host_ms_steps"]) == len(case["gc_ms_steps"]) == 9, case
+    stacks = (tmp_path / "zero3_cpu_stacks_zero3_fake8.txt").read_text()
+    assert "== MainThread" in stacks and "-- inclusive, every frame of ds_strategy --" in stacks, stacks[:2000]
+
+
+def test_stack_sampler_sees_every_thread() -> None:
+    """benchmarks/stack_sampler.py: a thread busy in a function is found there, with its callers inclusive."""
+    import threading
+    import time
+
+    from benchmarks.stack_sampler import StackSampler
+
+    def spin_in_worker(seconds: float) -> None:
+        end = time.perf_counter() + seconds
+        while time.perf_counter() < end:
+            pass
+
+    def outer_caller() -> None:
+        spin_in_worker(0.3)
+
+    with StackSampler(interval=0.002) as sampler:
+        worker = threading.Thread(target=outer_caller, name="busy-worker")
+        worker.start()
+        worker.join()
+    report = sampler.report(top=10, focus="test_benchmarks")
+    assert "== busy-worker" in report and "test_benchmarks.py:spin_in_worker" in report, report
+    assert "test_benchmarks.py:outer_caller" in report.split("-- inclusive")[1], report

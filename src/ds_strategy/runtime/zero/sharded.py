@@ -174,6 +174,7 @@ class ShardedGroup(GroupStorage):
             self._qrest = [quantize_shard(view) for view in self._part_views]
             self.part = torch.empty(0, dtype=compute_dtype, device=param_device)
             self._part_views = [self.part] * len(self._qrest)
+        self.in_place = self._gather_in_place(coll.world_size)
         # One leaf per bucket for the optimizer (see [Note: master weights] in buffers.py); none when frozen.
         if frozen:
             self.masters: list[nn.Parameter] = []
@@ -272,6 +273,26 @@ class ShardedGroup(GroupStorage):
             self.live.append(False)
         return dropped
 
+    def _gather_in_place(self, world_size: int) -> set[int]:
+        """[Note: a group of one gathers in place] With one rank, a bucket's partition is the whole bucket:
+        its gather would copy the partition into a bucket-sized tensor of the same values. So where the
+        partition rests on the compute device in the compute dtype (no parameter offload, no swap file, no
+        int8 rest), the bucket's gathered tensor *is* the partition: a gather points the parameters into
+        it and counts it live, a free points them away; nothing is allocated or copied, and the hooks,
+        prefetch and live limits run as at any world size. A step's update of the partition is what the
+        parameters read next."""
+        if world_size != 1 or self._qrest is not None or self.hpz is not None or self.swapped:
+            return set()
+        if self._param_device != self.device:
+            return set()
+        chosen = set()
+        for b, bucket in enumerate(self.layout.buckets):
+            view = self._part_views[b]
+            if b not in self.persistent and view.numel() == bucket.padded and view.dtype == self.compute_dtype:
+                self.full[b] = view
+                chosen.add(b)
+        return chosen
+
     def _shard_target(self, b: int, per: int, shard32: _LazyBuffer, master_views: list[torch.Tensor]) -> torch.Tensor:
         """Where bucket ``b``'s fp32 shard is assembled: in place (the fp32 master, or an fp32 partition the
         plain way), else in the shared scratch shard."""
@@ -315,6 +336,11 @@ class ShardedGroup(GroupStorage):
         if self.live[bucket]:
             return DONE
         full = self.full[bucket]
+        if bucket in self.in_place:  # [Note: a group of one gathers in place]
+            self.live[bucket] = True
+            self._live_numel += full.numel()
+            self._point_params(bucket)
+            return DONE
         host_memory.allocate(full)  # on the compute stream: see the note
         self.live[bucket] = True
         self._live_numel += full.numel()  # persistent buckets are always live: never gathered here
@@ -376,7 +402,8 @@ class ShardedGroup(GroupStorage):
             return
         for i in self.layout.buckets[bucket].params:
             self.params[i].data = self._placeholder
-        host_memory.release(self.full[bucket])
+        if bucket not in self.in_place:  # an in-place bucket's storage is the partition: it stays
+            host_memory.release(self.full[bucket])
         self.live[bucket] = False
         self._live_numel -= self.full[bucket].numel()
 
@@ -403,7 +430,7 @@ class ShardedGroup(GroupStorage):
                 self.param_swap.load((self.index, bucket), out)
             else:
                 self.param_swap.fetch((self.index, bucket), out)
-        else:
+        elif out.data_ptr() != self._part_views[bucket].data_ptr():  # in place: already there
             out.copy_(self._part_views[bucket], non_blocking=True)
 
     def write_part(self, bucket: int, value: torch.Tensor) -> None:
@@ -415,7 +442,7 @@ class ShardedGroup(GroupStorage):
         if bucket in self.swapped and not self._materialized:
             assert self.param_swap is not None
             self.param_swap.store((self.index, bucket), value)
-        else:
+        elif value.data_ptr() != self._part_views[bucket].data_ptr() or value.dtype != self.compute_dtype:
             self._part_views[bucket].copy_(value)
 
     def materialize(self) -> None:
@@ -460,6 +487,11 @@ class ShardedGroup(GroupStorage):
                 kept[b].copy_(view)
         self._part_views, self.part = kept, torch.empty(0, dtype=self.compute_dtype, device=self._param_device)
 
+    def gathered_bytes(self) -> int:
+        """Memory the partitioned buckets gathered now hold beside the partition (in-place ones hold none)."""
+        skip = self.in_place | self.persistent
+        return sum(t.untyped_storage().nbytes() for b, t in enumerate(self.full) if b not in skip)
+
     def live_numel(self) -> int:
         """Elements of the partitioned (not persistent) buckets gathered now (kept by gather / free)."""
         return self._live_numel
@@ -501,7 +533,7 @@ class ShardedGroup(GroupStorage):
         return dict(zip(self.masters, self._part_views, strict=True))
 
     def numel_bytes(self) -> dict[str, int]:
-        live = sum(t.untyped_storage().nbytes() for t in self.full)
+        live = sum(t.untyped_storage().nbytes() for b, t in enumerate(self.full) if b not in self.in_place)
         live += sum(t.numel() * t.element_size() for t in self.secondary.values())
         if self._qrest is not None and not self._materialized:
             live += sum(qt.nbytes for qt in self._qrest)

@@ -83,9 +83,18 @@ class Stage2(ZeroStage):
         self._fresh[key] = False
         out = self._partition_out(key, fresh)
         direct = fresh and staging.dtype == out.dtype
-        result = out if direct else torch.empty(out.numel(), dtype=staging.dtype, device=out.device)
+        if direct:
+            result = out
+        elif self._reduces_in_place(g) and staging.numel() == out.numel():
+            result = staging  # a group of one: the staging buffer is the reduced shard (no copy into a temporary)
+        else:
+            result = torch.empty(out.numel(), dtype=staging.dtype, device=out.device)
         handle = self._reduce_scatter(result, staging, group=g, async_op=self.options.async_comm)
         return _Land(self, key, handle, out, None if direct else (result, fresh))
+
+    def _reduces_in_place(self, group: int) -> bool:
+        """Whether param group ``group``'s reduce-scatter may write its input (a group of one copies nothing)."""
+        return self.comm_of(group).world_size == 1
 
     def _partition_out(self, key: BucketKey, fresh: bool) -> torch.Tensor:
         """Where bucket ``key``'s reduced shard lands (holding this window's earlier ones unless ``fresh``)."""

@@ -228,7 +228,7 @@ class Stage3(Stage2):
         engine's hold); ``params`` the rest (partitions, persistent buckets)."""
         out = super().memory_bytes()
         out["params"] += sum(gs.numel_bytes()["params"] for gs in self.frozen)
-        gathered = sum(gs.live_numel() * gs.full[0].element_size() for gs in self.storages if gs.full)
+        gathered = sum(gs.gathered_bytes() for gs in self.storages)
         out["params"] -= gathered
         out["gathered_params"] = gathered
         return out
@@ -298,6 +298,10 @@ class Stage3(Stage2):
             # fresh partition needs no zeroing.
             self.partition_grads[key[0]] = torch.empty(gs.layout.partition_numel, dtype=torch.float32, device=gs.device)
         return super()._launch(key)
+
+    def _reduces_in_place(self, group: int) -> bool:
+        quantized = self.zeropp is not None and self.zeropp.quantized_grads  # qgZ quantizes its input first
+        return super()._reduces_in_place(group) and not quantized
 
     def _reduce_scatter(
         self, output: torch.Tensor, input: torch.Tensor, *, group: int = 0, async_op: bool = False

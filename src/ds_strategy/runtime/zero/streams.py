@@ -37,6 +37,10 @@ class GatherStream:
 
     def __init__(self, device: torch.device) -> None:
         self.stream = torch.cuda.Stream(device) if device.type == "cuda" and torch.cuda.is_available() else None
+        # One event marks the compute stream's position for every gather: cudaStreamWaitEvent takes the
+        # event's state when it is called, so re-recording it later changes no earlier wait (a fresh event
+        # per gather, as Stream.wait_stream makes, costs the host an allocation and a create each time).
+        self._mark = torch.cuda.Event() if self.stream is not None else None
 
     @contextmanager
     def issue(self) -> Iterator[None]:
@@ -44,9 +48,19 @@ class GatherStream:
         if self.stream is None:
             yield
             return
-        self.stream.wait_stream(torch.cuda.current_stream(self.stream.device))
-        with torch.cuda.stream(self.stream):
+        compute = torch.cuda.current_stream(self.stream.device)
+        assert self._mark is not None
+        self._mark.record(compute)
+        self.stream.wait_event(self._mark)
+        if torch.cuda.current_device() != self.stream.device_index:  # set_stream would switch the device
+            with torch.cuda.stream(self.stream):
+                yield
+            return
+        torch.cuda.set_stream(self.stream)  # what torch.cuda.stream() does, without its checks per call
+        try:
             yield
+        finally:
+            torch.cuda.set_stream(compute)
 
     def ordered(self, handle: Handle) -> Handle:
         """``handle`` whose ``wait`` also makes the waiting (compute) stream wait for the gather stream's work
