@@ -83,14 +83,19 @@ def _peak_of_steps(sync_free: bool) -> tuple[int, int]:
 
 @pytest.fixture(scope="module")
 def peak_at_world_one() -> int:
-    """The same engine at world size 1 over NCCL (everything whole). Module-scoped, as the suite's other
-    process groups: NCCL's first start in the process is not a leak of the test that happens to run it."""
+    """The same engine at world size 1 over NCCL (everything whole), gathering into bucket-sized tensors as a
+    rank of 8 does (not in place: [Note: a group of one gathers in place]), so that both peaks hold the same
+    working set and their difference is the model states. Module-scoped, as the suite's other process
+    groups: NCCL's first start in the process is not a leak of the test that happens to run it."""
+    from ds_strategy.runtime.zero.sharded import ShardedGroup
     from tests.cuda.common import destroy_process_group, init_single_process_group
 
     init_single_process_group()
+    ShardedGroup.GATHER_IN_PLACE = False
     try:
         return _peak_of_steps(sync_free=False)[0]
     finally:
+        ShardedGroup.GATHER_IN_PLACE = True
         destroy_process_group()
 
 

@@ -46,6 +46,10 @@ class ShardedGroup(GroupStorage):
     ``master_shaped``, ``copy_masters_to_params``, ``numel_bytes``); nothing full-size is kept.
     """
 
+    # [Note: a group of one gathers in place]; tests measuring world size 1 as a rank of a larger group
+    # gathers (a memory baseline with the same working set) set it False.
+    GATHER_IN_PLACE: bool = True
+
     def __init__(
         self,
         index: int,
@@ -281,9 +285,8 @@ class ShardedGroup(GroupStorage):
         it and counts it live, a free points them away; nothing is allocated or copied, and the hooks,
         prefetch and live limits run as at any world size. A step's update of the partition is what the
         parameters read next."""
-        if world_size != 1 or self._qrest is not None or self.hpz is not None or self.swapped:
-            return set()
-        if self._param_device != self.device:
+        resting_elsewhere = self._qrest is not None or self.swapped or self._param_device != self.device
+        if not self.GATHER_IN_PLACE or world_size != 1 or self.hpz is not None or resting_elsewhere:
             return set()
         chosen = set()
         for b, bucket in enumerate(self.layout.buckets):
