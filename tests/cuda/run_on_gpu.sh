@@ -9,7 +9,8 @@
 #
 # Environment: PYTHON (default python3), WHEELS (default .whl/), DEPS (default .gpu-deps/, rebuilt each run),
 # FORCE_WHEELS=1 (install every wheel brought, even where the environment has the package),
-# BENCH=0 (skip the benchmark), PYTEST_ARGS (extra pytest arguments), STEP_TIMEOUT=S (stop the suite and
+# BENCH=0 (skip the benchmark), PYTEST_ARGS (extra pytest arguments, split at spaces), PYTEST_K (one -k
+# expression, spaces allowed: "sync or fake"), STEP_TIMEOUT=S (stop the suite and
 # each benchmark after S seconds: a lease-limited machine still returns the rest; the e2e benchmark keeps the
 # cases it finished), ARCHIVE=1 (leave only run.log and gpu-results.tgz, holding everything, in OUTPUT_DIR:
 # for tools that bring few files back).
@@ -115,7 +116,7 @@ limit=()
 log "CUDA suite"
 # shellcheck disable=SC2086  # PYTEST_ARGS is a list of words
 DS_STRATEGY_REQUIRE_KERNELS=1 ${limit[@]+"${limit[@]}"} "$PYTHON" -m pytest tests/cuda tests/ops/test_fused_adam_cuda.py tests/ops/test_quant_cuda.py -q -rs \
-    -p no:cacheprovider --junitxml="$OUT_DIR/cuda-suite.xml" ${PYTEST_ARGS:-} 2>&1 | tee "$OUT_DIR/cuda-suite.log"
+    -p no:cacheprovider --junitxml="$OUT_DIR/cuda-suite.xml" ${PYTEST_ARGS:-} ${PYTEST_K:+-k "$PYTEST_K"} 2>&1 | tee "$OUT_DIR/cuda-suite.log"
 suite_rc=${PIPESTATUS[0]}
 log "CUDA suite: rc $suite_rc"
 bench_rc=0
