@@ -10,32 +10,6 @@
 
 from __future__ import annotations
 
-from ds_strategy.runtime.moe import (
-    ExpertGroups,
-    MoE,
-    MOELayer,
-    TopKGate,
-    expert_group_name,
-    has_moe_layers,
-    is_moe_param,
-    moe_layers,
-    set_expert_groups,
-    split_params_into_different_moe_groups_for_optimizer,
-    top1gating,
-    top2gating,
-)
-
-__all__ = [
-    "ExpertGroups",
-    "MOELayer",
-    "MoE",
-    "TopKGate",
-    "expert_group_name",
-    "has_moe_layers",
-    "is_moe_param",
-    "moe_layers",
-    "set_expert_groups",
-    "split_params_into_different_moe_groups_for_optimizer",
-    "top1gating",
-    "top2gating",
-]
+# The runtime package's public names, as they are (one list: ``ds_strategy.runtime.moe.__all__``).
+from ds_strategy.runtime.moe import *  # noqa: F403
+from ds_strategy.runtime.moe import __all__ as __all__

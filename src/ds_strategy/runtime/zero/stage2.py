@@ -100,6 +100,12 @@ class Stage2(ZeroStage):
         """Where bucket ``key``'s reduced shard lands (holding this window's earlier ones unless ``fresh``)."""
         return self.groups[key[0]].layout.partition_view(self.partition_grads[key[0]], key[1])
 
+    def land(self, key: BucketKey, out: torch.Tensor | None) -> None:
+        """Bucket ``key``'s reduction is in: ``out`` (None once reported) is final, its staging buffer goes."""
+        if out is not None:
+            self._landed(key, out)
+        self._staging.pop(key, None)
+
     def _landed(self, key: BucketKey, out: torch.Tensor) -> None:
         """Bucket ``key``'s shard in ``out`` is final for this backward (stage 3's NVMe offload writes it)."""
 
@@ -148,10 +154,8 @@ class _Land:
             else:
                 self._out.add_(result)
             self._fold = None
-        if self._out is not None:
-            self._stage._landed(self._key, self._out)
-            self._out = None  # type: ignore[assignment]
-        self._stage._staging.pop(self._key, None)
+        out, self._out = self._out, None  # type: ignore[assignment]
+        self._stage.land(self._key, out)
 
     def is_completed(self) -> bool:
         return self._handle.is_completed()
