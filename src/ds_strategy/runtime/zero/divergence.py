@@ -46,10 +46,11 @@ header on the host waits for every kernel queued before it. So:
   error path). On a CPU device the copy is immediate, so the iteration's own check reads it.
 
 [Note: the device log]
-A ``[capacity]`` int64 tensor on the device, one slot per fetch of the iteration in order (the capacity:
-twice the first iteration's fetches, plus 16; fetches beyond it fold into the last slot as a running
-product-and-sum, so a longer iteration still differs there). ``check_agreement`` puts it in this rank's row
-of a zeroed ``[world, capacity]`` tensor, all-reduces that (one collective per iteration, where the headers
+One int64 slot per fetch of the iteration in order, kept as host numbers while the iteration runs (a fetch
+launches nothing for its label; the capacity: twice the first iteration's fetches, plus 16; fetches beyond
+it fold into the last slot as a running product-and-sum in int64, so a longer iteration still differs
+there). ``check_agreement`` copies the slots in one copy (pinned on a GPU: the host does not wait) into this
+rank's row of a zeroed ``[world, capacity]`` tensor on the device, all-reduces that (one collective per iteration, where the headers
 took one per fetch: on NCCL each is a launch and a latency on the stream the gathers share) and compares
 slot by slot on the device among the ranks whose row is filled (torch's fake group moves no data: the
 other rows stay zero). A rank that fetched less leaves zeros where the others have codes: a mismatch. The
@@ -75,6 +76,13 @@ from .collectives import Collectives
 
 INDEX_BITS = 20  # a gather label: fetch number << 20 | (module index + 2)
 _MASK = (1 << INDEX_BITS) - 1
+
+
+def _wrap64(value: int) -> int:
+    """``value`` as int64 arithmetic leaves it (two's complement wrap-around)."""
+    return (value + (1 << 63)) % (1 << 64) - (1 << 63)
+
+
 _FOLD = 1_000_003  # folds fetches beyond the log's capacity into its last slot (see [Note: the device log])
 SUMMARY_COPY = "stage-3 divergence check: the iteration's summary copied to pinned host memory without waiting"
 ERROR_PATH = "stage-3 divergence check: reading the mismatched header to name the ranks (error path)"
@@ -142,7 +150,8 @@ class DivergenceCheck:
         self._host_waits = torch.device(device).type == "cpu"
         logs = self.DEVICE_LOG if self.DEVICE_LOG is not None else not self._host_waits
         self._logs = logs and not self.tagged and coll.world_size > 1
-        self._log: torch.Tensor | None = None  # [capacity] int64 on the device, sized after the first iteration
+        self._capacity = 0  # the log's slots, sized after the first iteration
+        self._codes: list[int] = []  # this iteration's slots (host numbers: one copy to the device per iteration)
         self._logged: list[tuple[int, int]] = []  # (mid, seq) per slot, on the host
 
     # ------------------------------------------------------------------ the interface param_gather.py calls
@@ -176,7 +185,7 @@ class DivergenceCheck:
             self._wait_headers(read=True)
             self._headers.clear()
             if self._logs:
-                self._log = torch.zeros(2 * fetches + 16, dtype=torch.int64, device=self.device)
+                self._capacity = 2 * fetches + 16
             return
         headers, self._headers = self._headers, []
         if headers:
@@ -267,27 +276,26 @@ class DivergenceCheck:
 
     # ------------------------------------------------------------------ the device log ([Note: the device log])
     def _write_log(self, mid: int, seq: int) -> None:
-        assert self._log is not None
         code = seq << INDEX_BITS | (self.index.get(mid, -1) + 2)
-        n = len(self._logged)
-        if n < self._log.numel():
-            self._log[n].fill_(code)  # a fill from a Python number: no copy, no wait
+        if len(self._codes) < self._capacity:
+            self._codes.append(code)  # a host number: a fetch launches nothing for its label
             self._logged.append((mid, seq))
         else:  # beyond the capacity: folded into the last slot (its label stays the last one logged)
-            last = self._log[-1]
-            last.mul_(_FOLD).add_(code)
+            self._codes[-1] = _wrap64(self._codes[-1] * _FOLD + code)
 
     def _exchange_log(self) -> _Summary:
-        """All-reduce this iteration's log in this rank's row (one collective) and compare it on the device."""
-        assert self._log is not None
-        rows = torch.zeros(self.coll.world_size, self._log.numel(), dtype=torch.int64, device=self.device)
-        rows[self.coll.rank].copy_(self._log)
+        """All-reduce this iteration's log in this rank's row (one collective) and compare it on the device.
+        The slots come from the host in one copy (pinned on a GPU: it does not wait)."""
+        rows = torch.zeros(self.coll.world_size, self._capacity, dtype=torch.int64, device=self.device)
+        codes = torch.tensor(self._codes + [0] * (self._capacity - len(self._codes)), dtype=torch.int64)
+        if rows.is_cuda:
+            codes = codes.pin_memory()
+        rows[self.coll.rank].copy_(codes, non_blocking=True)
         handle = self.coll.all_reduce(rows, async_op=True)
         header = _Header(handle, rows, self._last_mid, self._seq)
         self._wait(header)
-        labels = self._logged + [self._logged[-1]] * (self._log.numel() - len(self._logged))
-        self._log.zero_()
-        self._logged = []
+        labels = self._logged + [self._logged[-1]] * (self._capacity - len(self._logged))
+        self._codes, self._logged = [], []
         return self._summarise(rows.t(), labels, rows_filled=True)
 
     def _read_landed(self) -> None:
