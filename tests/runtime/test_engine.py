@@ -136,7 +136,7 @@ def _api(rank: int, world: int) -> dict[str, Any]:
                 if mode == "no_sync":
                     with engine.no_sync():
                         engine.backward(engine(x, y))
-                    assert not engine.stage._window_reduced  # nothing was reduced inside
+                    assert not engine.stage.reducer.reduced  # nothing was reduced inside
                 elif mode == "unmanaged":  # plain loss.backward(): the step reduces what is pending
                     (engine(x, y) / 2).backward()
                 else:

@@ -10,7 +10,8 @@ During a *reducing pass* (stage 2: every backward; stages 0-1: the backward of t
 boundary) each completed bucket is reduced while backward goes on. Collectives must be issued in the
 same order on every rank, whatever order gradients arrive in, so buckets are launched strictly in one
 agreed order: a pointer walks that order and, whenever the bucket under it is complete, launches it and
-every consecutive complete bucket after it. ``end_backward`` launches what is left (buckets holding
+every consecutive complete bucket after it (the schedule is ``GradientReducer``'s, reducer.py: the stage
+reports arrivals, the reducer launches through the stage). ``end_backward`` launches what is left (buckets holding
 parameters that got no gradient this time, zero-filled) and waits for all of them. The agreed order
 sorts buckets by the registration index of their earliest-registered parameter, descending: the order
 in which backward completes them.
@@ -43,6 +44,7 @@ from .buffers import GroupState, GroupStorage
 from .collectives import Collectives, Handle
 from .init import init_shard
 from .offload import Offload
+from .reducer import GradientReducer
 from .step import OptimizerStep
 
 BucketKey = tuple[int, int]  # (group index, bucket index)
@@ -159,25 +161,16 @@ class ZeroStage:
         self._written = [False] * len(self._params)
         self._got_grad = [False] * len(self._params)  # in this accumulation window (ignore_unused_parameters)
         self._hooks: list[RemovableHandle] = []
-        self._in_backward = False
-        self._unmanaged = False  # a hook fired outside engine.backward since the last pass
-        self._window_reduced = False  # the current accumulation window went through a reducing pass
-        self._pass = False
-        self._pending: dict[BucketKey, int] = {}
-        # [Note: a hook that fires twice] counts, per parameter: hook calls expected in one reducing
-        # backward (learned from the last one) and seen in this one; late gradients per bucket.
-        self._times = [1] * len(self._params)
-        self._count = [0] * len(self._params)
-        self._bucket_pids = {
+        bucket_pids = {
             (g, b.index): [self._first_pid[g] + i for i in b.params]
             for g, gs in enumerate(self.groups)
             for b in gs.layout.buckets
         }
-        self._launched: set[BucketKey] = set()
-        self._late: dict[BucketKey, torch.Tensor] = {}
-        self._ptr = 0
-        self._inflight: list[tuple[Handle, int]] = []  # (reduction, its bucket's elements)
-        self._inflight_numel = 0
+        numel_of = {(g, b.index): b.padded for g, gs in enumerate(self.groups) for b in gs.layout.buckets}
+        self.reducer = GradientReducer(
+            self, self.bucket_order, bucket_pids, numel_of, self.options.bucket_numel,
+            every_backward=self.reduces_every_backward,
+        )  # fmt: skip
         self.stepper = OptimizerStep(self)  # the optimizer step (step.py)
         if self.swap is not None:
             trim_heap()  # the build's freed blocks ([Note: host memory under NVMe offload], runtime/swap)
@@ -276,7 +269,7 @@ class ZeroStage:
         """Where parameter ``index`` of ``group`` accumulates its gradient."""
         raise NotImplementedError
 
-    def _launch(self, key: BucketKey) -> Handle:
+    def launch_reduction(self, key: BucketKey) -> Handle:
         """Issue the collective of one bucket; return a handle whose wait() lands the result."""
         raise NotImplementedError
 
@@ -284,12 +277,12 @@ class ZeroStage:
         """The reduced (still scaled) gradient lined up with ``groups[group].masters``."""
         raise NotImplementedError
 
-    def _late_buffer(self, key: BucketKey) -> torch.Tensor:
+    def late_buffer(self, key: BucketKey) -> torch.Tensor:
         """A zeroed bucket-shaped buffer for gradients that arrive after their bucket was launched."""
         raise NotImplementedError
 
-    def _reduce_late(self, key: BucketKey, late: torch.Tensor) -> None:
-        """Reduce ``late`` as ``_launch`` reduced the bucket and add the result to the bucket's."""
+    def reduce_late(self, key: BucketKey, late: torch.Tensor) -> None:
+        """Reduce ``late`` as ``launch_reduction`` reduced the bucket and add the result to the bucket's."""
         raise NotImplementedError
 
     def _reduce_scatter_add(self, out: torch.Tensor, send: torch.Tensor, group: int = 0) -> None:
@@ -344,22 +337,22 @@ class ZeroStage:
         if grad is None:
             return
         g, i = self._where[pid]
-        if self._window_reduced and not self.reduces_every_backward:
+        reducer = self.reducer
+        if reducer.reduced and not self.reduces_every_backward:
             raise RuntimeError(
                 f"a gradient for {self.groups[g].names[i]!r} arrived after this step's gradients were already "
                 "reduced; call engine.step() after the boundary backward before running another backward"
             )
-        if not self._in_backward:
-            self._unmanaged = True
+        if not reducer.in_backward:
+            reducer.unmanaged = True
         key = (g, self.groups[g].layout.params[i].bucket)
         expected = True
-        if self._pass:
-            self._count[pid] += 1
-            expected = self._count[pid] <= self._times[pid]
-            if not expected and key in self._launched:
+        if reducer.reducing:
+            expected = reducer.arrive(pid)
+            if not expected and reducer.launched(key):
                 self._add_late(key, g, i, grad)
-                if all(self._count[p] >= self._count[pid] for p in self._bucket_pids[key]):
-                    self._bucket_complete(key)  # every parameter of the bucket is through this extra backward
+                if reducer.through(key, pid):
+                    self.bucket_complete(key)  # every parameter of the bucket is through this extra backward
                 return
         self._got_grad[pid] = True
         target = self._target(g, i)
@@ -368,11 +361,8 @@ class ZeroStage:
         else:
             target.copy_(grad.view_as(target))
             self._written[pid] = True
-        if self._pass and expected:
-            self._pending[key] -= 1
-            if self._pending[key] == 0:
-                self._bucket_complete(key)
-                self._launch_ready()
+        if reducer.reducing and expected:
+            reducer.expected_arrived(key)
 
     def _add_late(self, key: BucketKey, g: int, i: int, grad: torch.Tensor) -> None:
         """[Note: a hook that fires twice] Reentrant activation checkpointing runs one backward per
@@ -383,76 +373,20 @@ class ZeroStage:
         new count and reduces the bucket once, after its last call."""
         layout = self.groups[g].layout
         slot, bucket = layout.params[i], layout.buckets[layout.params[i].bucket]
-        late = self._late.get(key)
-        if late is None:
-            late = self._late[key] = self._late_buffer(key)
+        late = self.reducer.late_buffer_for(key)
         late[slot.offset - bucket.start : slot.end - bucket.start].add_(grad.reshape(-1).to(late.dtype))
 
-    def _bucket_complete(self, key: BucketKey) -> None:
+    def bucket_complete(self, key: BucketKey) -> None:
         """Every gradient this pass expects for ``key`` has arrived (stage 3 frees its gathered bucket)."""
 
     # ------------------------------------------------------------------ reducing passes
     def begin_backward(self, *, reduce: bool) -> None:
         """Called by the engine before ``loss.backward()``; ``reduce``: this backward ends the window."""
-        self._in_backward = True
-        if reduce or self.reduces_every_backward:
-            self._start_pass()
+        self.reducer.begin_backward(reduce=reduce)
 
     def end_backward(self) -> None:
         """Called by the engine after ``loss.backward()``: finish the reducing pass, if any."""
-        self._in_backward = False
-        if self._pass:
-            self._finish_pass()
-
-    def _start_pass(self) -> None:
-        self._pass = True
-        self._ptr = 0
-        self._pending = {key: sum(self._times[p] for p in pids) for key, pids in self._bucket_pids.items()}
-        self._count = [0] * len(self._params)
-        self._launched.clear()
-        self._late.clear()
-
-    def _launch_ready(self) -> None:
-        while self._ptr < len(self.bucket_order) and self._pending[self.bucket_order[self._ptr]] <= 0:
-            self._launch_next()
-
-    def _launch_next(self) -> None:
-        key = self.bucket_order[self._ptr]
-        self._launched.add(key)
-        numel = self.groups[key[0]].layout.buckets[key[1]].padded
-        self._inflight.append((self._launch(key), numel))
-        self._inflight_numel += numel
-        self._ptr += 1
-        # At most reduce_bucket_size elements in flight (their staging buffers with them), as DeepSpeed's
-        # key promises: the oldest reduction lands before another starts. Collectives complete in launch
-        # order on every rank, so waiting for the oldest never waits on a peer's later one.
-        while len(self._inflight) > 1 and self._inflight_numel > self.options.bucket_numel:
-            self._land_oldest()
-        # Reductions that already finished land now, so their staging buffers go at once rather than at
-        # the end of backward: with DeepSpeed's default bucket size (5e8) every bucket would otherwise stay
-        # until then, on top of the activations of the last blocks (a checkpointed backward's peak).
-        while self._inflight and self._inflight[0][0].is_completed():
-            self._land_oldest()
-
-    def _land_oldest(self) -> None:
-        handle, landed = self._inflight.pop(0)
-        handle.wait()
-        self._inflight_numel -= landed
-
-    def _finish_pass(self) -> None:
-        while self._ptr < len(self.bucket_order):
-            self._launch_next()
-        for handle, _ in self._inflight:
-            handle.wait()
-        self._inflight.clear()
-        self._inflight_numel = 0
-        for key, late in self._late.items():  # in bucket order on every rank: the same collectives
-            self._reduce_late(key, late)
-        self._late.clear()
-        self._times = [c if c > 0 else t for c, t in zip(self._count, self._times, strict=True)]
-        self._pass = False
-        self._unmanaged = False
-        self._window_reduced = True
+        self.reducer.end_backward()
 
     def _zero_unwritten(self, key: BucketKey, buffer: torch.Tensor) -> None:
         """Zero the parts of a bucket-shaped buffer whose parameters got no gradient in this window."""
@@ -476,19 +410,15 @@ class ZeroStage:
 
     def prepare_step(self) -> None:
         """Make sure the window's gradients are fully reduced (see [Note: gradient hooks and bucket order])."""
-        if self._pass:
-            self._finish_pass()
-        if not self._window_reduced or self._unmanaged:
-            self._start_pass()
-            self._finish_pass()
+        self.reducer.catch_up()
 
     def gradient_status(self) -> GradStatus:
         """Where this window's gradients stand (read by the full-state access of ``access.py``)."""
-        if self._in_backward:
+        if self.reducer.in_backward:
             return GradStatus.IN_BACKWARD
         if not any(self._got_grad):
             return GradStatus.NONE
-        if self._unmanaged or (not self.reduces_every_backward and not self._window_reduced):
+        if self.reducer.unmanaged or (not self.reduces_every_backward and not self.reducer.reduced):
             return GradStatus.PENDING
         return GradStatus.REDUCED
 
@@ -636,12 +566,9 @@ class ZeroStage:
 
     def zero_grad(self) -> None:
         """Drop the accumulated gradients: the next backward starts a new window."""
-        if self._pass:
-            self._finish_pass()  # keep ranks in step: a started pass is always completed
+        self.reducer.reset()  # keep ranks in step: a started pass is always completed
         self._written = [False] * len(self._params)
         self._got_grad = [False] * len(self._params)
-        self._window_reduced = False
-        self._unmanaged = False
         self._reset_window()
 
 

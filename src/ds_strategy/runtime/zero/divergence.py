@@ -50,12 +50,12 @@ One int64 slot per fetch of the iteration in order, kept as host numbers while t
 launches nothing for its label; the capacity: twice the first iteration's fetches, plus 16; fetches beyond
 it fold into the last slot as a running product-and-sum in int64, so a longer iteration still differs
 there). ``check_agreement`` copies the slots in one copy (pinned on a GPU: the host does not wait) into this
-rank's row of a zeroed ``[world, capacity]`` tensor on the device, all-reduces that (one collective per iteration, where the headers
-took one per fetch: on NCCL each is a launch and a latency on the stream the gathers share) and compares
-slot by slot on the device among the ranks whose row is filled (torch's fake group moves no data: the
-other rows stay zero). A rank that fetched less leaves zeros where the others have codes: a mismatch. The
-summary and the error path are the headers' (below); the error names the first mismatched slot's ranks
-and modules.
+rank's row of a zeroed ``[world, capacity]`` tensor on the device, all-reduces that (one collective per
+iteration, where the headers took one per fetch: on NCCL each is a launch and a latency on the stream the
+gathers share) and compares slot by slot on the device among the ranks whose row is filled (torch's fake
+group moves no data: the other rows stay zero). A rank that fetched less leaves zeros where the others have
+codes: a mismatch. The summary and the error path are the headers' (below); the error names the first
+mismatched slot's ranks and modules.
 
 The trade-off: on a GPU, after the first iteration, a divergence is reported one iteration or so late,
 after the wrongly paired gathers ran (a hang ends at the process group's timeout, not with this error,

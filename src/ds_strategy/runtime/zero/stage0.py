@@ -51,7 +51,7 @@ class Stage0(ZeroStage):
             send.mul_(self.options.pre_scale)
         return bucket, send
 
-    def _launch(self, key: BucketKey) -> Handle:
+    def launch_reduction(self, key: BucketKey) -> Handle:
         bucket, send = self._comm_input(key)
         handle = self.comm_of(key[0]).all_reduce(send, async_op=self.options.async_comm)
         if send is bucket:
@@ -61,11 +61,11 @@ class Stage0(ZeroStage):
     def _grad_pieces(self, group: int) -> list[torch.Tensor]:
         return self.groups[group].master_shaped(self.accum[group])
 
-    def _late_buffer(self, key: BucketKey) -> torch.Tensor:
+    def late_buffer(self, key: BucketKey) -> torch.Tensor:
         g, b = key
         return torch.zeros_like(self.groups[g].layout.bucket_view(self.accum[g], b))
 
-    def _reduce_late(self, key: BucketKey, late: torch.Tensor) -> None:
+    def reduce_late(self, key: BucketKey, late: torch.Tensor) -> None:
         g, b = key
         bucket = self.groups[g].layout.bucket_view(self.accum[g], b)
         send = late if self.options.comm_dtype == late.dtype else late.to(self.options.comm_dtype)

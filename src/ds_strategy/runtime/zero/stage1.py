@@ -45,7 +45,7 @@ class Stage1(Stage0):
             torch.zeros(gs.layout.partition_numel, dtype=torch.float32, device=gs.device) for gs in self.groups
         ]
 
-    def _launch(self, key: BucketKey) -> Handle:
+    def launch_reduction(self, key: BucketKey) -> Handle:
         g, b = key
         _, send = self._comm_input(key)
         out = self.groups[g].layout.partition_view(self.partition_grads[g], b)
@@ -57,7 +57,7 @@ class Stage1(Stage0):
     def _grad_pieces(self, group: int) -> list[torch.Tensor]:
         return self.groups[group].master_shaped(self.partition_grads[group])
 
-    def _reduce_late(self, key: BucketKey, late: torch.Tensor) -> None:
+    def reduce_late(self, key: BucketKey, late: torch.Tensor) -> None:
         out = self.groups[key[0]].layout.partition_view(self.partition_grads[key[0]], key[1])
         send = late if self.options.comm_dtype == late.dtype else late.to(self.options.comm_dtype)
         self._reduce_scatter_add(out, send, key[0])

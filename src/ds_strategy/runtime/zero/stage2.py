@@ -70,7 +70,7 @@ class Stage2(ZeroStage):
         key, lo, hi = place
         return self._staging_for(key)[lo:hi]
 
-    def _launch(self, key: BucketKey) -> Handle:
+    def launch_reduction(self, key: BucketKey) -> Handle:
         g, b = key
         gs = self.groups[g]
         staging = self._staging_for(key)
@@ -112,11 +112,11 @@ class Stage2(ZeroStage):
     def _grad_pieces(self, group: int) -> list[torch.Tensor]:
         return self.groups[group].master_shaped(self.partition_grads[group])
 
-    def _late_buffer(self, key: BucketKey) -> torch.Tensor:
+    def late_buffer(self, key: BucketKey) -> torch.Tensor:
         bucket = self.groups[key[0]].layout.buckets[key[1]]
         return torch.zeros(bucket.padded, dtype=self.options.comm_dtype, device=self.groups[key[0]].device)
 
-    def _reduce_late(self, key: BucketKey, late: torch.Tensor) -> None:
+    def reduce_late(self, key: BucketKey, late: torch.Tensor) -> None:
         out = self._partition_out(key, False)
         self._reduce_scatter_add(out, late, key[0])
         self._landed(key, out)

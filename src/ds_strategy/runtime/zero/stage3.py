@@ -275,7 +275,7 @@ class Stage3(Stage2):
     def _on_grad(self, pid: int, param: torch.Tensor) -> None:
         had_grad = param.grad is not None
         super()._on_grad(pid, param)
-        if not had_grad or self._pass:  # in a reducing pass the base calls _bucket_complete
+        if not had_grad or self.reducer.reducing:  # in a reducing pass the reducer calls bucket_complete
             return
         g, i = self._where[pid]
         key = (g, self.groups[g].layout.params[i].bucket)
@@ -283,7 +283,7 @@ class Stage3(Stage2):
         if self._bucket_grads[key] == len(self.groups[g].layout.buckets[key[1]].params):
             self.gatherer.grads_done(key)  # see [Note: gather units and hooks]
 
-    def _bucket_complete(self, key: BucketKey) -> None:
+    def bucket_complete(self, key: BucketKey) -> None:
         self.gatherer.grads_done(key)  # see [Note: gather units and hooks]
 
     def _partition_grad(self, gs: GroupStorage) -> torch.Tensor:
@@ -291,13 +291,13 @@ class Stage3(Stage2):
         between a step and the next backward holds the gradient partition."""
         return torch.empty(0, dtype=torch.float32, device=gs.device)
 
-    def _launch(self, key: BucketKey) -> Handle:
+    def launch_reduction(self, key: BucketKey) -> Handle:
         gs = self.groups[key[0]]
         if self.swapper is None and self.partition_grads[key[0]].numel() != gs.layout.partition_numel:
             # Every bucket is launched in every reducing pass and its first landing overwrites, so the
             # fresh partition needs no zeroing.
             self.partition_grads[key[0]] = torch.empty(gs.layout.partition_numel, dtype=torch.float32, device=gs.device)
-        return super()._launch(key)
+        return super().launch_reduction(key)
 
     def _reduces_in_place(self, group: int) -> bool:
         quantized = self.zeropp is not None and self.zeropp.quantized_grads  # qgZ quantizes its input first
