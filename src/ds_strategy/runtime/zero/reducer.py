@@ -65,14 +65,9 @@ class GradientReducer:
         *,
         every_backward: bool,
     ) -> None:
-        self.stage = stage
-        self.bucket_order = bucket_order
-        self.bucket_pids = bucket_pids
-        self.numel_of = numel_of
-        self.max_inflight = max_inflight
-        self.every_backward = every_backward
-        self.state = ReducerState.IDLE
-        self.in_backward = False
+        self.stage, self.bucket_order, self.bucket_pids = stage, bucket_order, bucket_pids
+        self.numel_of, self.max_inflight, self.every_backward = numel_of, max_inflight, every_backward
+        self.state, self.in_backward = ReducerState.IDLE, False
         self.unmanaged = False  # a gradient arrived outside engine.backward since the last pass
         n = sum(len(p) for p in bucket_pids.values())
         # [Note: a hook that fires twice]: per parameter, the arrivals one reducing backward expects (learned
