@@ -13,14 +13,14 @@ from torch.profiler import record_function
 _NOTHING: contextlib.AbstractContextManager[None] = contextlib.nullcontext()
 
 
-def profiling() -> bool:
-    """Whether a torch profiler (torch.profiler.profile, torch.autograd.profiler.profile) records now."""
-    return bool(torch._C._autograd._profiler_enabled())
+# Whether a torch profiler (torch.profiler.profile, torch.autograd.profiler.profile) records now: torch's own
+# C function, called directly (no Python frame between it and every span).
+profiling: Callable[[], bool] = torch._C._autograd._profiler_enabled
 
 
 def span(name: str | Callable[[], str]) -> contextlib.AbstractContextManager[object]:
     """``record_function(name)`` while a profiler records, else a shared no-op; ``name`` may be a callable,
     so that a label built from strings is built only then."""
-    if not torch._C._autograd._profiler_enabled():
+    if not profiling():
         return _NOTHING
     return record_function(name() if callable(name) else name)

@@ -339,15 +339,14 @@ class ShardedGroup(GroupStorage):
         if self.live[bucket]:
             return DONE
         full = self.full[bucket]
-        if bucket in self.in_place:  # [Note: a group of one gathers in place]
-            self.live[bucket] = True
-            self._live_numel += full.numel()
-            self._point_params(bucket)
-            return DONE
-        host_memory.allocate(full)  # on the compute stream: see the note
+        in_place = bucket in self.in_place  # [Note: a group of one gathers in place]
+        if not in_place:
+            host_memory.allocate(full)  # on the compute stream: see the note
         self.live[bucket] = True
         self._live_numel += full.numel()  # persistent buckets are always live: never gathered here
         self._point_params(bucket)
+        if in_place:  # the parameters point into the partition: nothing to copy, nothing to gather
+            return DONE
         if stream is None or self._compute_stream_only(bucket, exact):
             return self._gather_into(full, bucket, async_op=async_op, tag=tag, exact=exact)
         with stream.issue():
@@ -492,7 +491,10 @@ class ShardedGroup(GroupStorage):
 
     def gathered_bytes(self) -> int:
         """Memory the partitioned buckets gathered now hold beside the partition (in-place ones hold none)."""
-        skip = self.in_place | self.persistent
+        return self._full_bytes(skip=self.in_place | self.persistent)
+
+    def _full_bytes(self, skip: set[int]) -> int:
+        """Bytes behind the bucket-sized tensors, but those of ``skip`` (in-place ones share the partition's)."""
         return sum(t.untyped_storage().nbytes() for b, t in enumerate(self.full) if b not in skip)
 
     def live_numel(self) -> int:
@@ -536,7 +538,7 @@ class ShardedGroup(GroupStorage):
         return dict(zip(self.masters, self._part_views, strict=True))
 
     def numel_bytes(self) -> dict[str, int]:
-        live = sum(t.untyped_storage().nbytes() for b, t in enumerate(self.full) if b not in self.in_place)
+        live = self._full_bytes(skip=self.in_place)
         live += sum(t.numel() * t.element_size() for t in self.secondary.values())
         if self._qrest is not None and not self._materialized:
             live += sum(qt.nbytes for qt in self._qrest)
