@@ -124,7 +124,7 @@ def _lightning_case(
 
     # The SAMPLED steps before the last two (fewer in a short run: never the warm-up), not timed.
     sampled = range(max(WARMUP, steps - 2 - SAMPLED), steps - 2) if stacks is not None else range(0)
-    gc_ms, mallocs = _StepCosts(), []  # per step: Python's garbage collection, new allocator segments
+    gc_ms, mallocs = _GcPerStep(), []  # per step: Python's garbage collection, new allocator segments
     host_ms: list[float] = []  # per step: until the host has issued it (close to the step time: host-bound)
 
     def segments() -> int:
@@ -212,7 +212,7 @@ def _lightning_case(
     }
 
 
-class _StepCosts:
+class _GcPerStep:
     """Milliseconds of Python garbage collection in each step (gc.callbacks): a cause of step-time spread."""
 
     def __init__(self) -> None:
@@ -360,7 +360,7 @@ def main(argv: list[str] | None = None) -> None:
     parser.add_argument("--only", default="", help="comma-separated cases: " + ", ".join(CASES))
     parser.add_argument("--steps", type=int, default=None)
     parser.add_argument("--name", default=None)
-    parser.add_argument("--trace", action="store_true", help="profile one zero3 step and draw its timeline")
+    parser.add_argument("--trace", action="store_true", help="profile a step of each Lightning case, draw its streams")
     parser.add_argument("--sample", action="store_true", help="sample the host's Python stacks (Lightning cases)")
     parser.add_argument("--timeout", type=float, default=600, help="seconds per case")
     parser.add_argument("--case", help=argparse.SUPPRESS)  # internal: run one case, write JSON to --out
