@@ -12,30 +12,6 @@ See docs/activation_checkpointing.md.
 
 from __future__ import annotations
 
-from ds_strategy.runtime.activation_checkpointing import (
-    RNGStatesTracker,
-    apply_activation_checkpointing,
-    checkpoint,
-    configure,
-    get_cuda_rng_tracker,
-    is_checkpointed,
-    is_configured,
-    model_parallel_cuda_manual_seed,
-    non_reentrant_checkpoint,
-    profile_report,
-    reset,
-)
-
-__all__ = [
-    "RNGStatesTracker",
-    "apply_activation_checkpointing",
-    "checkpoint",
-    "configure",
-    "get_cuda_rng_tracker",
-    "is_checkpointed",
-    "is_configured",
-    "model_parallel_cuda_manual_seed",
-    "non_reentrant_checkpoint",
-    "profile_report",
-    "reset",
-]
+# The runtime package's public names, as they are (one list: ``ds_strategy.runtime.activation_checkpointing.__all__``).
+from ds_strategy.runtime.activation_checkpointing import *  # noqa: F403
+from ds_strategy.runtime.activation_checkpointing import __all__ as __all__

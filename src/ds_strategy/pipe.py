@@ -14,28 +14,6 @@ See docs/pipeline.md.
 
 from __future__ import annotations
 
-from ds_strategy.runtime.pipe import (
-    LayerSpec,
-    PipeDataParallelTopology,
-    PipelineEngine,
-    PipelineModule,
-    PipelineStageError,
-    PipeModelDataParallelTopology,
-    ProcessTopology,
-    TiedLayerSpec,
-    bubble_fraction,
-    train_schedule,
-)
-
-__all__ = [
-    "LayerSpec",
-    "PipeDataParallelTopology",
-    "PipeModelDataParallelTopology",
-    "PipelineEngine",
-    "PipelineModule",
-    "PipelineStageError",
-    "ProcessTopology",
-    "TiedLayerSpec",
-    "bubble_fraction",
-    "train_schedule",
-]
+# The runtime package's public names, as they are (one list: ``ds_strategy.runtime.pipe.__all__``).
+from ds_strategy.runtime.pipe import *  # noqa: F403
+from ds_strategy.runtime.pipe import __all__ as __all__

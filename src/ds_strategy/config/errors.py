@@ -13,6 +13,16 @@ from collections.abc import Iterable, Sequence
 from dataclasses import dataclass
 from typing import Any
 
+# The classes ``ds_strategy.config`` re-exports (``from .errors import *``).
+__all__ = [
+    "ConfigConflictWarning",
+    "ConfigDeprecationWarning",
+    "ConfigError",
+    "ConfigProblem",
+    "ConfigWarning",
+    "IgnoredConfigWarning",
+]
+
 ROOT_LABEL = "(top level)"
 
 

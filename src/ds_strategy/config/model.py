@@ -28,6 +28,27 @@ OffloadDevice = Literal["none", "cpu", "nvme"]
 TagValidation = Literal["Ignore", "Warn", "Fail"]
 AUTO = "auto"
 
+# The config objects ``ds_strategy.config`` re-exports (``from .model import *``).
+__all__ = [
+    "ActivationCheckpointingConfig",
+    "AioConfig",
+    "BF16Config",
+    "CheckpointConfig",
+    "CommsLoggerConfig",
+    "CompileConfig",
+    "DataTypesConfig",
+    "DeepSpeedConfig",
+    "FP16Config",
+    "FlopsProfilerConfig",
+    "HybridEngineConfig",
+    "LeafModuleConfig",
+    "OffloadConfig",
+    "OptimizerConfig",
+    "PipelineConfig",
+    "SchedulerConfig",
+    "ZeroConfig",
+]
+
 # Fields that are ds_strategy bookkeeping rather than DeepSpeed JSON keys.
 _NOT_JSON = {"json": False}
 
