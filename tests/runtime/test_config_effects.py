@@ -288,7 +288,7 @@ def _sub_groups(rank: int, world: int, precision: str, client: bool) -> dict[str
         out[name] = (
             seen,
             largest,
-            len(engine.stage.step_tiles()),
+            len(engine.stage.stepper.tiles()),
             trace.masters,
             trace.params,
             max(peaks[len(peaks) // 3 :]),

@@ -253,7 +253,7 @@ def _rules(rank: int, world: int) -> dict[str, Any]:
         before = engine.stage.gatherer.gathers
         out["fallback"] = engine.generate(_prompt(rank), NEW, do_sample=False)
         out["fallback_gathers"] = engine.stage.gatherer.gathers - before
-        out["fallback_held"] = engine.stage.holding
+        out["fallback_held"] = engine.stage.placement.holding
         engine.destroy()
     out["warnings"] = [m for m in records if "hybrid_engine" in m]
 

@@ -29,6 +29,7 @@ import os
 import weakref
 from collections.abc import Callable, Collection, Iterator, Mapping
 from contextlib import contextmanager
+from functools import partial
 from typing import Any
 
 import torch
@@ -62,6 +63,7 @@ from .profiling import EngineProfiling
 from .timers import Throughput, Timers
 from .zero import STAGES, Collectives
 from .zero.access import FullStateAccess
+from .zero.grad_norm import grad_norm
 from .zero.leaf import apply_leaf_module_config
 from .zero.offload import Offload
 
@@ -202,7 +204,7 @@ class ZeroEngine(nn.Module):
     @torch.no_grad()
     def _cast_and_sync_the_rest(self, registration: dict[nn.Parameter, int]) -> None:
         """Frozen parameters and floating buffers: cast to the compute dtype, then rank 0's values win."""
-        flat_owned = {id(p) for p in self.stage.stored_params()}
+        flat_owned = {id(p) for p in self.stage.placement.stored_params()}
         dtype = self.precision.compute_dtype
         for p in registration:
             if id(p) not in flat_owned:
@@ -245,7 +247,7 @@ class ZeroEngine(nn.Module):
         with (
             self._no_host_reads("ZeroEngine.forward"),
             self.timers("forward"),
-            self.stage.forward_context(),
+            self.stage.placement.forward_context(),
             self.profiling.forward(self.global_steps, inputs, kwargs),
         ):
             args, kwargs = self.precision.cast_forward_inputs(inputs, kwargs)
@@ -270,7 +272,7 @@ class ZeroEngine(nn.Module):
         stage3 = self.config.zero_stage == 3
         regions = compile_regions(self.module, per_block=stage3)
         self.compiled.compile(regions, backend, compile_kwargs or {}, leaves=stage3)
-        self.stage.unhook_inside(regions)
+        self.stage.placement.unhook_inside(regions)
 
     @property
     def is_compiled(self) -> bool:
@@ -321,10 +323,10 @@ class ZeroEngine(nn.Module):
             )
         self._refuse_changed_params()
         self.hybrid.release()  # a pinned gathered copy would go stale when the partitions are updated
-        self.stage.prepare_step()
+        self.stage.reducer.catch_up()
         if not self.config.zero_optimization.ignore_unused_parameters:
             self._refuse_unused_parameters()
-        raw_norm, overflow = (self.grad_norm_fn or self.stage.grad_norm)()
+        raw_norm, overflow = (self.grad_norm_fn or partial(grad_norm, self.stage))()
         scale = self.loss_scaler.loss_scale
         multiplier = self.stage.options.post_scale / scale
         clip = self.config.gradient_clipping
@@ -339,12 +341,12 @@ class ZeroEngine(nn.Module):
             skipped = over
             if not over:
                 coef = min(1.0, clip / (norm + 1e-6)) if clip > 0 else 1.0
-                self.stage.apply_step(self.optimizer, multiplier * coef)
+                self.stage.stepper.apply(self.optimizer, multiplier * coef)
         else:  # on the device: norm, clipping coefficient and the skip stay tensors
             norm_t = raw_norm.double() * multiplier
             self._global_grad_norm = norm_t
             coef_t = torch.clamp(clip / (norm_t + 1e-6), max=1.0) if clip > 0 else None
-            skipped = self.stage.apply_step(self.optimizer, multiplier, clip=coef_t, skip=overflow)
+            skipped = self.stage.stepper.apply(self.optimizer, multiplier, clip=coef_t, skip=overflow)
         self.stage.zero_grad()
         if skipped is None:  # known on the device only: the counters and was_step_applied read it when asked
             self.counters.add_device_skip(overflow)
@@ -402,7 +404,7 @@ class ZeroEngine(nn.Module):
     def _refuse_unused_parameters(self) -> None:
         """``ignore_unused_parameters: false``: every rank raises when any rank has a trainable parameter
         that got no gradient in this window (DeepSpeed asserts; here the ranks agree first, so none hangs)."""
-        missing = self.stage.parameters_without_gradient()
+        missing = self.stage.intake.parameters_without_gradient()
         # On the compute device (an empty first param group's device is the host, which NCCL refuses).
         count = torch.tensor([float(len(missing))], device=self.stage.compute_device)
         self.coll.all_reduce(count)
@@ -480,8 +482,8 @@ class ZeroEngine(nn.Module):
         """L2 norm of the averaged, unscaled gradients of the current window, before ``step`` (what
         ``clip_grad_norm_`` returns; inf when fp16 overflowed). A collective: call on every rank. The
         window's reduction completes here, so the step that follows does not reduce again."""
-        self.stage.prepare_step()
-        raw_norm, overflow = (self.grad_norm_fn or self.stage.grad_norm)()
+        self.stage.reducer.catch_up()
+        raw_norm, overflow = (self.grad_norm_fn or partial(grad_norm, self.stage))()
         raw, over = _host_numbers(raw_norm, overflow)  # asked for on the host: one read
         norm = raw * self.stage.options.post_scale / self.loss_scaler.loss_scale
         return float("inf") if over else norm
@@ -616,7 +618,7 @@ class ZeroEngine(nn.Module):
         now), grads, master (separate fp32 copies), optimizer_state."""
         out = self.stage.memory_bytes()
         out.setdefault("gathered_params", 0)  # stage 3: gathered partitioned buckets (the hybrid engine's hold)
-        flat_owned = {id(p) for p in self.stage.stored_params()}
+        flat_owned = {id(p) for p in self.stage.placement.stored_params()}
         out["params"] += sum(p.numel() * p.element_size() for p in self.module.parameters() if id(p) not in flat_owned)
         state = 0
         if self.optimizer is not None:
@@ -706,7 +708,7 @@ class ZeroEngine(nn.Module):
         model: call it on every rank. An MoE model's experts are all there, under their global names."""
         if self.moe is not None:  # [Note: global expert names] in moe/full.py
             return moe_full_state_dict(self.module, rank=rank, own_rank=self.coll.rank)
-        return self.stage.full_state_dict(self.module, rank)
+        return self.stage.placement.full_state_dict(self.module, rank)
 
     def _zero3_consolidated_16bit_state_dict(self) -> dict[str, torch.Tensor]:
         """DeepSpeed's name for :meth:`full_state_dict` on rank 0."""
@@ -723,9 +725,9 @@ class ZeroEngine(nn.Module):
         self.compiled.restore()
         if release_params:
             self.hybrid.release()
-            self.stage.release_params()
+            self.stage.placement.release_params()
         self.stage.detach()
-        self.stage.close_swap()  # NVMe offload: its swap files go with the engine
+        self.stage.close()  # NVMe offload: its swap files go with the engine
         if self.moe is not None:
             self.moe.close()
         self.hybrid.close()

@@ -81,7 +81,7 @@ class HybridEngine:
     @property
     def holds_all(self) -> bool:
         """generate gathers everything once (enabled, and stage 3 has partitions within the memory rule)."""
-        numel = self.stage.partitioned_numel()
+        numel = self.stage.placement.partitioned_numel()
         if not self.config.enabled or numel == 0:
             return False
         if numel <= self.max_live_numel:
@@ -108,21 +108,21 @@ class HybridEngine:
             self._check_max_out_tokens(fn, args, kwargs)
         start = time.perf_counter()
         if not self.holds_all:
-            with self.stage.forward_context():
-                out = self._run(fn, args, kwargs, whole=self.stage.partitioned_numel() == 0)
+            with self.stage.placement.forward_context():
+                out = self._run(fn, args, kwargs, whole=self.stage.placement.partitioned_numel() == 0)
             self.generate_s += time.perf_counter() - start
             return out
-        if not self.stage.holding:
-            self.stage.hold_gathered(self.config.tp_gather_partition_size)
+        if not self.stage.placement.holding:
+            self.stage.placement.hold_gathered(self.config.tp_gather_partition_size)
         gathered = time.perf_counter()
         self.gather_s += gathered - start
         try:
             out = self._run(fn, args, kwargs, whole=True)
         finally:
             if not self.config.pin_parameters:
-                self.stage.release_held()
+                self.stage.placement.release_held()
             if self.config.release_inference_cache:
-                self.stage.release_caches()
+                self.stage.placement.release_caches()
                 get_accelerator().empty_cache()
         self.generate_s += time.perf_counter() - gathered
         return out
@@ -145,8 +145,8 @@ class HybridEngine:
 
     def release(self) -> None:
         """Free a pinned hold (before the partitions change: optimizer step, checkpoint load, destroy)."""
-        if self.stage.holding:
-            self.stage.release_held()
+        if self.stage.placement.holding:
+            self.stage.placement.release_held()
 
     def close(self) -> None:
         """Close the tensor-parallel group's communicator (engine.destroy)."""

@@ -147,9 +147,8 @@ def write_partitions(engine: CheckpointTarget, pieces: Sequence[Sequence[tuple[i
         views = gs.layout.partition_views(gs.part)  # type: ignore[attr-defined]
         for b, start, values in group:
             views[b][start : start + values.numel()].copy_(values)
-    refresh = getattr(engine.stage, "refresh_frozen", None)
-    if refresh is not None and storages:
-        refresh()
+    if storages:
+        engine.stage.placement.refresh_frozen()
 
 
 def check_rank_file(data: Mapping[str, Any], layouts: Sequence[FlatLayout], path: str) -> None:

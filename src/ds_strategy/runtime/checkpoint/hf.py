@@ -39,6 +39,7 @@ from torch import nn
 from ..moe.full import ExpertNames
 from ..zero.access import _fragment, find
 from ..zero.init import gather_init_param, init_shard
+from ..zero.placement import ZERO3_ATTR
 from .format import CheckpointError
 
 INDEX = "model.safetensors.index.json"
@@ -55,7 +56,6 @@ _UNITS = {
     "GIB": 2**30,
     "TIB": 2**40,
 }
-ZERO3_ATTR = "_ds_zero3"  # stage3.ZERO3_ATTR (not imported: the stage module pulls in the gatherer)
 
 
 def _safetensors() -> Any:
@@ -282,7 +282,7 @@ def load_hf_weights(model: Any, path: str | os.PathLike[str], *, strict: bool = 
         for stage in publish.values():
             stage.publish()
         for stage in refresh.values():
-            stage.refresh_frozen()
+            stage.placement.refresh_frozen()
 
 
 def _global(experts: ExpertNames, prefix: str, key: str) -> str:

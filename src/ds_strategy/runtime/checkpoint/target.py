@@ -38,6 +38,16 @@ class PartitionedState(Protocol):
 
     def zero_grad(self) -> None: ...
 
+    @property
+    def placement(self) -> ParameterPlacement: ...
+
+
+class ParameterPlacement(Protocol):
+    """Where the stage's parameters live (runtime/zero/placement.py), as checkpoints see it."""
+
+    def refresh_frozen(self) -> None:
+        """After frozen partitions were overwritten: bring their gathered copies up to date (stage 3)."""
+
 
 class CheckpointTarget(Protocol):
     @property

@@ -36,6 +36,7 @@ from ds_strategy.comm.shm_channel import same_host_peers
 
 from ..engine import ZeroEngine
 from ..zero.access import find
+from ..zero.grad_norm import grad_norm
 from .module import PipelineModule
 from .p2p import Link, PeerFailed, PipelineStageError
 from .schedule import eval_schedule, link_depth, train_schedule
@@ -358,7 +359,7 @@ class PipelineEngine:
         """(norm, overflow) over every stage, as the stage's own ``grad_norm``: 0-dim device tensors (fp64
         norm, fp32 flag), so the step decides clipping and skipping on the device without a host read."""
         extra = self._tied_sum()
-        raw, overflow = self.engine.stage.grad_norm()
+        raw, overflow = grad_norm(self.engine.stage)
         raw = raw.to(self.device, torch.float64)
         sq = torch.where(torch.isfinite(raw), raw * raw - extra, torch.full_like(raw, math.inf))
         both = torch.stack([sq, overflow.to(self.device, torch.float64)])

@@ -43,8 +43,9 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from .base import GradStatus, ZeroStage
+from .base import ZeroStage
 from .buffers import GroupStorage
+from .intake import GradStatus
 from .sharded import ShardedGroup
 
 _T = TypeVar("_T")
@@ -201,7 +202,7 @@ class FullStateAccess:
     def require_grads(self, what: str) -> None:
         """Raise unless the window's reduced gradients can be read now; reduce them first (a collective,
         as ``engine.step()`` would) when the boundary backward did not."""
-        status = self.stage.gradient_status()
+        status = self.stage.intake.status()
         if status is GradStatus.REDUCED:
             return
         if status is GradStatus.IN_BACKWARD:
@@ -216,7 +217,7 @@ class FullStateAccess:
                 f"{what}: at ZeRO stage {self.stage.stage} gradients are reduced across ranks only by the backward "
                 "that ends the accumulation window; read them after that backward and before engine.step()"
             )
-        self.stage.prepare_step()  # loss.backward() outside engine.backward: reduce now, as step() would
+        self.stage.reducer.catch_up()  # loss.backward() outside engine.backward: reduce now, as step() would
 
     # ------------------------------------------------------------------ full values (collectives at stages 1-3)
     @_resident
@@ -335,7 +336,7 @@ class FullStateAccess:
         uses; at 16-bit that write rounds the fp32 gradient to the parameter's dtype. Setting ``p.grad`` to
         None does not skip the parameter: the reduced gradient is kept. On leaving, ``p.grad`` is None again.
         """
-        status = self.stage.gradient_status()
+        status = self.stage.intake.status()
         if status is GradStatus.NONE:  # nothing to show (a skipped step raises its own error afterwards)
             yield
             return

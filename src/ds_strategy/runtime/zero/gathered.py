@@ -20,7 +20,7 @@ from torch import nn
 
 from .init import compute_device, gather_init_param, init_shard, partition_param
 from .param_gather import EXTERNAL_ATTR
-from .stage3 import ZERO3_ATTR
+from .placement import ZERO3_ATTR
 
 
 class GatheredParameters:
@@ -49,8 +49,8 @@ class GatheredParameters:
             elif init_shard(p) is not None and isinstance(p, nn.Parameter):
                 self._init_params.append(p)
         for stage, keys in self._stages.values():
-            keys.extend(stage.keys_for(self.params))
-            stage.gather_for_user(keys)
+            keys.extend(stage.placement.keys_for(self.params))
+            stage.placement.gather_for_user(keys)
         for p in self._init_params:
             info = init_shard(p)
             assert info is not None
@@ -64,7 +64,7 @@ class GatheredParameters:
             return
         modifier = self.modifier_rank if exc_type is None else None  # after an error: drop the edits
         for stage, keys in self._stages.values():
-            stage.release_for_user(keys, modifier)
+            stage.placement.release_for_user(keys, modifier)
         with torch.no_grad():
             for p in self._init_params:
                 info = init_shard(p)

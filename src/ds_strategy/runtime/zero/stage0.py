@@ -8,44 +8,31 @@ flat parameter buffer itself in fp32) and no gather is needed.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import torch
-from torch import nn
 
-from .base import BucketKey, StageOptions, ZeroStage
-from .collectives import Collectives, Handle
+from .base import BucketKey, ZeroStage
+from .collectives import Handle
 
 
 class Stage0(ZeroStage):
     stage = 0
     partitioned = False
 
-    @classmethod
-    def async_comm(cls, zero: Any) -> bool:
-        return True  # the all-reduces always overlap backward (DDP's behaviour; overlap_comm is ZeRO's key)
+    always_overlaps = True  # the all-reduces always overlap backward (DDP's behaviour; overlap_comm is ZeRO's key)
 
-    def __init__(
-        self,
-        groups: Sequence[Sequence[tuple[str, nn.Parameter]]],
-        registration: dict[nn.Parameter, int],
-        *,
-        coll: Collectives,
-        options: StageOptions,
-    ) -> None:
-        super().__init__(groups, registration, coll=coll, options=options)
+    def _allocate(self) -> None:
         # Zero-initialised so bucket padding (never written) reduces as zeros.
-        self.accum = [torch.zeros(gs.layout.total, dtype=options.accum_dtype, device=gs.device) for gs in self.groups]
+        dtype = self.options.accum_dtype
+        self.accum = [torch.zeros(gs.layout.total, dtype=dtype, device=gs.device) for gs in self.groups]
 
-    def _target(self, group: int, index: int) -> torch.Tensor:
+    def grad_target(self, group: int, index: int) -> torch.Tensor:
         return self.groups[group].layout.param_view(self.accum[group], index)
 
     def _comm_input(self, key: BucketKey) -> tuple[torch.Tensor, torch.Tensor]:
         """(the bucket of the accumulation buffer, the tensor to communicate: it, or a cast copy), pre-scaled."""
         g, b = key
         bucket = self.groups[g].layout.bucket_view(self.accum[g], b)
-        self._zero_unwritten(key, bucket)
+        self.intake.zero_unwritten(key, bucket)
         send = bucket if self.options.comm_dtype == bucket.dtype else bucket.to(self.options.comm_dtype)
         if self.options.pre_scale != 1.0:
             send.mul_(self.options.pre_scale)
@@ -58,7 +45,7 @@ class Stage0(ZeroStage):
             return handle
         return _CopyBack(handle, bucket, send)
 
-    def _grad_pieces(self, group: int) -> list[torch.Tensor]:
+    def reduced_grads_of(self, group: int) -> list[torch.Tensor]:
         return self.groups[group].master_shaped(self.accum[group])
 
     def late_buffer(self, key: BucketKey) -> torch.Tensor:

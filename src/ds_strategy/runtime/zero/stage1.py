@@ -8,14 +8,10 @@ back into the flat parameter buffer (``publish``).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import torch
-from torch import nn
 
-from .base import BucketKey, StageOptions
-from .collectives import Collectives, Handle
+from .base import BucketKey
+from .collectives import Handle
 from .stage0 import Stage0, _CopyBack
 
 
@@ -23,24 +19,12 @@ class Stage1(Stage0):
     stage = 1
     partitioned = True
 
-    @classmethod
-    def async_comm(cls, zero: Any) -> bool:
-        return bool(zero.overlap_comm)
+    always_overlaps = False
+    # A bucket is both the gradient reduction and the all-gather unit of the updated weights here.
+    bucket_keys: tuple[str, ...] = ("reduce_bucket_size", "allgather_bucket_size")
 
-    @classmethod
-    def bucket_numel(cls, zero: Any) -> int:
-        # A bucket is both the gradient reduction and the all-gather unit of the updated weights here.
-        return int(min(zero.reduce_bucket_size, zero.allgather_bucket_size))
-
-    def __init__(
-        self,
-        groups: Sequence[Sequence[tuple[str, nn.Parameter]]],
-        registration: dict[nn.Parameter, int],
-        *,
-        coll: Collectives,
-        options: StageOptions,
-    ) -> None:
-        super().__init__(groups, registration, coll=coll, options=options)
+    def _allocate(self) -> None:
+        super()._allocate()
         self.partition_grads = [
             torch.zeros(gs.layout.partition_numel, dtype=torch.float32, device=gs.device) for gs in self.groups
         ]
@@ -54,7 +38,7 @@ class Stage1(Stage0):
         temp = torch.empty(out.numel(), dtype=send.dtype, device=out.device)
         return _CopyBack(self.comm_of(g).reduce_scatter(temp, send, async_op=self.options.async_comm), out, temp)
 
-    def _grad_pieces(self, group: int) -> list[torch.Tensor]:
+    def reduced_grads_of(self, group: int) -> list[torch.Tensor]:
         return self.groups[group].master_shaped(self.partition_grads[group])
 
     def reduce_late(self, key: BucketKey, late: torch.Tensor) -> None:

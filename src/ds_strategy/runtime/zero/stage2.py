@@ -10,15 +10,11 @@ them). The partition gradient is always contiguous (``contiguous_gradients`` is 
 
 from __future__ import annotations
 
-from collections.abc import Sequence
-from typing import Any
-
 import torch
-from torch import nn
 
-from .base import BucketKey, StageOptions, ZeroStage
+from .base import BucketKey, ZeroStage
 from .buffers import GroupStorage
-from .collectives import Collectives, Handle
+from .collectives import Handle
 
 
 class Stage2(ZeroStage):
@@ -26,23 +22,13 @@ class Stage2(ZeroStage):
     partitioned = True
     reduces_every_backward = True
 
-    @classmethod
-    def bucket_numel(cls, zero: Any) -> int:
-        # A bucket is both the gradient reduction and the all-gather unit of the updated weights here.
-        return int(min(zero.reduce_bucket_size, zero.allgather_bucket_size))
+    # A bucket is both the gradient reduction and the all-gather unit of the updated weights here.
+    bucket_keys: tuple[str, ...] = ("reduce_bucket_size", "allgather_bucket_size")
 
-    def __init__(
-        self,
-        groups: Sequence[Sequence[tuple[str, nn.Parameter]]],
-        registration: dict[nn.Parameter, int],
-        *,
-        coll: Collectives,
-        options: StageOptions,
-    ) -> None:
-        super().__init__(groups, registration, coll=coll, options=options)
+    def _allocate(self) -> None:
         self.partition_grads = [self._partition_grad(gs) for gs in self.groups]
         self._staging: dict[BucketKey, torch.Tensor] = {}
-        self._grad_places: dict[tuple[int, int], tuple[BucketKey, int, int]] = {}  # see _target
+        self._grad_places: dict[tuple[int, int], tuple[BucketKey, int, int]] = {}  # see grad_target
         # Buckets whose partition gradient holds nothing of this window yet: the first result is copied
         # in (or reduce-scattered straight into place), later ones are added.
         self._fresh = {key: True for key in self.bucket_order}
@@ -61,7 +47,7 @@ class Stage2(ZeroStage):
             self._staging[key] = buf
         return buf
 
-    def _target(self, group: int, index: int) -> torch.Tensor:
+    def grad_target(self, group: int, index: int) -> torch.Tensor:
         place = self._grad_places.get((group, index))
         if place is None:  # once per parameter: this runs in every gradient hook
             slot = self.groups[group].layout.params[index]
@@ -71,12 +57,9 @@ class Stage2(ZeroStage):
         return self._staging_for(key)[lo:hi]
 
     def launch_reduction(self, key: BucketKey) -> Handle:
-        g, b = key
-        gs = self.groups[g]
+        g = key[0]
         staging = self._staging_for(key)
-        self._zero_unwritten(key, staging)
-        for i in gs.layout.buckets[b].params:
-            self._written[self._pid(g, i)] = False  # the staging buffer is consumed by this launch
+        self.intake.consume(key, staging)  # the staging buffer is consumed by this launch
         if self.options.pre_scale != 1.0:
             staging.mul_(self.options.pre_scale)
         fresh = self._fresh[key]
@@ -109,7 +92,7 @@ class Stage2(ZeroStage):
     def _landed(self, key: BucketKey, out: torch.Tensor) -> None:
         """Bucket ``key``'s shard in ``out`` is final for this backward (stage 3's NVMe offload writes it)."""
 
-    def _grad_pieces(self, group: int) -> list[torch.Tensor]:
+    def reduced_grads_of(self, group: int) -> list[torch.Tensor]:
         return self.groups[group].master_shaped(self.partition_grads[group])
 
     def late_buffer(self, key: BucketKey) -> torch.Tensor:

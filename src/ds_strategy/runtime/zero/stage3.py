@@ -43,17 +43,16 @@ from ..host_memory import trim_heap
 from .base import BucketKey, StageOptions, ZeroStage
 from .buffers import GroupStorage
 from .collectives import Collectives, Handle
-from .init import init_shard, keep_shard, unpartition_param
+from .init import init_shard, unpartition_param
 from .offload import HOST, Offload
 from .param_gather import ParamGatherer
+from .placement import ZERO3_ATTR, PartitionedParameters
 from .sharded import ShardedGroup
 from .stage2 import Stage2
 from .units import MODULES, check_policy, policy_of, unit_owners
 from .zeropp import ZeroPP
 
 log = logging.getLogger("ds_strategy.runtime")
-
-ZERO3_ATTR = "_ds_zero3"  # on each partitioned parameter: its Stage3 and (group, index)
 
 
 @dataclass(frozen=True)
@@ -102,10 +101,7 @@ class Stage3(Stage2):
     partitioned = True
     reduces_every_backward = True
     places_its_parameters = True  # bucket by bucket while partitioning: the whole model never on the device
-
-    @classmethod
-    def bucket_numel(cls, zero: Any) -> int:
-        return int(zero.reduce_bucket_size)  # gathers by module, not by allgather_bucket_size (as DeepSpeed)
+    bucket_keys = ("reduce_bucket_size",)  # gathers by unit, not by allgather_bucket_size (as DeepSpeed)
 
     @classmethod
     def create(
@@ -171,6 +167,7 @@ class Stage3(Stage2):
             [self._make_group(len(self._plans) - 1, frozen_plan, frozen=True)] if frozen_plan else []
         )
         self.storages: list[ShardedGroup] = self.sharded + self.frozen  # what gather keys index
+        self.swapped = list(self.storages)
         # NVMe optimizer offload: the gradient partitions rest in the swap file too, one holder per master
         # (see [Note: swapped tensors] in runtime/swap/optimizer.py), written as each bucket's shard lands.
         self._grad_holders: list[list[torch.Tensor]] = []
@@ -183,7 +180,6 @@ class Stage3(Stage2):
         for g, gs in enumerate(self.storages):
             for i, p in enumerate(gs.params):
                 setattr(p, ZERO3_ATTR, (self, g, i))
-        self._bucket_grads: dict[BucketKey, int] = {}
         self.gatherer = ParamGatherer(
             self.storages,
             module,
@@ -192,6 +188,14 @@ class Stage3(Stage2):
             max_live_numel=s3.max_live_numel,
             reuse_distance=s3.reuse_distance,
             policy=self.fetch_policy,
+        )
+        self.placement = PartitionedParameters(
+            self,
+            self.storages,
+            trainable=len(self.sharded),
+            bucket_order=self.bucket_order,
+            gatherer=self.gatherer,
+            coll=coll,
         )
         if self.swap is not None:
             trim_heap()  # the build's freed blocks ([Note: host memory under NVMe offload], runtime/swap)
@@ -219,9 +223,6 @@ class Stage3(Stage2):
         }
         self._plans.append((breaks, set(range(len(big), len(items)))))
         return items
-
-    def stored_params(self) -> list[nn.Parameter]:
-        return [p for gs in self.storages for p in gs.params]
 
     def memory_bytes(self) -> dict[str, int]:
         """``gathered_params``: the partitioned buckets gathered now (by hooks, GatheredParameters or the hybrid
@@ -259,9 +260,6 @@ class Stage3(Stage2):
             zeropp=self.zeropp,
         )
 
-    def swapped_storages(self) -> list[GroupStorage]:
-        return list(self.storages)
-
     # ------------------------------------------------------------------ hooks
     def attach(self) -> None:
         super().attach()
@@ -271,17 +269,6 @@ class Stage3(Stage2):
         super().detach()
         self.gatherer.detach()
         host_memory.trim()
-
-    def _on_grad(self, pid: int, param: torch.Tensor) -> None:
-        had_grad = param.grad is not None
-        super()._on_grad(pid, param)
-        if not had_grad or self.reducer.reducing:  # in a reducing pass the reducer calls bucket_complete
-            return
-        g, i = self._where[pid]
-        key = (g, self.groups[g].layout.params[i].bucket)
-        self._bucket_grads[key] = self._bucket_grads.get(key, 0) + 1
-        if self._bucket_grads[key] == len(self.groups[g].layout.buckets[key[1]].params):
-            self.gatherer.grads_done(key)  # see [Note: gather units and hooks]
 
     def bucket_complete(self, key: BucketKey) -> None:
         self.gatherer.grads_done(key)  # see [Note: gather units and hooks]
@@ -327,9 +314,9 @@ class Stage3(Stage2):
             for gs in quantized:
                 gs.dematerialize()
 
-    def close_swap(self) -> None:
+    def close(self) -> None:
         """Also close ZeRO++'s node-group communicators (the engine's destroy)."""
-        super().close_swap()
+        super().close()
         if self.zeropp is not None:
             self.zeropp.close()
 
@@ -347,10 +334,10 @@ class Stage3(Stage2):
         if self.swapper is not None:
             self.swapper.put_grad(self.groups[key[0]].masters[key[1]], out)
 
-    def _grad_pieces(self, group: int) -> list[torch.Tensor]:
+    def reduced_grads_of(self, group: int) -> list[torch.Tensor]:
         if self.swapper is not None:
             return self._grad_holders[group]  # placeholders outside a swap-in
-        return super()._grad_pieces(group)
+        return super().reduced_grads_of(group)
 
     def _reset_window(self) -> None:
         """After a step: also release the partition gradients until the next backward lands one."""
@@ -359,23 +346,7 @@ class Stage3(Stage2):
 
     def end_backward(self) -> None:
         super().end_backward()
-        self._bucket_grads.clear()
         self.gatherer.end_backward()
-
-    @contextmanager
-    def forward_context(self) -> Iterator[None]:
-        try:
-            yield
-        except RuntimeError as err:
-            if str(err).startswith("ZeRO-3:"):  # our own gather errors say what happened already
-                raise
-            err.add_note(
-                "ZeRO stage 3 hint: parameters are gathered only while their own module runs. If this forward "
-                "uses a parameter outside its owning module (e.g. `x @ self.embed.weight.T` in a parent), "
-                "register it once before the engine is built: "
-                "ds_strategy.zero.register_external_parameter(parent_module, param)."
-            )
-            raise
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
@@ -401,112 +372,7 @@ class Stage3(Stage2):
         if self._host_compute:
             host_memory.trim_heap()  # see [Note: gathered buckets and host memory]
 
-    @torch.no_grad()
-    def refresh_frozen(self) -> None:
-        """After a frozen partition was overwritten (a checkpoint load): re-gather its buckets that stay
-        gathered; the others are gathered from the new partition when next used."""
-        for gs in self.frozen:
-            gs.drop_secondaries()
-            for b, live in enumerate(gs.live):
-                if live:
-                    mine = gs.full[b].view(self.coll.world_size, -1)[self.coll.rank]
-                    gs.read_part(b, mine)
-                    self.coll.all_gather(gs.full[b], mine)
-
     # ------------------------------------------------------------------ full access
-    def keys_for(self, params: Sequence[torch.Tensor]) -> list[BucketKey]:
-        """Every bucket (persistent ones included) holding one of ``params``."""
-        keys = set()
-        for p in params:
-            ref = getattr(p, ZERO3_ATTR, None)
-            if ref is not None and ref[0] is self:
-                _, g, i = ref
-                keys.add((g, self.storages[g].slot(i).bucket))
-        return sorted(keys)
-
-    def all_buckets(self) -> list[BucketKey]:
-        """Every bucket of every storage (trainable in forward order, then frozen), in one agreed order."""
-        trainable = self.bucket_order[::-1]
-        first = len(self.sharded)
-        frozen = [(first + g, b) for g, gs in enumerate(self.frozen) for b in range(len(gs.full))]
-        return trainable + frozen
-
-    def partitioned_numel(self) -> int:
-        return sum(gs.full[b].numel() for gs in self.storages for b in range(len(gs.full)) if b not in gs.persistent)
-
-    def hold_gathered(self, in_flight: int) -> None:
-        keys = [(g, b) for g, b in self.all_buckets() if b not in self.storages[g].persistent]
-        self.gatherer.hold(keys, in_flight=in_flight)
-
-    def release_held(self) -> None:
-        self.gatherer.unhold()
-
-    @property
-    def holding(self) -> bool:
-        return self.gatherer.suspended
-
-    def unhook_inside(self, regions: Sequence[nn.Module]) -> None:
-        """See [Note: compiled regions] in param_gather.py."""
-        self.gatherer.unhook_inside(regions)
-
-    def release_caches(self) -> None:
-        host_memory.trim()
-
-    def gather_for_user(self, keys: Sequence[BucketKey]) -> None:
-        self.gatherer.acquire(keys, "GatheredParameters")
-
-    @torch.no_grad()
-    def release_for_user(self, keys: Sequence[BucketKey], modifier_rank: int | None) -> None:
-        """End of GatheredParameters: take ``modifier_rank``'s edits (broadcast, re-partitioned), free."""
-        if modifier_rank is not None:
-            for g, b in keys:
-                gs = self.storages[g]
-                self.coll.broadcast(gs.full[b], src=modifier_rank)
-                gs.write_back(b)
-        self.gatherer.release_keys(keys)
-        host_memory.trim()  # a wide gather would otherwise stay cached in the pool (see host_memory.py)
-
-    @torch.no_grad()
-    def full_state_dict(self, module: nn.Module, rank: int | None = None) -> dict[str, torch.Tensor]:
-        full: dict[int, torch.Tensor] = {}
-        keep = rank is None or self.coll.rank == rank
-        for key in self.all_buckets():  # one bucket at a time: never the whole model gathered
-            self.gather_for_user([key])
-            gs = self.storages[key[0]]
-            if keep:
-                for i in gs.layout.buckets[key[1]].params:
-                    full[id(gs.params[i])] = gs.params[i].detach().to("cpu", copy=True)
-            self.release_for_user([key], None)
-        if not keep:
-            return {}
-        out = {}
-        for name, value in module.state_dict(keep_vars=True).items():
-            out[name] = full[id(value)] if id(value) in full else value.detach().to("cpu", copy=True)
-        return out
-
-    @torch.no_grad()
-    def release_params(self) -> None:
-        """Leave every partitioned parameter as a ``zero.Init`` shard of its current value (a collective, one
-        bucket at a time; parameters of persistent buckets stay whole). The module is then what zero.Init
-        would have built: a new engine (Lightning's validate after fit) or GatheredParameters takes it,
-        and no parameter refers to this stage any more, so its partitions and optimizer state can go."""
-        coll = Collectives(self.coll.group, fast_path=False)  # outlives this engine's collectives
-        for g, gs in enumerate(self.storages):
-            for b, bucket in enumerate(gs.layout.buckets):
-                whole = b in gs.persistent
-                if not whole:
-                    self.gather_for_user([(g, b)])
-                for i in bucket.params:
-                    p = gs.params[i]
-                    if whole:
-                        p.data = p.data.clone()  # off the bucket tensor this stage owns
-                    else:
-                        keep_shard(p, p.detach().reshape(-1), coll)
-                    delattr(p, ZERO3_ATTR)
-                if not whole:
-                    self.release_for_user([(g, b)], None)
-                    for i in bucket.params:  # release_for_user pointed them at this stage's placeholder
-                        gs.params[i].data = torch.empty(0, dtype=gs.params[i].dtype, device=gs.device)
 
 
 def _given(config: Any, key: str) -> bool:

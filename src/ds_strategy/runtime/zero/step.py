@@ -2,7 +2,7 @@
 when offloaded), the step in tiles of ``sub_group_size`` (DeepSpeed's sub-groups), NVMe's tiled step, the
 skip decision kept on the device, and the publish of the updated parameters (the stage's).
 
-``ZeroStage.apply_step`` hands its work here; this object holds what only the step uses (the host gradient
+The engine calls ``stage.stepper.apply``; this object holds what only the step uses (the host gradient
 buffers, the copier that carries offloaded gradients and the skip flag to the host), and reads the stage
 through ``StepStage``'s public names.
 """
