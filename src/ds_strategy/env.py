@@ -130,6 +130,22 @@ def is_off(name: str) -> bool:
     return (get(name) or "1").strip().lower() in ("0", "false", "no", "off")
 
 
+def positive_number(name: str, unit: str = "") -> float | None:
+    """The variable as a number above 0, None when unset or blank; a ValueError naming the variable and its
+    value otherwise. ``unit`` completes the messages ("seconds": "is not a number of seconds")."""
+    raw = (get(name) or "").strip()
+    if not raw:
+        return None
+    of = f" of {unit}" if unit else ""
+    try:
+        value = float(raw)
+    except ValueError:
+        raise ValueError(f"{name}={raw!r} is not a number{of}") from None
+    if value <= 0:
+        raise ValueError(f"{name}={raw!r} must be a positive number{of}")
+    return value
+
+
 def markdown_table() -> str:
     rows = ["| variable | default | meaning | read by |", "| --- | --- | --- | --- |"]
     rows += [f"| `{v.name}` | {v.default} | {v.meaning} | `{v.reader}` |" for v in _VARS]

@@ -190,16 +190,8 @@ def init_distributed(
 def resolve_timeout(timeout: datetime.timedelta | float | None) -> datetime.timedelta | None:
     """The argument (timedelta or seconds), else ``$DS_STRATEGY_DIST_TIMEOUT`` seconds, else None (torch's)."""
     if timeout is None:
-        raw = (env.get(TIMEOUT_ENV) or "").strip()
-        if not raw:
-            return None
-        try:
-            seconds = float(raw)
-        except ValueError:
-            raise ValueError(f"{TIMEOUT_ENV}={raw!r} is not a number of seconds") from None
-        if seconds <= 0:
-            raise ValueError(f"{TIMEOUT_ENV}={raw!r} must be a positive number of seconds")
-        return datetime.timedelta(seconds=seconds)
+        seconds = env.positive_number(TIMEOUT_ENV, "seconds")
+        return None if seconds is None else datetime.timedelta(seconds=seconds)
     if isinstance(timeout, datetime.timedelta):
         if timeout.total_seconds() <= 0:
             raise ValueError(f"init_distributed(timeout={timeout!r}): the timeout must be positive")

@@ -64,16 +64,9 @@ def kernel_class() -> Any:
 
 
 def env_number(name: str, default: float) -> float:
-    raw = env.get(name)
-    if raw is None or raw == "":
-        return default
-    try:
-        value = float(raw)
-    except ValueError:
-        raise ValueError(f"{name}={raw!r} is not a number") from None
-    if value <= 0:
-        raise ValueError(f"{name}={raw!r} must be positive")
-    return value
+    """``$name`` (a positive number), else ``default``."""
+    value = env.positive_number(name)
+    return default if value is None else value
 
 
 class ShmCommunicator:

@@ -117,11 +117,28 @@ def _require_prefix_slots(job: RemoteJob, launcher: str) -> None:
             )
 
 
+def _ranks_per_host(job: RemoteJob, launcher: str, option: str) -> int:
+    """The one rank count of every host, which ``launcher``'s ``option`` states; each host's slots contiguous."""
+    _require_prefix_slots(job, launcher)
+    ppn = job.plan.uniform_procs()
+    if ppn is None:
+        raise HostfileError(
+            f"{option} needs the same number of ranks on every host; got "
+            + ", ".join(f"{n.host}={len(n.slots)}" for n in job.plan.nodes)
+        )
+    return ppn
+
+
+def _rendezvous_env(job: RemoteJob) -> dict[str, str]:
+    """What every rank is given: the rendezvous address and port, then the exported variables."""
+    return {"MASTER_ADDR": job.master_addr, "MASTER_PORT": str(job.master_port), **job.exports}
+
+
 def openmpi_commands(job: RemoteJob) -> list[Command]:
     """``mpirun -n W -H h1:s1,h2:s2 -x K=V ... python -m ds_strategy.launcher.bootstrap script args``."""
     _require_prefix_slots(job, "mpirun")
     hosts = ",".join(f"{n.host}:{len(n.slots)}" for n in job.plan.nodes)
-    env = {"MASTER_ADDR": job.master_addr, "MASTER_PORT": str(job.master_port), **job.exports}
+    env = _rendezvous_env(job)
     exports = [arg for k, v in env.items() for arg in ("-x", f"{k}={v}")]
     argv = (
         "mpirun",
@@ -140,14 +157,8 @@ def openmpi_commands(job: RemoteJob) -> list[Command]:
 
 def mpich_commands(job: RemoteJob) -> list[Command]:
     """``mpirun -n W -ppn P -hosts h1,h2 -genv K V ... python -m ds_strategy.launcher.bootstrap script args``."""
-    _require_prefix_slots(job, "mpirun (MPICH)")
-    ppn = job.plan.uniform_procs()
-    if ppn is None:
-        raise HostfileError(
-            "MPICH's -ppn needs the same number of ranks on every host; got "
-            + ", ".join(f"{n.host}={len(n.slots)}" for n in job.plan.nodes)
-        )
-    env = {"MASTER_ADDR": job.master_addr, "MASTER_PORT": str(job.master_port), **job.exports}
+    ppn = _ranks_per_host(job, "mpirun (MPICH)", "MPICH's -ppn")
+    env = _rendezvous_env(job)
     exports = [arg for k, v in env.items() for arg in ("-genv", k, v)]
     argv = (
         "mpirun",
@@ -170,13 +181,7 @@ def slurm_commands(job: RemoteJob, *, nodelist: bool = True) -> list[Command]:
     srun hands its whole environment to the tasks (``--export=ALL``, its default), so the exports travel
     as variables of the srun process, where values with commas or spaces need no quoting.
     """
-    _require_prefix_slots(job, "srun")
-    ppn = job.plan.uniform_procs()
-    if ppn is None:
-        raise HostfileError(
-            "srun --ntasks-per-node needs the same number of ranks on every host; got "
-            + ", ".join(f"{n.host}={len(n.slots)}" for n in job.plan.nodes)
-        )
+    ppn = _ranks_per_host(job, "srun", "srun --ntasks-per-node")
     hosts = ["--nodelist", ",".join(job.plan.hosts)] if nodelist else []
     argv = (
         "srun",
@@ -188,7 +193,7 @@ def slurm_commands(job: RemoteJob, *, nodelist: bool = True) -> list[Command]:
         *job.launcher_args,
         *_bootstrap_argv(job),
     )
-    env = {"MASTER_ADDR": job.master_addr, "MASTER_PORT": str(job.master_port), **job.exports}
+    env = _rendezvous_env(job)
     if not job.master_addr:
         del env["MASTER_ADDR"]  # unknown before srun allocates: each rank takes the first host (bootstrap.py)
     return [Command(argv, env)]

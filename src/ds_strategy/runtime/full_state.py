@@ -35,38 +35,56 @@ RuntimeError saying so). A gradient set here is what ``engine.step()`` clips and
 from __future__ import annotations
 
 from collections.abc import Callable, Sequence
+from typing import Literal
 
 import torch
 
-from .zero.access import find
+from .zero.access import Kind, find
+
+_Scope = Literal["full", "local"]
+
+
+def _get(param: torch.Tensor, scope: _Scope, kind: Kind, key: str | None = None) -> torch.Tensor | None:
+    """The engine's ``kind`` of ``param`` (whole, or this rank's fragment); None for a tensor no engine trains."""
+    found = find(param)
+    if found is None:
+        return None
+    access, group, index = found
+    read = access.get_full if scope == "full" else access.get_local
+    return read(group, index, kind, key)
+
+
+def _set(param: torch.Tensor, value: torch.Tensor, scope: _Scope, kind: Kind, key: str | None = None) -> None:
+    """Write the engine's ``kind`` of ``param`` (whole, or this rank's fragment); nothing for a tensor no engine
+    trains."""
+    found = find(param)
+    if found is None:
+        return
+    access, group, index = found
+    write = access.set_full if scope == "full" else access.set_local
+    write(group, index, value, kind, key)
 
 
 def safe_get_full_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     """The parameter's fp32 master weight, shaped like the parameter. Collective at stages 1-3."""
-    found = find(param)
-    return None if found is None else found[0].get_full(found[1], found[2], "fp32_param")
+    return _get(param, "full", "fp32_param")
 
 
 def safe_set_full_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """Set the parameter's fp32 master weight and its compute-dtype weights to ``value`` (the parameter's
     shape; the same on every rank)."""
-    found = find(param)
-    if found is not None:
-        found[0].set_full(found[1], found[2], value, "fp32_param")
+    _set(param, value, "full", "fp32_param")
 
 
 def safe_get_full_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
     """The optimizer's ``optim_state_key`` state (e.g. ``"exp_avg"``) for the parameter, fp32, shaped like
     it. Collective at stages 1-3; KeyError before the optimizer created that state (its first step)."""
-    found = find(param)
-    return None if found is None else found[0].get_full(found[1], found[2], "optimizer_state", optim_state_key)
+    return _get(param, "full", "optimizer_state", optim_state_key)
 
 
 def safe_set_full_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
     """Set the optimizer's ``optim_state_key`` state for the parameter (``value`` shaped like it)."""
-    found = find(param)
-    if found is not None:
-        found[0].set_full(found[1], found[2], value, "optimizer_state", optim_state_key)
+    _set(param, value, "full", "optimizer_state", optim_state_key)
 
 
 def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
@@ -74,8 +92,7 @@ def safe_get_full_grad(param: torch.Tensor) -> torch.Tensor | None:
     Collective at stages 1-3; valid after the boundary backward and before ``engine.step()``."""
     if param.grad is not None:
         return param.grad
-    found = find(param)
-    return None if found is None else found[0].get_full(found[1], found[2], "grad")
+    return _get(param, "full", "grad")
 
 
 def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
@@ -83,48 +100,37 @@ def safe_set_full_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     if param.grad is not None:
         param.grad.copy_(value)
         return
-    found = find(param)
-    if found is not None:
-        found[0].set_full(found[1], found[2], value, "grad")
+    _set(param, value, "full", "grad")
 
 
 def safe_get_local_fp32_param(param: torch.Tensor) -> torch.Tensor | None:
     """This rank's fragment of the parameter's fp32 master weight (1-D, possibly empty)."""
-    found = find(param)
-    return None if found is None else found[0].get_local(found[1], found[2], "fp32_param")
+    return _get(param, "local", "fp32_param")
 
 
 def safe_set_local_fp32_param(param: torch.Tensor, value: torch.Tensor) -> None:
     """Set this rank's fragment of the fp32 master weight (and of this rank's compute-dtype copy)."""
-    found = find(param)
-    if found is not None:
-        found[0].set_local(found[1], found[2], value, "fp32_param")
+    _set(param, value, "local", "fp32_param")
 
 
 def safe_get_local_grad(param: torch.Tensor) -> torch.Tensor | None:
     """This rank's fragment of the averaged, unscaled gradient (1-D fp32, possibly empty)."""
-    found = find(param)
-    return None if found is None else found[0].get_local(found[1], found[2], "grad")
+    return _get(param, "local", "grad")
 
 
 def safe_set_local_grad(param: torch.Tensor, value: torch.Tensor) -> None:
     """Set this rank's fragment of the gradient (averaged and unscaled) for the coming step."""
-    found = find(param)
-    if found is not None:
-        found[0].set_local(found[1], found[2], value, "grad")
+    _set(param, value, "local", "grad")
 
 
 def safe_get_local_optimizer_state(param: torch.Tensor, optim_state_key: str) -> torch.Tensor | None:
     """This rank's fragment of the optimizer's ``optim_state_key`` state (1-D fp32, possibly empty)."""
-    found = find(param)
-    return None if found is None else found[0].get_local(found[1], found[2], "optimizer_state", optim_state_key)
+    return _get(param, "local", "optimizer_state", optim_state_key)
 
 
 def safe_set_local_optimizer_state(param: torch.Tensor, value: torch.Tensor, optim_state_key: str) -> None:
     """Set this rank's fragment of the optimizer's ``optim_state_key`` state."""
-    found = find(param)
-    if found is not None:
-        found[0].set_local(found[1], found[2], value, "optimizer_state", optim_state_key)
+    _set(param, value, "local", "optimizer_state", optim_state_key)
 
 
 def safe_update_full_grad_vectorized(
@@ -136,7 +142,6 @@ def safe_update_full_grad_vectorized(
         if p.grad is not None:
             p.grad.copy_(update_func(p.grad, p))
             continue
-        found = find(p)
-        if found is not None:
-            access, g, i = found
-            access.set_full(g, i, update_func(access.get_full(g, i, "grad"), p), "grad")
+        full = _get(p, "full", "grad")
+        if full is not None:
+            _set(p, update_func(full, p), "full", "grad")

@@ -24,7 +24,7 @@ directory is fsynced after the rename. A reader therefore sees either no file or
 from __future__ import annotations
 
 import os
-from collections.abc import Mapping
+from collections.abc import Callable, Mapping
 from pathlib import Path
 from typing import Any
 
@@ -121,13 +121,14 @@ def fsync_dir(path: Path) -> None:
         os.close(fd)
 
 
-def atomic_save(obj: Any, path: Path) -> int:
-    """``torch.save`` to a temporary name, fsync, rename over ``path``; returns the file size in bytes."""
+def _atomic_write(path: Path, mode: str, write: Callable[[Any], object]) -> None:
+    """``write(file)`` on a temporary name opened with ``mode``, fsync, rename over ``path``: a reader sees
+    the old file or the whole new one, never a torn one."""
     pause_for_tests(path.name)
     tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
     try:
-        with open(tmp, "wb") as f:
-            torch.save(obj, f)
+        with open(tmp, mode) as f:
+            write(f)
             f.flush()
             os.fsync(f.fileno())
         os.replace(tmp, path)
@@ -135,22 +136,16 @@ def atomic_save(obj: Any, path: Path) -> int:
         if tmp.exists():
             tmp.unlink()
     fsync_dir(path.parent)
+
+
+def atomic_save(obj: Any, path: Path) -> int:
+    """``torch.save`` to a temporary name, fsync, rename over ``path``; returns the file size in bytes."""
+    _atomic_write(path, "wb", lambda f: torch.save(obj, f))
     return path.stat().st_size
 
 
 def atomic_write_text(text: str, path: Path) -> None:
-    pause_for_tests(path.name)
-    tmp = path.with_name(f".{path.name}.tmp-{os.getpid()}")
-    try:
-        with open(tmp, "w") as f:
-            f.write(text)
-            f.flush()
-            os.fsync(f.fileno())
-        os.replace(tmp, path)
-    finally:
-        if tmp.exists():
-            tmp.unlink()
-    fsync_dir(path.parent)
+    _atomic_write(path, "w", lambda f: f.write(text))
 
 
 # ------------------------------------------------------------------------------------------ reads

@@ -156,18 +156,13 @@ def _plan(
             if g in experts:
                 scalars, keys = expert_source.scalars(gs)
                 flats = {key: expert_source.fill(gs, ("state", key), torch.float32) for key in keys}
-                for b in range(len(gs.masters)):
-                    if keys or scalars:
-                        entry = {k: v[b] for k, v in flats.items()}
-                        entry.update({k: scalar_value(v) for k, v in scalars.items()})
-                        state[index] = entry
-                    index += 1
-                continue
-            origin, scalars, keys = source.scalars_for(gs.layout, g)
-            flats = {}
-            for key in keys:
-                assert origin is not None
-                flats[key] = source.fill(gs, ("state", key), source.state_dtype(origin, key))
+            else:
+                origin, scalars, keys = source.scalars_for(gs.layout, g)
+                flats = {}
+                for key in keys:
+                    assert origin is not None
+                    flats[key] = source.fill(gs, ("state", key), source.state_dtype(origin, key))
+            # one optimizer state entry per bucket (flat master) of the group, in bucket order
             for b in range(len(gs.masters)):
                 if keys or scalars:
                     entry = {k: v[b] for k, v in flats.items()}
