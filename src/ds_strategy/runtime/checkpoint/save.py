@@ -12,7 +12,6 @@ Order (see [Note: publishing a tag] and [Note: atomic writes]):
 from __future__ import annotations
 
 import os
-import shutil
 from pathlib import Path
 from typing import Any
 
@@ -34,7 +33,7 @@ from .format import (
 )
 from .frozen import frozen_names, saved_layouts, saved_partitions
 from .partition import saved_group
-from .store import adopt_node_local, check_tag, publish_with_meta, staging_dir
+from .store import check_tag, write_tag
 from .sync import agree, gather
 from .target import CheckpointTarget
 
@@ -185,17 +184,8 @@ def save_checkpoint(
             "save_checkpoint at micro-step %d: the gradients accumulated so far are not saved",
             engine.counters.micro_steps,
         )
-    staging = staging_dir(root, name)
 
-    def clean() -> None:
-        if engine.local_rank == 0:  # one rank per node: works whether or not the nodes share the filesystem
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(staging, ignore_errors=True)
-
-    agree(coll, clean, "save_checkpoint (clearing the staging directory)")
-
-    def write() -> dict[str, int]:
-        staging.mkdir(parents=True, exist_ok=True)
+    def write(staging: Path) -> dict[str, int]:
         sizes = {rank_file(rank): atomic_save(ours, staging / rank_file(rank))}
         if model is not None:
             sizes[MODEL] = atomic_save(model, staging / MODEL)
@@ -204,20 +194,9 @@ def save_checkpoint(
             sizes[fname] = atomic_save(content, staging / fname)
         return sizes
 
-    sizes = agree(coll, write, "save_checkpoint (writing)")
-    all_sizes = gather(coll, sizes)
-    final = root / name
-
-    def finish() -> None:
-        if meta is not None:
-            publish_with_meta(meta, all_sizes, staging, final, META, save_latest=save_latest)
-
-    agree(coll, finish, "save_checkpoint (publishing)")
-
-    def adopt() -> None:
-        adopt_node_local(staging, final, rank=rank, local_rank=engine.local_rank)
-
-    agree(coll, adopt, "save_checkpoint (node-local shards)")
+    final = write_tag(
+        coll, root, name, write, meta, META, rank=rank, local_rank=engine.local_rank, save_latest=save_latest
+    )
     if rank == 0:
         log.info("saved checkpoint %s (%s, stage %d)", final, ranks(coll.world_size), engine.stage.stage)
     return final

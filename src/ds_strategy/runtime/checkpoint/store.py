@@ -19,6 +19,7 @@ from pathlib import Path
 from typing import Any
 
 from ..layout import FlatLayout
+from ..zero import Collectives
 from .format import (
     LATEST,
     META,
@@ -33,6 +34,7 @@ from .format import (
     read,
 )
 from .frozen import check_rank_file as check_frozen_partitions
+from .sync import agree, gather
 
 _REQUIRED_META = ("stage", "world_size", "groups", "module_entries", "state_keys", "files", "counters")
 
@@ -89,6 +91,52 @@ def adopt_node_local(staging: Path, final: Path, *, rank: int, local_rank: int) 
             os.replace(f, final / f.name)
         shutil.rmtree(staging, ignore_errors=True)
         fsync_dir(final)
+
+
+def write_tag(
+    coll: Collectives,
+    root: Path,
+    name: str,
+    write: Callable[[Path], dict[str, int]],
+    meta: dict[str, Any] | None,
+    meta_name: str,
+    *,
+    rank: int,
+    local_rank: int,
+    save_latest: bool,
+) -> Path:
+    """Every rank's part of saving tag ``name`` under ``root`` (see [Note: publishing a tag]), each step agreed
+    across the ranks of ``coll``: one rank per node clears the staging directory; every rank writes its files
+    into it (``write(staging)`` returns their sizes by name); rank 0, the one holding ``meta``, writes
+    ``meta_name`` last and moves the tag into place; a node saving to its own disk then moves its files under
+    the tag (``adopt_node_local``). Returns the tag directory."""
+    staging = staging_dir(root, name)
+
+    def clean() -> None:
+        if local_rank == 0:  # one rank per node: works whether or not the nodes share the filesystem
+            root.mkdir(parents=True, exist_ok=True)
+            shutil.rmtree(staging, ignore_errors=True)
+
+    agree(coll, clean, "save_checkpoint (clearing the staging directory)")
+
+    def write_files() -> dict[str, int]:
+        staging.mkdir(parents=True, exist_ok=True)
+        return write(staging)
+
+    sizes = gather(coll, agree(coll, write_files, "save_checkpoint (writing)"))
+    final = root / name
+
+    def finish() -> None:
+        if meta is not None:
+            publish_with_meta(meta, sizes, staging, final, meta_name, save_latest=save_latest)
+
+    agree(coll, finish, "save_checkpoint (publishing)")
+    agree(
+        coll,
+        lambda: adopt_node_local(staging, final, rank=rank, local_rank=local_rank),
+        "save_checkpoint (node-local files)",
+    )
+    return final
 
 
 def tags_in(root: Path) -> list[str]:

@@ -32,7 +32,6 @@ Format 1 (one file of whole values per layer, written before shards) is still re
 from __future__ import annotations
 
 import os
-import shutil
 import uuid
 from dataclasses import dataclass, field
 from pathlib import Path
@@ -57,7 +56,7 @@ from ..checkpoint.pipe_files import (
     tied_key,
 )
 from ..checkpoint.save import _agreed_tag
-from ..checkpoint.store import adopt_node_local, check_tag, publish_with_meta, staging_dir
+from ..checkpoint.store import check_tag, write_tag
 from ..checkpoint.sync import agree, gather
 from ..zero.access import find
 from ..zero.buffers import GroupStorage
@@ -275,36 +274,17 @@ def save_pipe_checkpoint(
     if meta is not None:
         meta["tag"] = name
     written = gather(world, {key: {"prefix": e["prefix"]} for key, e in ours["entries"].items()})
-    staging = staging_dir(root, name)
-
-    def clean() -> None:
-        if inner.local_rank == 0:  # one rank per node: works whether or not the nodes share the filesystem
-            root.mkdir(parents=True, exist_ok=True)
-            shutil.rmtree(staging, ignore_errors=True)
-
-    agree(world, clean, "save_checkpoint (clearing the staging directory)")
-
-    def write() -> dict[str, int]:
-        staging.mkdir(parents=True, exist_ok=True)
-        return {rank_file(rank): atomic_save(ours, staging / rank_file(rank))}
-
-    sizes = gather(world, agree(world, write, "save_checkpoint (writing)"))
-    final = root / name
-
-    def finish() -> None:
-        if meta is None:
-            return
+    if meta is not None:  # rank 0: which ranks hold each entry
         for r, entries in enumerate(written):
             for key, entry in entries.items():
                 meta["entries"].setdefault(key, {"prefix": entry["prefix"], "ranks": []})["ranks"].append(r)
-        publish_with_meta(meta, sizes, staging, final, PIPE_META, save_latest=save_latest)
 
-    agree(world, finish, "save_checkpoint (publishing)")
+    def write(staging: Path) -> dict[str, int]:
+        return {rank_file(rank): atomic_save(ours, staging / rank_file(rank))}
 
-    def adopt() -> None:
-        adopt_node_local(staging, final, rank=rank, local_rank=inner.local_rank)
-
-    agree(world, adopt, "save_checkpoint (node-local files)")
+    final = write_tag(
+        world, root, name, write, meta, PIPE_META, rank=rank, local_rank=inner.local_rank, save_latest=save_latest
+    )
     if rank == 0:
         log.info("saved pipeline checkpoint %s (%d stages x %d data-parallel)", final, module.num_stages, len(dp_ranks))
     return final
