@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 
@@ -49,9 +49,25 @@ def _prepared_grad(grad: torch.Tensor, dtype: torch.dtype, grad_scale: float, cl
     return g.mul(inv_scale).mul_(clip)  # unscale, then clip: two roundings, as the separate ops
 
 
-def _finish(
-    params: Sequence[torch.Tensor], out_16bit: Sequence[torch.Tensor], found: bool, device: torch.device
+def _step(
+    params: Sequence[torch.Tensor],
+    grads: Sequence[torch.Tensor],
+    states: Sequence[Sequence[torch.Tensor]],
+    out_16bit: Sequence[torch.Tensor],
+    grad_scale: float,
+    clip_coef: float,
+    skip_if_nonfinite: bool,
+    update: Callable[..., None],
 ) -> torch.Tensor:
+    """What every step does around its update rule, as the kernels do: found_inf from the raw gradients (with
+    ``skip_if_nonfinite`` a non-finite one leaves everything as it is); ``update(p, g, *states of p)`` with
+    each gradient unscaled and clipped in the parameter's dtype; the 16-bit copies; found_inf."""
+    device = params[0].device if params else torch.device("cpu")
+    found = _grad_nonfinite(grads)
+    if found and skip_if_nonfinite:
+        return torch.tensor(1.0, device=device)
+    for p, grad, *state in zip(params, grads, *states, strict=True):
+        update(p, _prepared_grad(grad, p.dtype, grad_scale, clip_coef), *state)
     for p, out in zip(params, out_16bit, strict=False):
         out.copy_(p)  # round to nearest even
     return torch.tensor(1.0 if found else 0.0, device=device)
@@ -77,15 +93,11 @@ def adam_step_(
     skip_if_nonfinite: bool = False,
 ) -> torch.Tensor:
     """Adam (L2 weight decay) or AdamW (decoupled) step in place; returns found_inf as the kernel does."""
-    device = params[0].device if params else torch.device("cpu")
-    found = _grad_nonfinite(grads)
-    if found and skip_if_nonfinite:
-        return torch.tensor(1.0, device=device)
     bc1 = 1.0 - beta1**step if bias_correction else 1.0
     bc2 = 1.0 - beta2**step if bias_correction else 1.0
     step_size, bc2_sqrt = lr / bc1, math.sqrt(bc2)
-    for p, grad, m, v in zip(params, grads, exp_avgs, exp_avg_sqs, strict=True):
-        g = _prepared_grad(grad, p.dtype, grad_scale, clip_coef)
+
+    def update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor, v: torch.Tensor) -> None:
         if weight_decay != 0:
             if adamw_mode:
                 p.mul_(1.0 - lr * weight_decay)
@@ -95,7 +107,9 @@ def adam_step_(
         v.mul_(beta2).addcmul_(g, g, value=1.0 - beta2)
         denom = (_ieee_sqrt(v) / bc2_sqrt).add_(eps)
         p.addcdiv_(m, denom, value=-step_size)
-    return _finish(params, out_16bit, found, device)
+
+    states = (exp_avgs, exp_avg_sqs)
+    return _step(params, grads, states, out_16bit, grad_scale, clip_coef, skip_if_nonfinite, update)
 
 
 def adagrad_step_(
@@ -114,19 +128,16 @@ def adagrad_step_(
     skip_if_nonfinite: bool = False,
 ) -> torch.Tensor:
     """torch.optim.Adagrad's step (dense gradients) in place; returns found_inf."""
-    device = params[0].device if params else torch.device("cpu")
-    found = _grad_nonfinite(grads)
-    if found and skip_if_nonfinite:
-        return torch.tensor(1.0, device=device)
     clr = lr / (1.0 + (step - 1) * lr_decay)
-    for p, grad, state_sum in zip(params, grads, state_sums, strict=True):
-        g = _prepared_grad(grad, p.dtype, grad_scale, clip_coef)
+
+    def update(p: torch.Tensor, g: torch.Tensor, state_sum: torch.Tensor) -> None:
         if weight_decay != 0:
             g = g.add(p, alpha=weight_decay)
         state_sum.addcmul_(g, g, value=1.0)
         std = _ieee_sqrt(state_sum).add_(eps)
         p.addcdiv_(g, std, value=-clr)
-    return _finish(params, out_16bit, found, device)
+
+    return _step(params, grads, (state_sums,), out_16bit, grad_scale, clip_coef, skip_if_nonfinite, update)
 
 
 def lion_step_(
@@ -147,18 +158,14 @@ def lion_step_(
 
     p *= 1 - lr * wd;  p -= lr * sign(beta1 * m + (1 - beta1) * g);  m = beta2 * m + (1 - beta2) * g
     """
-    device = params[0].device if params else torch.device("cpu")
-    found = _grad_nonfinite(grads)
-    if found and skip_if_nonfinite:
-        return torch.tensor(1.0, device=device)
-    for p, grad, m in zip(params, grads, exp_avgs, strict=True):
-        g = _prepared_grad(grad, p.dtype, grad_scale, clip_coef)
+
+    def update(p: torch.Tensor, g: torch.Tensor, m: torch.Tensor) -> None:
         if weight_decay != 0:
             p.mul_(1.0 - lr * weight_decay)
-        update = (m * beta1).add_(g, alpha=1.0 - beta1).sign_()
-        p.add_(update, alpha=-lr)
+        p.add_((m * beta1).add_(g, alpha=1.0 - beta1).sign_(), alpha=-lr)
         m.mul_(beta2).add_(g, alpha=1.0 - beta2)
-    return _finish(params, out_16bit, found, device)
+
+    return _step(params, grads, (exp_avgs,), out_16bit, grad_scale, clip_coef, skip_if_nonfinite, update)
 
 
 def optim_traffic_ceiling_(
