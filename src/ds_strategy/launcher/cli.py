@@ -156,27 +156,12 @@ def parse_args(argv: Sequence[str] | None = None, *, prog: str = "ds-launch") ->
         launcher_args = tuple(shlex.split(ns.launcher_args))
     except ValueError as exc:
         parser.error(f"--launcher_args {ns.launcher_args!r}: {exc}")
-    return LaunchArgs(
-        user_script=ns.user_script,
-        user_args=tuple(ns.user_args),
-        num_procs=ns.num_procs,
-        num_nodes=ns.num_nodes,
-        hostfile=ns.hostfile,
-        include=ns.include,
-        exclude=ns.exclude,
-        master_addr=ns.master_addr,
-        master_port=ns.master_port,
-        node_rank=ns.node_rank,
-        launcher=launcher,
-        launcher_args=launcher_args,
-        no_local_rank=ns.no_local_rank,
-        module=ns.module,
-        no_python=ns.no_python,
-        log_dir=ns.log_dir,
-        max_restarts=ns.max_restarts,
-        env=tuple(ns.env),
-        ssh_port=ns.ssh_port,
-        world_info=ns.world_info,
-        rdzv_timeout=ns.rdzv_timeout,
-        dry_run=ns.dry_run,
-    )
+    # Every flag's dest is the LaunchArgs field of the same name (a flag without one fails here, in any test
+    # that parses); the alias-resolved launcher, the split launcher_args and tuples for the lists go in.
+    normalised = {
+        "launcher": launcher,
+        "launcher_args": launcher_args,
+        "user_args": tuple(ns.user_args),
+        "env": tuple(ns.env),
+    }
+    return LaunchArgs(**(vars(ns) | normalised))
