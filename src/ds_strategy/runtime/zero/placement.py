@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from collections.abc import Iterator, Sequence
 from contextlib import AbstractContextManager, contextmanager, nullcontext
-from typing import TYPE_CHECKING
+from typing import Any, Protocol
 
 import torch
 from torch import nn
@@ -21,20 +21,32 @@ from .. import host_memory
 from .collectives import Collectives
 from .init import keep_shard
 
-if TYPE_CHECKING:
-    from .buffers import GroupStorage
-    from .param_gather import ParamGatherer
-    from .sharded import ShardedGroup
-
 BucketKey = tuple[int, int]  # (storage index, bucket index)
 
 ZERO3_ATTR = "_ds_zero3"  # on each partitioned parameter: (its Stage3, storage index, index in the storage)
 
 
+class Gatherer(Protocol):
+    """What the placement asks of stage 3's ``ParamGatherer`` (param_gather.py)."""
+
+    @property
+    def suspended(self) -> bool: ...
+
+    def acquire(self, keys: Sequence[BucketKey], why: str) -> None: ...
+
+    def release_keys(self, keys: Sequence[BucketKey]) -> None: ...
+
+    def hold(self, keys: Sequence[BucketKey], *, in_flight: int) -> None: ...
+
+    def unhold(self) -> None: ...
+
+    def unhook_inside(self, regions: Sequence[nn.Module]) -> None: ...
+
+
 class WholeParameters:
     """Every rank holds every parameter whole (stages 0-2): nothing to gather, hold or hand over."""
 
-    def __init__(self, groups: Sequence[GroupStorage], coll: Collectives) -> None:
+    def __init__(self, groups: Sequence[Any], coll: Collectives) -> None:  # GroupStorage (buffers.py)
         self._groups = groups
         self._coll = coll
 
@@ -91,11 +103,11 @@ class PartitionedParameters(WholeParameters):
     def __init__(
         self,
         owner: object,
-        storages: Sequence[ShardedGroup],
+        storages: Sequence[Any],  # ShardedGroup (sharded.py)
         *,
         trainable: int,
         bucket_order: Sequence[BucketKey],
-        gatherer: ParamGatherer,
+        gatherer: Gatherer,
         coll: Collectives,
     ) -> None:
         super().__init__(storages, coll)
