@@ -104,8 +104,8 @@ def _check_at_rest(engine: Any, stage: int) -> None:
         assert all(h.numel() == 0 for hs in engine.stage._grad_holders for h in hs)
         swapper = engine.stage.swap.params
         assert swapper.reads_ahead_used > 0, "the read-ahead never served a gather"
-        assert all(gs.swapped for gs in engine.stage.sharded)  # (the frozen storage here is one persistent bucket)
-        assert all(gs.part.numel() == 0 for gs in engine.stage.storages if gs.swapped)
+        assert all(gs.rest.swapped for gs in engine.stage.sharded)  # (the frozen storage here is one persistent bucket)
+        assert all(gs.part.numel() == 0 for gs in engine.stage.storages if gs.rest.swapped)
 
 
 def _assert_same(result: dict[str, Any]) -> None:

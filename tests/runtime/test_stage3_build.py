@@ -1,4 +1,4 @@
-"""Stage 3's build on 2 ranks: a bucket is partitioned one bounded chunk at a time (``sharded.BUILD_CHUNK``),
+"""Stage 3's build on 2 ranks: a bucket is partitioned one bounded chunk at a time (``shard_build.BUILD_CHUNK``),
 so a block unit's large bucket (the rest of a model: embeddings and head) costs the build 16 MiB of fp32
 scratch, not a copy of the bucket.
 
@@ -23,10 +23,10 @@ CASES = [("fp32", False), ("bf16", False), ("fp32", True), ("bf16", True)]
 
 def _build_and_train(rank: int, chunk: int, precision: str, init: bool) -> tuple[list[torch.Tensor], list[float]]:
     import ds_strategy.runtime as rt
-    from ds_strategy.runtime.zero import sharded
+    from ds_strategy.runtime.zero import shard_build
     from ds_strategy.zero import GatheredParameters, Init
 
-    saved, sharded.BUILD_CHUNK = sharded.BUILD_CHUNK, chunk
+    saved, shard_build.BUILD_CHUNK = shard_build.BUILD_CHUNK, chunk
     try:
         cfg = config(stage=3, precision=precision, micro=2, gas=1, bucket=100)
         cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 40  # the LayerNorm stays whole
@@ -37,7 +37,7 @@ def _build_and_train(rank: int, chunk: int, precision: str, init: bool) -> tuple
             model = make_tied(seed=rank)  # rank 0's values must win
         engine, *_ = rt.initialize(model=model, config=cfg)
     finally:
-        sharded.BUILD_CHUNK = saved
+        shard_build.BUILD_CHUNK = saved
     params = list(model.parameters())
     with GatheredParameters(params):
         weights = [p.detach().clone() for p in params]

@@ -112,8 +112,8 @@ def _hpz_backward_stays_in_node(rank: int, world: int) -> tuple[list[float], lis
     seen: list[tuple[str, int]] = []
     phase = ["forward"]
     for gs in engine.stage.storages:
-        assert gs.hpz is not None and gs.hpz.world_size == 2
-        for coll in (gs.coll, gs.hpz):
+        assert gs.rest.hpz is not None and gs.rest.hpz.world_size == 2
+        for coll in (gs.coll, gs.rest.hpz):
             original = coll.all_gather
 
             def spy(*args: Any, _orig: Any = original, _w: int = coll.world_size, **kwargs: Any) -> Any:
@@ -127,10 +127,10 @@ def _hpz_backward_stays_in_node(rank: int, world: int) -> tuple[list[float], lis
         loss = engine(x[rank::world], y[rank::world])
         phase[0] = "backward"
         engine.backward(loss)
-        assert all(gs.secondary for gs in engine.stage.storages)  # kept for the next gathers
+        assert all(gs.rest.secondary for gs in engine.stage.storages)  # kept for the next gathers
         phase[0] = "step"
         engine.step()
-        assert not any(gs.secondary for gs in engine.stage.sharded)  # dropped: the parameters changed
+        assert not any(gs.rest.secondary for gs in engine.stage.sharded)  # dropped: the parameters changed
         total = loss.detach().clone()
         dist.all_reduce(total)
         losses.append(total.item() / world)
@@ -275,7 +275,7 @@ def _frozen_quantized(rank: int, world: int, quantized: bool) -> tuple[list[floa
     )
     engine, *_ = ds_strategy.initialize(model=model, model_parameters=model.parameters(), config=cfg)
     frozen = engine.stage.frozen[0]
-    assert (frozen._qrest is not None) == quantized
+    assert frozen.quantized_rest == quantized
     rest = frozen.numel_bytes()["params"]
     from ds_strategy.zero import GatheredParameters
 
