@@ -32,6 +32,8 @@ AUTO = "auto"
 _MISSING: Any = object()
 # "auto" in these stays unresolved rather than falling back to a default (see module docstring).
 UNRESOLVED_AUTO_SECTIONS = ("optimizer.params", "scheduler.params")
+# "auto" in these is a value of its own, kept as written: the autotuner reads the device's free memory.
+KEPT_AUTO = ("autotuning.max_memory_per_rank",)
 
 
 @dataclass
@@ -237,7 +239,7 @@ def _drop_remaining_auto(section: dict[str, Any], node: Schema, path: str) -> No
     node = resolve(node)
     for key in list(section):
         full = join_path(path, key)
-        if full in UNRESOLVED_AUTO_SECTIONS:
+        if full in UNRESOLVED_AUTO_SECTIONS or full in KEPT_AUTO:
             continue
         child = child_schema(node, key, section)
         value = section[key]

@@ -6,8 +6,9 @@ by the schema, so a rule whose inputs are malformed is skipped rather than repor
 
 from __future__ import annotations
 
+import re
 from collections.abc import Mapping
-from typing import Any
+from typing import Any, TypeGuard
 
 from .errors import ConfigProblem, format_value
 from .schema import Schema, child_schema, resolve
@@ -96,7 +97,79 @@ def cross_checks(config: dict[str, Any]) -> list[ConfigProblem]:
             )
         )
     # A partial offload (ratio < 1) is refused whatever the stage: see support.py.
+    problems += autotuning_problems(_section(config, "autotuning"))
     return problems
+
+
+# ``autotuning.metric`` values of DeepSpeed's that rank nothing a whole training step is made of.
+REFUSED_METRICS = ("forward", "step", "steps")
+_SIZE = re.compile(r"^\s*(\d+(?:\.\d*)?)\s*([kmgt]?)(i?)(b?)\s*$", re.IGNORECASE)
+
+
+def parse_memory_size(value: int | str) -> int:
+    """Bytes of a memory size: an integer, or a string with a unit (``"16GB"`` = 16 x 10^9, ``"512MiB"`` =
+    512 x 2^20, ``"1.5 GiB"``, ``"4096"`` or ``"4096B"``). Raises ``ValueError`` for anything else."""
+    if isinstance(value, int) and not isinstance(value, bool):
+        return value
+    m = _SIZE.match(value) if isinstance(value, str) else None
+    if m is None or (m.group(2) and not m.group(4)) or (m.group(3) and not m.group(2)):
+        raise ValueError(f"not a memory size: {value!r}")
+    number, prefix, binary = float(m.group(1)), m.group(2).lower(), bool(m.group(3))
+    power = "kmgt".index(prefix) + 1 if prefix else 0
+    return int(number * (1024 if binary else 1000) ** power)
+
+
+def autotuning_problems(block: Mapping[str, Any]) -> list[ConfigProblem]:
+    """The ``autotuning`` rules the schema cannot express: the profile steps in order, the micro-batch
+    range, DeepSpeed's metrics that are refused and ``max_memory_per_rank``'s spelling."""
+    problems: list[ConfigProblem] = []
+    metric = block.get("metric")
+    if metric in REFUSED_METRICS:
+        problems.append(
+            ConfigProblem(
+                "autotuning.metric",
+                f"{format_value(metric)} is not supported by ds_strategy: trials are ranked by whole training "
+                'steps (forward, backward and optimizer step); use "throughput" (samples/s), "latency" '
+                '(seconds per step) or "flops" (FLOPS per rank)',
+            )
+        )
+    start, end = block.get("start_profile_step"), block.get("end_profile_step")
+    if _is_int(start) and _is_int(end) and end <= start:
+        problems.append(
+            ConfigProblem(
+                "autotuning.end_profile_step",
+                f"got {end}, which is not after start_profile_step ({start}); a trial times the steps from "
+                "start_profile_step to end_profile_step, so use an end_profile_step above start_profile_step",
+            )
+        )
+    low, high = block.get("min_train_micro_batch_size_per_gpu"), block.get("max_train_micro_batch_size_per_gpu")
+    if _is_int(low) and _is_int(high) and low > high:
+        problems.append(
+            ConfigProblem(
+                "autotuning.min_train_micro_batch_size_per_gpu",
+                f"got {low}, above max_train_micro_batch_size_per_gpu ({high}); no micro batch would be tried, "
+                "lower the minimum or raise the maximum",
+            )
+        )
+    cap = block.get("max_memory_per_rank")
+    if isinstance(cap, str) and cap.strip().lower() != "auto":
+        try:
+            size = parse_memory_size(cap)
+        except ValueError:
+            size = 0
+        if size <= 0:
+            problems.append(
+                ConfigProblem(
+                    "autotuning.max_memory_per_rank",
+                    f"got {format_value(cap)}; expected a number of bytes, a positive size with a unit such as "
+                    '"16GB" (10^9) or "512MiB" (2^20), "auto" (the device\'s free memory) or null (no cap)',
+                )
+            )
+    return problems
+
+
+def _is_int(value: Any) -> TypeGuard[int]:
+    return isinstance(value, int) and not isinstance(value, bool)
 
 
 def advisories(config: dict[str, Any]) -> list[str]:

@@ -32,6 +32,7 @@ from .frozen import FrozenDict, freeze, thaw
 from .model import (
     ActivationCheckpointingConfig,
     AioConfig,
+    AutotuningConfig,
     BF16Config,
     CheckpointConfig,
     CommsLoggerConfig,
@@ -292,6 +293,7 @@ def _build(
         comms_logger=_make(CommsLoggerConfig, cfg["comms_logger"], prof_ops=tuple(cfg["comms_logger"]["prof_ops"])),
         flops_profiler=_make(FlopsProfilerConfig, cfg["flops_profiler"]),
         aio=_make(AioConfig, cfg["aio"]),
+        autotuning=_make(AutotuningConfig, cfg["autotuning"]),
         checkpoint=_make(CheckpointConfig, cfg["checkpoint"]),
         hybrid_engine=_make(HybridEngineConfig, cfg["hybrid_engine"]),
         pipeline=_make(PipelineConfig, cfg["pipeline"]),

@@ -14,11 +14,12 @@ from dataclasses import dataclass, field
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from .batch import BatchSizes, resolve_batch_sizes
-from .checks import IMPLEMENTED_OPTIMIZERS
+from .checks import IMPLEMENTED_OPTIMIZERS, autotuning_problems, parse_memory_size
 from .context import ConfigContext
 from .errors import ConfigError, ConfigProblem, format_value
 from .frozen import FrozenDict, freeze, thaw
-from .schema import Schema, child_schema, load_schema, resolve
+from .schema import Schema, child_schema, coerce, load_schema, resolve, validate
+from .support import classify
 
 if TYPE_CHECKING:
     import torch
@@ -32,6 +33,7 @@ AUTO = "auto"
 __all__ = [
     "ActivationCheckpointingConfig",
     "AioConfig",
+    "AutotuningConfig",
     "BF16Config",
     "CheckpointConfig",
     "CommsLoggerConfig",
@@ -313,6 +315,98 @@ class AioConfig:
         return cls(**block)
 
 
+TunerType = Literal["gridsearch", "random", "model_based"]
+Metric = Literal["throughput", "latency", "flops"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class AutotuningConfig:
+    """``autotuning``: what ``ds_strategy.autotune`` (and ``ds-launch --autotuning``) reads.
+
+    DeepSpeed's keys with DeepSpeed's defaults, plus ``max_memory_per_rank`` (a cap a trial must stay under:
+    bytes, a size with a unit such as ``"16GB"`` / ``"512MiB"``, or ``"auto"``: see ``memory_cap``) and
+    ``time_budget_s`` (no trial starts after it). DeepSpeed's keys that make no sense in-process
+    (``arg_mappings``, ``model_info``, ``model_info_path``, ``metric_path``, an ``mp_size`` above 1, the
+    metrics ``"forward"`` / ``"step"``) are refused with the reason (config/support.py, config/checks.py).
+    A direct construction is validated as ``load_config`` validates the block (``tuner_type="grid"`` is
+    ``"gridsearch"``); ``AutotuningConfig.from_block(dict)`` validates a block outside a whole config.
+    """
+
+    enabled: bool = False
+    metric: Metric = "throughput"
+    start_profile_step: int = 3
+    end_profile_step: int = 5
+    fast: bool = True
+    max_train_batch_size: int | None = None
+    max_train_micro_batch_size_per_gpu: int = 1024
+    min_train_micro_batch_size_per_gpu: int = 1
+    num_tuning_micro_batch_sizes: int = 3
+    tuner_type: TunerType = "gridsearch"
+    tuner_early_stopping: int = 5
+    tuner_num_trials: int = 50
+    results_dir: str = "autotuning_results"
+    exps_dir: str = "autotuning_exps"
+    overwrite: bool = True
+    mp_size: int = 1
+    max_memory_per_rank: int | str | None = None
+    time_budget_s: float | None = None
+
+    def __post_init__(self) -> None:
+        schema = load_schema()
+        block = {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
+        root = coerce({"autotuning": block}, schema)  # tolerated spellings and aliases ("grid"), in place
+        problems = validate(root) or autotuning_problems(block) + classify(root, schema)[0]
+        if problems:
+            raise ConfigError(problems)
+        budget = block["time_budget_s"]
+        if isinstance(budget, int):
+            block["time_budget_s"] = float(budget)
+        for name, value in block.items():
+            object.__setattr__(self, name, value)
+
+    @classmethod
+    def from_block(cls, block: Mapping[str, Any] | None) -> AutotuningConfig:
+        """The ``autotuning`` block of a DeepSpeed config (a dict with DeepSpeed's keys, or None for every
+        default), validated; a whole config validates its block in ``load_config``. Raises ``ConfigError``
+        naming each ``autotuning.<key>`` at fault (DeepSpeed's refused keys included)."""
+        block = dict(block or {})
+        schema = load_schema()
+        names = {f.name for f in dataclasses.fields(cls)}
+        root = coerce({"autotuning": dict(block)}, schema)
+        problems = validate(root) or autotuning_problems(root["autotuning"]) + classify(root, schema)[0]
+        if problems:
+            raise ConfigError(problems)
+        return cls(**{k: v for k, v in root["autotuning"].items() if k in names})
+
+    def memory_cap(self, device: torch.device | str) -> int | None:
+        """``max_memory_per_rank`` in bytes on ``device``, or None without a cap. ``"auto"`` is the free memory
+        of the device now: ``torch.cuda.mem_get_info`` on CUDA, ``MemAvailable`` of /proc/meminfo on the CPU
+        (None where neither can be read, as on another device kind)."""
+        cap = self.max_memory_per_rank
+        if cap is None:
+            return None
+        if not (isinstance(cap, str) and cap.strip().lower() == AUTO):
+            return parse_memory_size(cap)
+        import torch
+
+        where = torch.device(device)
+        if where.type == "cuda":
+            return int(torch.cuda.mem_get_info(where)[0])
+        return _mem_available() if where.type == "cpu" else None
+
+
+def _mem_available() -> int | None:
+    """Bytes the kernel says can be allocated without swapping (``MemAvailable``), None off Linux."""
+    try:
+        with open("/proc/meminfo", encoding="ascii") as f:
+            for line in f:
+                if line.startswith("MemAvailable:"):
+                    return int(line.split()[1]) * 1024  # the kernel writes kB (KiB)
+    except OSError:
+        pass
+    return None
+
+
 @dataclass(frozen=True, kw_only=True)
 class CommsLoggerConfig:
     """``comms_logger``."""
@@ -428,6 +522,7 @@ class DeepSpeedConfig:
     comms_logger: CommsLoggerConfig = field(default_factory=CommsLoggerConfig)
     flops_profiler: FlopsProfilerConfig = field(default_factory=FlopsProfilerConfig)
     aio: AioConfig = field(default_factory=AioConfig)
+    autotuning: AutotuningConfig = field(default_factory=AutotuningConfig)
     checkpoint: CheckpointConfig = field(default_factory=CheckpointConfig)
     hybrid_engine: HybridEngineConfig = field(default_factory=HybridEngineConfig)
     pipeline: PipelineConfig = field(default_factory=PipelineConfig)
