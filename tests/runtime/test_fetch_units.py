@@ -294,7 +294,7 @@ def _train_frozen_rest(rank: int, world: int) -> dict[str, Any]:
     embed = gatherer.units[id(model.model.embed_tokens)]
     live_at_head: list[bool] = []
     hook = model.lm_head.register_forward_pre_hook(
-        lambda m, a: live_at_head.append(any(gatherer._live(k) for k in embed))
+        lambda m, a: live_at_head.append(any(gatherer.live(k) for k in embed))
     )
     losses = []
     for batch in data:

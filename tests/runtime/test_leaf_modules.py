@@ -138,7 +138,7 @@ def _train(rank: int, world: int, how: str, precision: str) -> dict[str, Any]:
         "usage": usage,
         "expert_units": [gatherer.units[id(m)] for m in model.moe.experts.modules()],
         "leaf_unit": gatherer.units[id(model.moe)],
-        "moe_buckets": gatherer.keys_of(list(model.moe.parameters())),
+        "moe_buckets": gatherer.unit_map.keys_of(list(model.moe.parameters())),
         "live_after": gatherer.live_numel(),
     }
     engine.destroy()

@@ -98,7 +98,7 @@ def _grid(rank: int, world: int) -> list[dict[str, Any]]:
                     "tied": model.head.weight is model.embed.weight,
                     "buckets": [len(gs.layout.buckets) for gs in stage.groups],
                     "gathers": stage.gatherer.gathers,
-                    "prefetching": stage.gatherer.trace is not None,
+                    "prefetching": stage.gatherer.planner.trace is not None,
                     "part_device": str(stage.sharded[0].part.device),
                     "live_after": stage.gatherer.live_numel(),
                 }

@@ -1,0 +1,178 @@
+"""Stage 3's module hooks: the forward hooks on the root and on each module with a unit, and the gradient
+hooks they leave on a forward's outputs and inputs, which tell the gatherer when to fetch and release units
+(see [Note: gather units and hooks] in param_gather.py); removed while a hold suspends them.
+
+[Note: frozen buckets in backward]
+Buckets of frozen parameters (see [Note: frozen parameters] in stage3.py) get no gradient, so no
+post-accumulate-grad hook frees them. Backward still needs them (the gradient w.r.t. a frozen Linear's
+input reads its weight), so they are gathered before the module's backward like the others, and freed
+by a multi-grad hook on the module's *inputs*: once the gradients w.r.t. every input that requires one
+are computed, the module's backward is over. A module whose inputs need no gradient (the first layer)
+keeps its frozen buckets until ``end_backward``, which frees everything.
+
+[Note: compiled regions]
+Under ``compile`` (runtime/compile.py) stage 3 compiles each repeated block's forward and marks the block
+a leaf: its unit is its whole subtree, gathered by the block's own hooks, which run eagerly around the
+compiled forward. Its descendants have no unit, so their hooks would do nothing, but inside a compiled
+forward dynamo would trace them and guard on each module's identity (one recompile per block). So the
+modules inside a compiled region get no hooks at all (``unhook_inside``): nothing inside a graph gathers,
+releases or communicates, and one graph serves every block.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Protocol
+
+import torch
+from torch import nn
+from torch.autograd.graph import register_multi_grad_hook
+from torch.utils.hooks import RemovableHandle
+
+from .unit_map import BucketKey
+
+
+class HookTarget(Protocol):
+    """What the hooks call (``ParamGatherer`` in param_gather.py)."""
+
+    def begin_forward(self) -> None: ...
+
+    def check_agreement(self) -> None: ...
+
+    def fetch(self, module: nn.Module) -> None: ...
+
+    def release(self, module: nn.Module) -> None: ...
+
+    def release_keys(self, keys: Sequence[BucketKey]) -> None: ...
+
+
+class ModuleHooks:
+    """The root's hooks and those of the modules with a unit: attached, detached, suspended during a hold
+    (see [Note: held buckets] in param_gather.py). ``units`` and ``frozen_units`` are the ``UnitMap``'s
+    (unit_map.py)."""
+
+    def __init__(
+        self,
+        root: nn.Module,
+        units: Mapping[int, list[BucketKey]],
+        frozen_units: Mapping[int, list[BucketKey]],
+        target: HookTarget,
+    ) -> None:
+        self.root = root
+        self.units = units
+        self.frozen_units = frozen_units
+        # the target's calls, bound once: a hook costs what it cost as the target's own method
+        self._begin_forward = target.begin_forward
+        self._check_agreement = target.check_agreement
+        self._fetch = target.fetch
+        self._release = target.release
+        self._release_keys = target.release_keys
+        self._hooks: list[RemovableHandle] = []  # the root's
+        self._module_hooks: list[RemovableHandle] = []  # the other unit modules'
+        self.unhooked: set[int] = set()  # modules inside compiled regions: see [Note: compiled regions]
+        self.suspended = False  # see [Note: held buckets] in param_gather.py
+        self._reattach = False  # resume puts the hooks back (they were attached when the hold began)
+
+    # ------------------------------------------------------------------ attach / detach
+    def attach(self) -> None:
+        if self.suspended:  # during a hold: attached when it ends (see [Note: held buckets])
+            self._reattach = True
+            return
+        root = self.root
+        self._hooks.append(root.register_forward_pre_hook(self._on_root_start))
+        self._hooks.append(root.register_forward_pre_hook(self._pre_forward))
+        self._hooks.append(root.register_forward_hook(self._post_forward, with_kwargs=True))
+        self._hooks.append(root.register_forward_hook(self._on_root_end))
+        self._hook_modules()
+
+    def detach(self) -> None:
+        self._reattach = False
+        for h in self._hooks:
+            h.remove()
+        self._hooks.clear()
+        self._unhook_modules()
+
+    def rehook(self) -> None:
+        """The units changed: hook the modules that have one now, if attached (the root's hooks are kept)."""
+        if self._hooks:
+            self._unhook_modules()
+            self._hook_modules()
+
+    def unhook_inside(self, regions: Iterable[nn.Module]) -> None:
+        """Hook no module strictly inside ``regions``, leaf modules compiled as a whole (see [Note: compiled
+        regions]); takes effect now if attached."""
+        self.unhooked |= {id(m) for region in regions for m in region.modules() if m is not region}
+        if self._hooks:
+            self.detach()
+            self.attach()
+
+    def suspend(self) -> None:
+        """A hold begins (see [Note: held buckets]): the hooks are removed until ``resume``."""
+        if not self.suspended:
+            attached = bool(self._hooks)
+            self.detach()
+            self._reattach = attached
+        self.suspended = True
+
+    def resume(self) -> None:
+        """The hold ended: the hooks are put back if they were attached."""
+        self.suspended = False
+        if self._reattach:
+            self._reattach = False
+            self.attach()
+
+    def _hook_modules(self) -> None:
+        """Hooks on the modules with a unit only: the modules inside a unit take torch's fast call path."""
+        for m in self.root.modules():
+            if m is self.root or id(m) in self.unhooked or not self.units.get(id(m)):
+                continue
+            self._module_hooks.append(m.register_forward_pre_hook(self._pre_forward))
+            self._module_hooks.append(m.register_forward_hook(self._post_forward, with_kwargs=True))
+
+    def _unhook_modules(self) -> None:
+        for h in self._module_hooks:
+            h.remove()
+        self._module_hooks.clear()
+
+    # ------------------------------------------------------------------ the hooks
+    def _on_root_start(self, module: nn.Module, args: Any) -> None:
+        if self.suspended:  # see [Note: held buckets]
+            return
+        self._begin_forward()
+
+    def _on_root_end(self, module: nn.Module, args: Any, output: Any) -> None:
+        if self.suspended:  # see [Note: held buckets]
+            return
+        if not torch.is_grad_enabled():  # no backward follows: nothing stays gathered for it
+            self._check_agreement()
+
+    def _pre_forward(self, module: nn.Module, args: Any) -> None:
+        if self.suspended:  # see [Note: held buckets]
+            return
+        self._fetch(module)
+
+    def _post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
+        if self.suspended:  # see [Note: held buckets]
+            return
+        if not self.units.get(id(module)):
+            return
+        if torch.is_grad_enabled():
+            outs = [t for t in _tensors(output) if t.requires_grad]
+            if outs:
+                register_multi_grad_hook(outs, lambda grads, m=module: self._fetch(m), mode="any")
+                frozen = self.frozen_units.get(id(module))
+                ins = [t for t in _tensors((args, kwargs)) if t.requires_grad] if frozen else []
+                if ins:  # see [Note: frozen buckets in backward]
+                    register_multi_grad_hook(ins, lambda grads, k=frozen: self._release_keys(k), mode="all")
+        self._release(module)
+
+
+def _tensors(value: Any) -> Iterator[torch.Tensor]:
+    if isinstance(value, torch.Tensor):
+        yield value
+    elif isinstance(value, (list, tuple)):
+        for v in value:
+            yield from _tensors(v)
+    elif isinstance(value, dict):
+        for v in value.values():
+            yield from _tensors(v)
