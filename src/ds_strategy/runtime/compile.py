@@ -11,7 +11,7 @@ one, as an instance attribute, so ``module(...)`` still runs that module's own h
 - stage 3: the regions are the repeated blocks, the children of the outermost ``nn.ModuleList`` (else the
   module's direct children that hold parameters). Each block becomes a ZeRO-3 leaf (its whole subtree is
   one gather unit, gathered by the block's own hooks at its boundary) and the modules inside it lose
-  their hooks (see [Note: compiled regions] in zero/param_gather.py). Compiling the whole module instead
+  their hooks (see [Note: compiled regions] in zero/module_hooks.py). Compiling the whole module instead
   would trace the gather hooks of every submodule: a graph break (or an error) per layer.
 
 Modules checkpointed by ``activation_checkpointing_policy`` run their checkpoint (a stash and an RNG replay:

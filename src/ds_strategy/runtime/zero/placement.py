@@ -192,7 +192,7 @@ class PartitionedParameters(WholeParameters):
         return self.gatherer.suspended
 
     def unhook_inside(self, regions: Sequence[nn.Module]) -> None:
-        """See [Note: compiled regions] in param_gather.py."""
+        """See [Note: compiled regions] in module_hooks.py."""
         self.gatherer.unhook_inside(regions)
 
     def release_caches(self) -> None:

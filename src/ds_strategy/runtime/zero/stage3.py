@@ -22,7 +22,7 @@ trainable ones, into one more ``ShardedGroup`` (``self.frozen``, after the train
 gathers, prefetch and ``zero.Init`` hand-over, but no fp32 masters, no gradient hooks, no reduction and
 no optimizer state; they are never published (nothing changes them but ``GatheredParameters`` with a
 modifier rank, which writes the partition back). How their buckets are freed in backward, where no
-gradient tells us a module is done: [Note: frozen buckets in backward] in param_gather.py. A parameter
+gradient tells us a module is done: [Note: frozen buckets in backward] in module_hooks.py. A parameter
 that requires grad but is left out of the optimizer stays whole (autograd gives it a full gradient).
 """
 
@@ -63,7 +63,7 @@ class Stage3Options:
     model_persistence_numel: int = sys.maxsize  # stage3_model_persistence_threshold: see ``_persistent``
     prefetch_numel: int | None = 50_000_000  # None: the key was not given (the next unit, see param_gather.py)
     max_live_numel: int = 1_000_000_000
-    reuse_distance: int | None = 1_000_000_000  # None: the key was not given, see [Note: reshard after use]
+    reuse_distance: int | None = 1_000_000_000  # None: not given ([Note: reshard after use], prefetch.py)
     param_device: torch.device | None = None  # offload_param: where the shards live (None: compute device)
     param_pin: bool = False  # offload_param.pin_memory: page-locked host shards (used with a CUDA device)
     gather_on_save: bool = False
