@@ -18,11 +18,17 @@ from ds_strategy._version import __version__
 _LAZY: dict[str, str] = {
     "ZeroStrategy": "ds_strategy.lightning",
     "ZeroPrecision": "ds_strategy.lightning",
+    "ZeroTuner": "ds_strategy.lightning",
+    "autotune": "ds_strategy.autotuning",
     "get_accelerator": "ds_strategy.accelerator",
     "init_distributed": "ds_strategy.comm",
     "initialize": "ds_strategy.runtime",
     "ZeroEngine": "ds_strategy.runtime",
     "estimate_memory": "ds_strategy.runtime",
+    "estimate_zero2_model_states_mem_needs": "ds_strategy.runtime",
+    "estimate_zero2_model_states_mem_needs_all_live": "ds_strategy.runtime",
+    "estimate_zero3_model_states_mem_needs": "ds_strategy.runtime",
+    "estimate_zero3_model_states_mem_needs_all_live": "ds_strategy.runtime",
     "IgnoredConfigWarning": "ds_strategy.config",
 }
 
@@ -33,12 +39,22 @@ __all__ = ["__version__", *_LAZY, *_SUBMODULES]
 
 if TYPE_CHECKING:
     from ds_strategy.accelerator import get_accelerator as get_accelerator
+    from ds_strategy.autotuning import autotune as autotune
     from ds_strategy.comm import init_distributed as init_distributed
     from ds_strategy.config import IgnoredConfigWarning as IgnoredConfigWarning
     from ds_strategy.lightning import ZeroPrecision as ZeroPrecision
     from ds_strategy.lightning import ZeroStrategy as ZeroStrategy
+    from ds_strategy.lightning import ZeroTuner as ZeroTuner
     from ds_strategy.runtime import ZeroEngine as ZeroEngine
     from ds_strategy.runtime import estimate_memory as estimate_memory
+    from ds_strategy.runtime import estimate_zero2_model_states_mem_needs as estimate_zero2_model_states_mem_needs
+    from ds_strategy.runtime import (
+        estimate_zero2_model_states_mem_needs_all_live as estimate_zero2_model_states_mem_needs_all_live,
+    )
+    from ds_strategy.runtime import estimate_zero3_model_states_mem_needs as estimate_zero3_model_states_mem_needs
+    from ds_strategy.runtime import (
+        estimate_zero3_model_states_mem_needs_all_live as estimate_zero3_model_states_mem_needs_all_live,
+    )
     from ds_strategy.runtime import initialize as initialize  # type: ignore[no-redef]  # also a submodule name
 
 

@@ -13,7 +13,14 @@ from .initialize import build_dataloader, initialize
 from .layout import FlatLayout
 from .loss_scaler import LossScaleError, LossScaler
 from .lr_schedules import LRRangeTest, OneCycle, WarmupCosineLR, WarmupDecayLR, WarmupLR, build_scheduler
-from .memory import MemoryEstimate, estimate_memory
+from .memory import (
+    MemoryEstimate,
+    estimate_memory,
+    estimate_zero2_model_states_mem_needs,
+    estimate_zero2_model_states_mem_needs_all_live,
+    estimate_zero3_model_states_mem_needs,
+    estimate_zero3_model_states_mem_needs_all_live,
+)
 from .optimizers import Lion, build_optimizer
 
 __all__ = [
@@ -32,5 +39,9 @@ __all__ = [
     "build_optimizer",
     "build_scheduler",
     "estimate_memory",
+    "estimate_zero2_model_states_mem_needs",
+    "estimate_zero2_model_states_mem_needs_all_live",
+    "estimate_zero3_model_states_mem_needs",
+    "estimate_zero3_model_states_mem_needs_all_live",
     "initialize",
 ]
