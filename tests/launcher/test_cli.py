@@ -67,6 +67,8 @@ def test_deepspeed_flags_and_dashed_aliases() -> None:
     assert args.user_script == "train"
     assert args.user_args == ("--deepspeed", "--deepspeed_config", "ds.json", "--num_gpus", "9")
     assert cli.parse_args(["--num_procs", "3", "--launcher", "srun", "x.py"]).launcher == "slurm"
+    assert args.autotuning is None
+    assert cli.parse_args(["--autotuning", "run", "x.py", "--autotuning", "tune"]).autotuning == "run"
 
 
 @pytest.mark.parametrize(
@@ -80,6 +82,8 @@ def test_deepspeed_flags_and_dashed_aliases() -> None:
         (["--node_rank", "0", "--num_nodes", "2", "-H", "hf", "x.py"], "drop it with --hostfile"),
         (["--launcher", "mesos", "x.py"], "invalid choice"),
         (["--module", "--no_python", "x.py"], "cannot be used together"),
+        (["--autotuning", "search", "x.py"], "invalid choice"),
+        (["--autotuning", "tune", "--no_python", "x.py"], "drop --no_python"),
         (["--num_gpus", "2"], "required: user_script"),
     ],
 )

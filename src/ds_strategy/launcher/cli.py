@@ -2,7 +2,7 @@
 
     ds-launch [--num_gpus N] [--num_nodes N] [--hostfile F] [--include/--exclude SPEC] [--master_addr A]
               [--master_port P] [--node_rank R] [--launcher L] [--no_local_rank] [--module] [--log_dir D]
-              [--max_restarts N] [--env KEY=VALUE] script.py [script args...]
+              [--max_restarts N] [--env KEY=VALUE] [--autotuning tune|run] script.py [script args...]
 
 Flags take DeepSpeed's underscore spelling; the dashed spelling (``--num-gpus``) works too.
 """
@@ -45,6 +45,7 @@ class LaunchArgs:
     world_info: str | None = None
     rdzv_timeout: int = 900
     dry_run: bool = False
+    autotuning: str | None = None  # "tune" or "run": each rank runs the script under the autotuner (launch.py)
 
 
 def _flag(*names: str) -> list[str]:
@@ -122,6 +123,13 @@ def build_parser(prog: str = "ds-launch") -> argparse.ArgumentParser:
         help="variable for every worker (repeatable); KEY alone forwards this shell's value",
     )
     how.add_argument(*_flag("--dry_run"), action="store_true", help="print the multi-host command lines and exit")
+    how.add_argument(
+        "--autotuning",
+        choices=("tune", "run"),
+        default=None,
+        help="tune: find the fastest ZeRO configuration inside the script's initialize() call, write it and stop; "
+        "run: find it, then train with it (the config's autotuning block, docs/autotuning.md)",
+    )
     p.add_argument(*_flag("--world_info"), default=None, help=argparse.SUPPRESS)
     p.add_argument("user_script", help="training script (or module with --module)")
     p.add_argument("user_args", nargs=argparse.REMAINDER, help="arguments for the training script")
@@ -145,6 +153,10 @@ def parse_args(argv: Sequence[str] | None = None, *, prog: str = "ds-launch") ->
         parser.error("--include and --exclude cannot be used together: pick one")
     if ns.module and ns.no_python:
         parser.error("--module and --no_python cannot be used together")
+    if ns.autotuning and ns.no_python:
+        parser.error(
+            "--autotuning runs the script in Python (the tune happens inside its initialize()); drop --no_python"
+        )
     if ns.node_rank >= 0:
         if ns.hostfile and ns.world_info is None:
             parser.error("--node_rank is for starting one ds-launch per node yourself; drop it with --hostfile")

@@ -6,7 +6,7 @@ import os
 import shlex
 import sys
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass
+from dataclasses import dataclass, replace
 from pathlib import Path
 
 from ds_strategy.scheduler_env import expand_nodelist
@@ -15,6 +15,22 @@ from .cli import LaunchArgs, parse_args
 from .environment import EnvError, exported_variables, user_variables
 from .hostfile import HostfileError, Node, WorldPlan, parse_hostfile, resolve_plan
 from .programs import EXIT_MISSING_PROGRAM, MissingProgramError, require_launcher_programs, require_script_program
+
+# What every rank runs under ``--autotuning``: named, not imported (the autotuner sits above the launcher).
+AUTOTUNING_MODULE = "ds_strategy.autotuning.script"
+
+
+def with_autotuning(args: LaunchArgs) -> LaunchArgs:
+    """``--autotuning MODE script.py args``: every rank runs ``python -u -m ds_strategy.autotuning.script --mode
+    MODE [--module] script.py args`` instead, which runs the script with the autotuner waiting inside its
+    ``initialize()`` call (docs/autotuning.md, "From the command line"). The same for every launcher: the
+    local agent, the node launchers of ssh / pdsh and the bootstrap of mpirun / srun run a module."""
+    if args.autotuning is None:
+        return args
+    flags = ("--mode", args.autotuning, *(("--module",) if args.module else ()))
+    return replace(
+        args, user_script=AUTOTUNING_MODULE, user_args=(*flags, args.user_script, *args.user_args), module=True
+    )
 
 
 @dataclass(frozen=True)
@@ -169,7 +185,7 @@ def _run_multi_host(args: LaunchArgs, decision: Decision, user_vars: Mapping[str
 def run(argv: Sequence[str] | None = None) -> int:
     """The whole launcher; returns the exit status (0, the failed rank's code, 128+signal, 2 for usage, 127 for
     a program such as ssh / mpirun / srun that is not found)."""
-    args = parse_args(argv)
+    args = with_autotuning(parse_args(argv))
     try:
         user_vars = user_variables(args.env, os.environ, Path.cwd())
         decision = decide(args, os.environ)

@@ -2,11 +2,21 @@
 
 engine, optimizer, loader, scheduler = ds_strategy.initialize(model=m, model_parameters=m.parameters(),
                                                               training_data=ds, config="ds_config.json")
+
+[Note: the initialize hook]
+``ds-launch --autotuning tune|run`` runs the user's script unchanged and tunes inside its call to
+``initialize``: ``intercepted(fn)`` installs ``fn`` for the duration of a ``with`` block, and every
+``initialize`` call made meanwhile, once its config argument is resolved and torch.distributed is up, returns
+``fn(arguments)`` instead (``arguments``: the call's keyword arguments as a dict, ``config`` resolved from
+``config_params`` / ``args.deepspeed_config``). While ``fn`` runs the hook is cleared, so the engines ``fn``
+builds (the autotuner's trials, the winner's) come from the real ``initialize``. The runtime does not import
+the autotuner (it sits a layer above): the autotuner installs the hook (autotuning/launch.py).
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from typing import Any
 
 import torch
@@ -24,6 +34,30 @@ from .params import OptimizerArg, ParamsArg
 from .pipe.config import apply_pipeline_config
 from .pipe.engine import PipelineEngine
 from .pipe.module import PipelineModule
+
+Interceptor = Callable[[dict[str, Any]], Any]
+_interceptor: Interceptor | None = None  # see [Note: the initialize hook]
+
+
+@contextmanager
+def intercepted(fn: Interceptor) -> Iterator[None]:
+    """Route every ``initialize`` call inside the block to ``fn`` (see [Note: the initialize hook])."""
+    global _interceptor
+    previous, _interceptor = _interceptor, fn
+    try:
+        yield
+    finally:
+        _interceptor = previous
+
+
+def _intercept(hook: Interceptor, arguments: dict[str, Any]) -> Any:
+    """``hook(arguments)`` with the hook cleared while it runs: its own ``initialize`` calls are real."""
+    global _interceptor
+    _interceptor = None
+    try:
+        return hook(arguments)
+    finally:
+        _interceptor = hook
 
 
 def _ensure_distributed(dist_init_required: bool | None) -> None:
@@ -77,6 +111,24 @@ def initialize(
     if config is None:
         raise ValueError("initialize() needs a config: config=dict, a JSON file path or a DeepSpeedConfig")
     _ensure_distributed(dist_init_required)
+    if _interceptor is not None:
+        return _intercept(
+            _interceptor,
+            {
+                "args": args,
+                "model": model,
+                "optimizer": optimizer,
+                "model_parameters": model_parameters,
+                "training_data": training_data,
+                "lr_scheduler": lr_scheduler,
+                "config": config,
+                "collate_fn": collate_fn,
+                "dist_init_required": dist_init_required,
+                "process_group": process_group,
+                "device": device,
+                "mpu": mpu,
+            },
+        )
     if mpu is not None and process_group is None:
         process_group = mpu.get_data_parallel_group()
     pipeline = model if isinstance(model, PipelineModule) else None
