@@ -1,5 +1,5 @@
 """ds_strategy for PyTorch Lightning: ``ZeroStrategy`` (Trainer), ``ZeroFabricStrategy`` (Fabric), their
-precision plugins and the strategy names.
+precision plugins, the strategy names and ``ZeroTuner`` (the autotuner before ``Trainer.fit``).
 
 Importing this package registers ``zero0``, ``zero1``, ``zero1_offload``, ``zero2``, ``zero2_offload``,
 ``zero3``, ``zero3_offload`` and ``zero3_offload_nvme`` with the Trainer's ``StrategyRegistry`` and with
@@ -15,6 +15,7 @@ from .fabric_strategy import ZeroFabricStrategy
 from .precision import ZeroPrecision
 from .registry import STRATEGY_NAMES, register_fabric_strategies, register_strategies
 from .strategy import ZeroStrategy
+from .tuner import ZeroTuner
 
 register_strategies()
 register_fabric_strategies()
@@ -26,6 +27,7 @@ __all__ = [
     "ZeroFabricStrategy",
     "ZeroPrecision",
     "ZeroStrategy",
+    "ZeroTuner",
     "register_fabric_strategies",
     "register_strategies",
 ]
