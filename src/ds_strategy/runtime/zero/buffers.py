@@ -74,7 +74,7 @@ class GroupStorage:
         """Bytes held: {"params": ..., "master": ...}."""
         raise NotImplementedError
 
-    # Per bucket, for the tile-by-tile step of NVMe offload (``ZeroStage._apply_step_tiled``).
+    # Per bucket, for the tile-by-tile step of NVMe offload (``OptimizerStep._apply_step_tiled`` in step.py).
     def copy_master_to_param(self, bucket: int) -> None:
         """Write ``masters[bucket]`` into this rank's compute-dtype parameter storage."""
         raise NotImplementedError
