@@ -274,3 +274,31 @@ def test_stack_sampler_sees_every_thread() -> None:
     assert "== busy-worker" in report and "test_benchmarks.py:spin_in_worker" in report, report
     section = report.split("== busy-worker")[1].split("\n== ")[0]  # other threads (a pool feeder) may come first
     assert "test_benchmarks.py:outer_caller" in section.split("-- inclusive")[1], report
+
+
+@pytest.mark.slow
+@pytest.mark.multiprocess
+def test_autotune_quick_writes_its_results(tmp_path: Path) -> None:
+    """bench_autotune at smoke size (issue 44, criterion 6): the tune and the exhaustive search of both models,
+    the fresh interleaved reruns, the cap case, and the table, JSON and plot."""
+    proc = subprocess.run(
+        [sys.executable, "-m", "benchmarks.bench_autotune", "--quick"],
+        cwd=ROOT, env=_bench_env(tmp_path), capture_output=True, text=True, timeout=600, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
+    payload = json.loads((tmp_path / "autotune.json").read_text())
+    assert payload["quick"] is True and payload["machine"]["cores"] >= 1
+    models = {m["model"]: m for m in payload["models"]}
+    assert set(models) == {"gpt", "llama"} and all("error" not in m for m in models.values()), models
+    for m in models.values():
+        tune, grid = m["tune"], m["exhaustive"]
+        assert grid["trials_run"] == grid["candidates"] - grid["pruned"] > 0, grid  # every candidate ran
+        assert 0 < tune["trials_run"] <= grid["trials_run"] and tune["best"] and grid["best"], tune
+        assert m["ratio_in_trial"] > 0 and 0 < m["ratio_in_exhaustive"] <= 1
+        assert m["fresh"]["same_configuration"] or m["fresh"]["ratio"] > 0, m["fresh"]
+        assert "skipped" in m["cap"] or m["cap"]["tune"]["memory_cap_bytes"] == m["cap"]["cap_bytes"], m["cap"]
+    assert "| tune: winner |" in (tmp_path / "autotune.md").read_text()
+    assert (tmp_path / "autotune.png").read_bytes()[:8] == PNG
+    from benchmarks.bench_autotune import headlines
+
+    assert len(headlines(payload)) == 2 * len(models)
