@@ -12,34 +12,10 @@ import pytest
 import torch
 from torch import nn
 
+from tests.autotuning.models import Net
 from tests.harness import run_distributed
 
 MIB = 1 << 20
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
-class Net(nn.Module):
-    """~4.2M parameters at width 256: fp32 Adam under DDP holds ~67 MB of model states per rank."""
-
-    def __init__(self, width: int = 256, depth: int = 8) -> None:
-        super().__init__()
-        torch.manual_seed(0)
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x).pow(2).mean()
 
 
 def _config(tmp: str, **tuning: Any) -> dict[str, Any]:

@@ -10,28 +10,7 @@ from ds_strategy.autotuning import checkpoint_blocks
 from ds_strategy.autotuning.data import batch_fn_of, default_loss
 from ds_strategy.autotuning.profile import profile_model
 from ds_strategy.runtime.memory import saved_activation_bytes
-
-
-class Block(nn.Module):
-    def __init__(self, width: int) -> None:
-        super().__init__()
-        self.up = nn.Linear(width, 4 * width)
-        self.down = nn.Linear(4 * width, width)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x + self.down(torch.nn.functional.gelu(self.up(x)))
-
-
-class Net(nn.Module):
-    def __init__(self, width: int = 32, depth: int = 4) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(Block(width) for _ in range(depth))
-        self.head = nn.Linear(width, 1)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        for b in self.blocks:
-            x = b(x)
-        return self.head(x).pow(2).mean()
+from tests.autotuning.models import Net
 
 
 def _saved_bytes(model: nn.Module, batch: torch.Tensor) -> int:
@@ -43,8 +22,8 @@ def test_the_profile_counts_parameters_blocks_and_activation_bytes_per_sample() 
     torch.manual_seed(0)
     data = torch.randn(64, 32)
     batch = batch_fn_of(data, 0, 1)
-    prof = profile_model(lambda: Net(), batch, default_loss, torch.device("cpu"))
-    model = Net()
+    prof = profile_model(lambda: Net(32, 4), batch, default_loss, torch.device("cpu"))
+    model = Net(32, 4)
     assert prof.params == prof.total_params == sum(p.numel() for p in model.parameters())
     assert prof.blocks == 4 and prof.largest_unit == sum(p.numel() for p in model.blocks[0].parameters())
     # (the rest - the head - is smaller than a block)
@@ -59,7 +38,7 @@ def test_the_profile_counts_parameters_blocks_and_activation_bytes_per_sample() 
 
 
 def test_checkpoint_blocks_checkpoints_the_repeated_blocks_only() -> None:
-    model = Net()
+    model = Net(32, 4)
     names = checkpoint_blocks(model)
     assert names == [f"blocks.{i}" for i in range(4)]
     assert checkpoint_blocks(nn.Linear(2, 2)) == []

@@ -31,14 +31,12 @@ group). The trial's group is destroyed with its engine.
 
 from __future__ import annotations
 
-import ctypes
-import ctypes.util
 import datetime
 import gc
 import statistics
 import time
-from collections.abc import Callable, Iterator, Mapping
-from contextlib import contextmanager
+from collections.abc import Callable, Mapping
+from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -48,7 +46,7 @@ from torch import nn
 
 from ds_strategy.accelerator import get_accelerator
 from ds_strategy.log import get_logger
-from ds_strategy.runtime.host_memory import trim_heap
+from ds_strategy.runtime.host_memory import committed_allocations, trim_heap
 
 from .data import BatchFn, LossFn, to_device
 from .profile import checkpoint_blocks
@@ -60,9 +58,6 @@ OUT_OF_MEMORY = "out of memory"
 OVER_CAP = "over the memory cap"
 PRUNED = "predicted over the memory cap"
 OK = "ok"
-
-_M_PERTURB = -6  # glibc's mallopt parameter behind MALLOC_PERTURB_
-_PERTURB_BYTE = 0xA5
 
 
 @dataclass
@@ -121,7 +116,7 @@ def run_trial(setup: TrialSetup, candidate: Candidate) -> TrialResult:
     engine: Any = None
     group = _trial_group(setup.trial_timeout_s)
     try:
-        with _committed_allocations(setup.device):
+        with committed_allocations() if setup.device.type == "cpu" else nullcontext():
             model = setup.model_fn()
             if candidate.activation_checkpointing:
                 checkpoint_blocks(model)
@@ -249,27 +244,3 @@ def _release(device: torch.device) -> None:
     trim_heap()
     if device.type == "cuda":
         torch.cuda.empty_cache()
-
-
-@contextmanager
-def _committed_allocations(device: torch.device) -> Iterator[None]:
-    """On the CPU, have glibc write every allocation while the block runs (see [Note: a trial's memory])."""
-    mallopt = _mallopt() if device.type == "cpu" else None
-    if mallopt is None:
-        yield
-        return
-    mallopt(_M_PERTURB, _PERTURB_BYTE)
-    try:
-        yield
-    finally:
-        mallopt(_M_PERTURB, 0)
-
-
-def _mallopt() -> Callable[[int, int], int] | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return None
-    try:
-        return ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
-        return None

@@ -28,7 +28,10 @@ from __future__ import annotations
 import ctypes
 import ctypes.util
 import os
+from collections.abc import Iterator
+from contextlib import contextmanager
 from functools import cache
+from typing import Any
 
 import torch
 
@@ -36,6 +39,8 @@ from ds_strategy.ops.builder import load_cpu_kernels
 
 _M_TRIM_THRESHOLD = -1
 _M_MMAP_THRESHOLD = -3
+_M_PERTURB = -6  # what MALLOC_PERTURB_ sets
+_PERTURB_BYTE = 0xA5
 THRESHOLD_BYTES = 8 << 20
 
 
@@ -80,30 +85,43 @@ def return_freed_memory_to_os() -> bool:
     does not apply (not glibc, or the user chose them through MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_)."""
     if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
         return False
-    name = ctypes.util.find_library("c")
-    if name is None:
-        return False
-    try:
-        mallopt = ctypes.CDLL(name).mallopt
-    except (OSError, AttributeError):
+    mallopt = _glibc("mallopt")
+    if mallopt is None:
         return False  # not glibc (musl, macOS): their allocators return large blocks by themselves
     return bool(mallopt(_M_MMAP_THRESHOLD, THRESHOLD_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, THRESHOLD_BYTES))
 
 
+@contextmanager
+def committed_allocations() -> Iterator[None]:
+    """While the block runs, glibc writes every allocation (``mallopt(M_PERTURB)``, what ``MALLOC_PERTURB_``
+    sets at start-up), so the resident set counts every byte allocated, as a device would hold it; the
+    autotuner's CPU trials measure under it. Nothing happens without glibc."""
+    mallopt = _glibc("mallopt")
+    if mallopt is None:
+        yield
+        return
+    mallopt(_M_PERTURB, _PERTURB_BYTE)
+    try:
+        yield
+    finally:
+        mallopt(_M_PERTURB, 0)
+
+
 @cache
-def _malloc_trim() -> object | None:
-    name = ctypes.util.find_library("c")
-    if name is None:
+def _glibc(name: str) -> Any:
+    """glibc's function ``name`` through ctypes, or None where the C library is not glibc."""
+    lib = ctypes.util.find_library("c")
+    if lib is None:
         return None
     try:
-        return ctypes.CDLL(name).malloc_trim
+        return getattr(ctypes.CDLL(lib), name)
     except (OSError, AttributeError):
-        return None  # not glibc
+        return None
 
 
 def trim_heap() -> None:
     """Give the free pages inside glibc's heap back to the OS (``malloc_trim(0)``): NVMe offload calls it
     where a phase has freed many mid-sized blocks (see [Note: host memory under NVMe offload])."""
-    fn = _malloc_trim()
+    fn = _glibc("malloc_trim")
     if fn is not None:
-        fn(0)  # type: ignore[operator]
+        fn(0)
