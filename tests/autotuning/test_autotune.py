@@ -143,7 +143,7 @@ def _failures(rank: int, world: int, tmp: str) -> dict[str, Any]:
     space = SearchSpace(stages=(2,), offload_optimizer=("none",), activation_checkpointing=(False,))
     data = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
     result = autotune(
-        _OutOfMemoryOnRank1, data, _config(tmp, num_tuning_micro_batch_sizes=3), space=space, trial_timeout_s=10,
+        _OutOfMemoryOnRank1, data, _config(tmp, num_tuning_micro_batch_sizes=3), space=space, trial_timeout_s=3,
         verbose=False,
     )  # fmt: skip
     return {t.candidate.micro_batch: t.status for t in result.trials} | {"best": result.best.candidate.micro_batch}
