@@ -56,12 +56,15 @@ def test_model_based_probes_each_group_then_follows_its_model() -> None:
         tuner.record(c, cost(c))
     probes = order[: len({c.group for c in all_})]
     assert all(c.micro_batch == 8 for c in probes) and len({c.group for c in probes}) == len(probes)
+    # Groups that trade speed for memory (offload here) are probed after those that do not.
+    assert [c.offload_optimizer for c in probes] == ["none"] * 3 + ["cpu"] * 3
     # After the probes the model's best untried guess is a large micro batch without offload, not stage 3.
     assert order[-2].offload_optimizer == "none" and order[-2].micro_batch == 4
 
 
 def test_early_stopping_counts_trials_without_improvement() -> None:
     stop = EarlyStop(2)
+    assert not any(stop.update(None) for _ in range(5))  # nothing fitted yet: the search goes on
     assert not stop.update(1.0)
     assert not stop.update(0.5)
     assert not stop.update(2.0)  # an improvement resets the count

@@ -6,13 +6,17 @@ talking (the results themselves are agreed: [Note: failing together] in trial.py
 - ``gridsearch``: the candidates in the space's order.
 - ``random``: a shuffle of them (a fixed seed: the same on every rank and every run).
 - ``model_based``: first one probe per (stage, offload, checkpointing) group at its largest micro batch that
-  is predicted to fit, then, repeatedly, the untried candidate a cost model predicts to score best. The model
+  is predicted to fit - the groups without offload or checkpointing first, as those trade speed for memory
+  and win only where the others do not fit - then, repeatedly, the untried candidate a cost model predicts
+  to score best. The model
   is a least-squares fit of log(score) on the candidate's knobs (one-hot stage and offloads, checkpointing,
   log2 of the micro batch, the non-fast knobs as present / absent) over the trials that fitted. A trial that
   did not fit marks every candidate of its group with a larger or equal micro batch as not fitting.
 
-Early stopping (``tuner_early_stopping``): the tune ends after that many trials in a row that did not improve
-the best score (one that did not fit counts); ``tuner_num_trials`` bounds the trials run.
+Early stopping (``tuner_early_stopping``): once a candidate has fitted, the tune ends after that many trials
+in a row that did not improve the best score (one that did not fit counts); while nothing fits the search
+goes on (under a tight memory cap the first fitting candidate may come late). ``tuner_num_trials`` bounds
+the trials run.
 """
 
 from __future__ import annotations
@@ -72,7 +76,7 @@ class ModelBasedTuner(Tuner):
             group = c.group
             if group not in largest or c.micro_batch > largest[group].micro_batch:
                 largest[group] = c
-        self.probes = list(largest.values())
+        self.probes = sorted(largest.values(), key=_memory_trades)
 
     def _pick(self) -> Candidate:
         while self.probes:
@@ -84,6 +88,14 @@ class ModelBasedTuner(Tuner):
             return max(usable, key=lambda c: c.micro_batch)
         weights = _fit(list(self.scores), [math.log(max(s, 1e-30)) for s in self.scores.values()])
         return max(usable, key=lambda c: float(_features(c) @ weights))
+
+
+def _memory_trades(c: Candidate) -> tuple[int, int]:
+    """How much speed a candidate trades for memory (checkpointing recomputes, offload copies): probe order."""
+    return (
+        int(c.activation_checkpointing) + int(c.offload_optimizer != "none") + int(c.offload_param != "none"),
+        c.stage,
+    )
 
 
 def make_tuner(kind: str, candidates: Sequence[Candidate], *, seed: int = 0) -> Tuner:
@@ -133,6 +145,6 @@ class EarlyStop:
         """Record a trial's score (None: it did not fit); True when the tune should stop."""
         if score is not None and (self.best is None or score > self.best):
             self.best, self.since = score, 0
-        else:
+        elif self.best is not None:  # nothing fitted yet: keep searching
             self.since += 1
         return self.patience > 0 and self.since >= self.patience
