@@ -35,7 +35,7 @@ import datetime
 import gc
 import statistics
 import time
-from collections.abc import Callable, Mapping
+from collections.abc import Callable, Mapping, Sequence
 from contextlib import nullcontext
 from dataclasses import dataclass, field
 from typing import Any
@@ -189,7 +189,7 @@ def warm_up(base_config: Mapping[str, Any], device: torch.device) -> None:
 def _trial_group(timeout_s: float) -> Any:
     """A process group of every rank for one trial, its collectives bounded by ``timeout_s`` (None: one
     process, nothing to wait for)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not _multi_rank():
         return None
     return dist.new_group(timeout=datetime.timedelta(seconds=timeout_s))
 
@@ -203,13 +203,23 @@ def _peak(accelerator: Any, base: int) -> int:
     return max(int(peak if peak is not None else accelerator.memory_allocated()) - base, 0)
 
 
-def _agree(flag: bool, device: torch.device) -> bool:
-    """Whether any rank raised ``flag`` (an all-reduce over the default group; a single process: itself)."""
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
-        return flag
-    t = torch.tensor([1.0 if flag else 0.0], device=_control_device(device))
+def _multi_rank() -> bool:
+    """Whether the default group has peers to agree with."""
+    return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
+
+
+def all_ranks_max(values: Sequence[float], device: torch.device) -> list[float]:
+    """Each value's largest over the ranks: one all-reduce over the default group (one process: the values)."""
+    if not _multi_rank():
+        return list(values)
+    t = torch.tensor(values, dtype=torch.float64, device=_control_device(device))
     dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return bool(t.item() > 0)
+    return [float(v) for v in t.tolist()]
+
+
+def _agree(flag: bool, device: torch.device) -> bool:
+    """Whether any rank raised ``flag``."""
+    return all_ranks_max([1.0 if flag else 0.0], device)[0] > 0
 
 
 def _final_agreement(status: str, peak: int, times: list[float]) -> tuple[str, int, float | None]:
@@ -217,7 +227,7 @@ def _final_agreement(status: str, peak: int, times: list[float]) -> tuple[str, i
     memory, over the cap, an error, in that order; the lowest rank's among equals), the largest peak and
     the slowest rank's median step time."""
     median = statistics.median(times) if times else None
-    if not (dist.is_available() and dist.is_initialized()) or dist.get_world_size() == 1:
+    if not _multi_rank():
         return status, peak, median if status == OK else None
     everyone: list[Any] = [None] * dist.get_world_size()
     dist.all_gather_object(everyone, (status, peak, median))

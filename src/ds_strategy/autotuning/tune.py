@@ -35,7 +35,7 @@ from . import report
 from .data import LossFn, batch_fn_of, default_loss
 from .profile import ModelProfile, checkpoint_blocks, profile_model
 from .space import Candidate, SearchSpace, candidates, global_batch, micro_batch_choices
-from .trial import OK, PRUNED, TrialResult, TrialSetup, run_trial, warm_up
+from .trial import OK, PRUNED, TrialResult, TrialSetup, all_ranks_max, run_trial, warm_up
 from .tuners import EarlyStop, make_tuner
 
 log = get_logger(__name__)
@@ -132,7 +132,7 @@ def autotune(
     precision = _precision(checked)
     profile = profile_model(model_fn, batch_fn, loss, device, dtype=_dtype(precision), two_samples=per_rank >= 2)
     # Every rank must prune and pick alike: the largest activation bytes, the smallest cap (free memory differs).
-    profile, cap = _agreed(profile, tuning.memory_cap(device))
+    profile, cap = _agreed(profile, tuning.memory_cap(device), device)
     states = _optimizer_name(raw, optimizer)
     everything = [
         c
@@ -174,7 +174,8 @@ def autotune(
     show = verbose and rank == 0
     with report.progress(min(len(runnable), int(tuning.tuner_num_trials)), show) as advance:
         while len(ran) < int(tuning.tuner_num_trials):
-            if budget is not None and _agreed_elapsed(started) > budget:
+            # The slowest rank's clock decides, so every rank stops at the same trial.
+            if budget is not None and all_ranks_max([time.perf_counter() - started], device)[0] > budget:
                 log.info("autotune: the time budget (%.0f s) is spent after %d trials", budget, len(ran))
                 break
             candidate = tuner.next()
@@ -300,21 +301,17 @@ def _from_file(candidate: Candidate, saved: Mapping[str, Any]) -> TrialResult:
     return TrialResult(candidate, str(saved.get("status", OK)), **{k: saved.get(k) for k in keys})  # type: ignore[arg-type]
 
 
-def _agreed(profile: ModelProfile, cap: int | None) -> tuple[ModelProfile, int | None]:
+def _agreed(profile: ModelProfile, cap: int | None, device: torch.device) -> tuple[ModelProfile, int | None]:
     """The profile with each rank's largest measurements and the smallest cap of all ranks."""
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return profile, cap
-    values = [
-        float(profile.activation_bytes_per_sample),
-        float(profile.checkpointed_activation_bytes_per_sample),
-        profile.forward_flops_per_sample,
-        -float(cap) if cap is not None else -math.inf,
-    ]
-    t = torch.tensor(values, dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    a, c, f, neg_cap = t.tolist()
+    a, c, f, neg_cap = all_ranks_max(
+        [
+            float(profile.activation_bytes_per_sample),
+            float(profile.checkpointed_activation_bytes_per_sample),
+            profile.forward_flops_per_sample,
+            -float(cap) if cap is not None else -math.inf,
+        ],
+        device,
+    )
     agreed = replace(
         profile,
         activation_bytes_per_sample=int(a),
@@ -322,18 +319,6 @@ def _agreed(profile: ModelProfile, cap: int | None) -> tuple[ModelProfile, int |
         forward_flops_per_sample=f,
     )
     return agreed, None if math.isinf(neg_cap) else int(-neg_cap)
-
-
-def _agreed_elapsed(started: float) -> float:
-    """Seconds since the start, the largest over the ranks (every rank stops at the same trial)."""
-    elapsed = time.perf_counter() - started
-    if not dist.is_initialized() or dist.get_world_size() == 1:
-        return elapsed
-    t = torch.tensor([elapsed], dtype=torch.float64)
-    if dist.get_backend() == "nccl":
-        t = t.cuda()
-    dist.all_reduce(t, op=dist.ReduceOp.MAX)
-    return float(t.item())
 
 
 def _raw_config(config: Mapping[str, Any] | str | os.PathLike[str] | DeepSpeedConfig) -> dict[str, Any]:
