@@ -129,8 +129,7 @@ def profile_model(
     prof.end_profile()
     checkpointed = plain
     if blocks:
-        members = {id(b) for b in blocks}
-        apply_activation_checkpointing(model, lambda m: id(m) in members)
+        checkpoint_blocks(model)
         checkpointed = per_sample(model)
     del model
     return ModelProfile(params, total, len(blocks), largest, plain, checkpointed, flops)
