@@ -1,0 +1,82 @@
+"""The differentiable all-to-all of Ulysses: scatter one dim over the group, gather another.
+
+``seq_all_to_all(x, group, scatter_idx, gather_idx)`` on P ranks: every rank cuts dim ``scatter_idx`` of
+its ``x`` into P equal pieces and sends piece j to group rank j; every rank concatenates, along dim
+``gather_idx``, the pieces it receives in rank order. Before attention it trades a sequence shard for a
+head shard (scatter heads, gather sequence), after attention the reverse.
+
+The exchange is a permutation of the group's elements, so its adjoint is its inverse: the backward of
+(scatter s, gather g) is the exchange (scatter g, gather s) of the incoming gradient.
+
+One implementation for any layout: the scatter dim is moved to the front and made contiguous, so the
+equal split along dim 0 of ``all_to_all_single`` cuts it (DeepSpeed special-cases each layout instead);
+the received ``[P, ...]`` block is then folded into the gather dim.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+import torch
+import torch.distributed as dist
+
+from ds_strategy.comm import Communicator
+
+Group = Communicator | dist.ProcessGroup | None  # None: torch.distributed's default group
+
+
+def group_size(group: Group) -> int:
+    """The number of ranks of ``group`` (a Communicator, a torch ProcessGroup, or None for the world)."""
+    if isinstance(group, Communicator):
+        return group.world_size
+    return dist.get_world_size(group) if dist.is_initialized() else 1
+
+
+def _exchange(x: torch.Tensor, group: Group, scatter_idx: int, gather_idx: int) -> torch.Tensor:
+    p = group_size(group)
+    n = x.shape[scatter_idx]
+    if n % p:
+        raise ValueError(
+            f"seq_all_to_all: dim {scatter_idx} of a {tuple(x.shape)} tensor has {n} entries, not divisible "
+            f"by the group size {p} (it must be a multiple of {p})"
+        )
+    # [n, rest...] -> [P, n/P, rest...], contiguous: piece j of dim 0 goes to rank j.
+    front = x.movedim(scatter_idx, 0)
+    send = front.reshape(p, n // p, *front.shape[1:]).contiguous()
+    recv = torch.empty_like(send)
+    if isinstance(group, Communicator):
+        group.all_to_all_single(recv, send)
+    else:
+        dist.all_to_all_single(recv, send, group=group)
+    # Where the gather dim sits in ``front`` (the scatter dim moved to 0 shifted the dims before it).
+    g = gather_idx + 1 if gather_idx < scatter_idx else gather_idx
+    # recv: [P, n/P, ...front dims 1..]; put P right before the gather dim and merge the two.
+    merged = recv.movedim(0, g)  # the gather dim of ``front`` is now at g + 1, P at g
+    shape = list(merged.shape)
+    merged = merged.reshape(*shape[:g], shape[g] * shape[g + 1], *shape[g + 2 :])
+    return merged.movedim(0, scatter_idx)
+
+
+class _SeqAllToAll(torch.autograd.Function):
+    @staticmethod
+    def forward(ctx: Any, x: torch.Tensor, group: Group, scatter_idx: int, gather_idx: int) -> torch.Tensor:
+        ctx.group, ctx.scatter_idx, ctx.gather_idx = group, scatter_idx, gather_idx
+        return _exchange(x, group, scatter_idx, gather_idx)
+
+    @staticmethod
+    def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor, None, None, None]:
+        return _exchange(grad, ctx.group, ctx.gather_idx, ctx.scatter_idx), None, None, None
+
+
+def seq_all_to_all(x: torch.Tensor, group: Group, scatter_idx: int, gather_idx: int) -> torch.Tensor:
+    """Scatter dim ``scatter_idx`` of ``x`` over ``group`` and gather dim ``gather_idx`` (module notes);
+    differentiable. ``x``'s scatter dim must be divisible by the group size, and every rank's ``x`` must
+    have the same shape. A group of one returns ``x`` itself."""
+    ndim = x.dim()
+    s, g = scatter_idx % ndim, gather_idx % ndim
+    if s == g:
+        raise ValueError(f"seq_all_to_all: scatter_idx={scatter_idx} and gather_idx={gather_idx} name one dim")
+    if group_size(group) == 1:
+        return x
+    out: torch.Tensor = _SeqAllToAll.apply(x, group, s, g)
+    return out
