@@ -74,6 +74,7 @@ class TrialResult:
     mfu: float | None = None  # flops_per_s over the devices' peak (None: the peak is unknown)
     wall_s: float = 0.0  # the trial's whole time, build and teardown included
     step_times: list[float] = field(default_factory=list)  # this rank's own, every step
+    runs: int = 1  # 2 for a confirmed trial (autotuning/refine.py)
 
     @property
     def fits(self) -> bool:

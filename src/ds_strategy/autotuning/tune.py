@@ -34,6 +34,7 @@ from ds_strategy.runtime.memory import estimate_memory
 from . import report
 from .data import LossFn, batch_fn_of, default_loss
 from .profile import ModelProfile, checkpoint_blocks, profile_model
+from .refine import CALIBRATED, Calibration, combine
 from .space import Candidate, SearchSpace, candidates, global_batch, micro_batch_choices
 from .trial import OK, PRUNED, TrialResult, TrialSetup, all_ranks_max, run_trial, warm_up
 from .tuners import EarlyStop, make_tuner
@@ -170,29 +171,40 @@ def autotune(
         warm_up(raw, device)
     tuner = make_tuner(tuning.tuner_type, runnable)
     stop = EarlyStop(int(tuning.tuner_early_stopping))
+    calibration = Calibration(cap)  # [Note: the calibrated memory model] in refine.py
     ran: list[TrialResult] = []
     show = verbose and rank == 0
+
+    def spent() -> bool:  # the slowest rank's clock decides, so every rank stops at the same trial
+        return budget is not None and all_ranks_max([time.perf_counter() - started], device)[0] > budget
+
     with report.progress(min(len(runnable), int(tuning.tuner_num_trials)), show) as advance:
         while len(ran) < int(tuning.tuner_num_trials):
-            # The slowest rank's clock decides, so every rank stops at the same trial.
-            if budget is not None and all_ranks_max([time.perf_counter() - started], device)[0] > budget:
+            if spent():
                 log.info("autotune: the time budget (%.0f s) is spent after %d trials", budget, len(ran))
                 break
             candidate = tuner.next()
             if candidate is None:
                 break
+            if calibration.rules_out(candidate, predicted[candidate]):
+                pruned.append(TrialResult(candidate, CALIBRATED, predicted_bytes=predicted[candidate]))
+                tuner.record(candidate, None)
+                advance(f"{candidate.name}: skipped, {CALIBRATED}")
+                continue
             trial = (
                 _from_file(candidate, reused[candidate.name])
                 if candidate.name in reused
                 else run_trial(setup, candidate)
             )
             trial.predicted_bytes = predicted[candidate]
+            calibration.learn(trial)
             ran.append(trial)
             score = _score(trial, tuning.metric)
             tuner.record(candidate, score)
             advance(f"{candidate.name}: {trial.status if not trial.fits else f'{trial.samples_per_s:.2f} samples/s'}")
             if stop.update(score):
                 break
+        ran = _confirmed(ran, int(tuning.confirm_top), setup, tuning.metric, spent)
 
     ranked = sorted((t for t in ran if t.fits), key=lambda t: -(_score(t, tuning.metric) or 0.0))
     ranked += [t for t in ran if not t.fits] + pruned
@@ -216,6 +228,8 @@ def autotune(
         "memory_cap_bytes": cap,
         "candidates": len(everything),
         "pruned": len(pruned),
+        "pruned_calibrated": sum(t.status == CALIBRATED for t in pruned),
+        "confirmed": sum(t.runs > 1 for t in ran),
         "trials_run": len(ran),
         "wall_s": round(result.wall_s, 3),
         "profile": vars(profile),
@@ -270,6 +284,22 @@ def predict_peak(
         frozen //= world
     peak = estimate.peak if device.type == "cpu" else estimate.peak_on_device
     return int(peak + frozen)
+
+
+def _confirmed(
+    ran: list[TrialResult], top: int, setup: TrialSetup, metric: str, spent: Callable[[], bool]
+) -> list[TrialResult]:
+    """``ran`` with its ``top`` best fitted trials run once more and combined (see [Note: confirming the best]
+    in refine.py); nothing to confirm when fewer than two fitted."""
+    fitted = sorted((t for t in ran if t.fits), key=lambda t: -(_score(t, metric) or 0.0))
+    if len(fitted) < 2:
+        return ran
+    again: dict[int, TrialResult] = {}
+    for first in fitted[:top]:
+        if spent():
+            break
+        again[id(first)] = combine(first, run_trial(setup, first.candidate))
+    return [again.get(id(t), t) for t in ran]
 
 
 def _keep_largest(runnable: list[Candidate], per_group: int) -> list[Candidate]:

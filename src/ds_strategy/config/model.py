@@ -325,7 +325,8 @@ class AutotuningConfig:
 
     DeepSpeed's keys with DeepSpeed's defaults, plus ``max_memory_per_rank`` (a cap a trial must stay under:
     bytes, a size with a unit such as ``"16GB"`` / ``"512MiB"``, or ``"auto"``: see ``memory_cap``) and
-    ``time_budget_s`` (no trial starts after it). DeepSpeed's keys that make no sense in-process
+    ``time_budget_s`` (no trial starts after it) and ``confirm_top`` (the best fitted trials run once more,
+    ranked by both runs). DeepSpeed's keys that make no sense in-process
     (``arg_mappings``, ``model_info``, ``model_info_path``, ``metric_path``, an ``mp_size`` above 1, the
     metrics ``"forward"`` / ``"step"``) are refused with the reason (config/support.py, config/checks.py).
     A direct construction is validated as ``load_config`` validates the block (``tuner_type="grid"`` is
@@ -350,6 +351,7 @@ class AutotuningConfig:
     mp_size: int = 1
     max_memory_per_rank: int | str | None = None
     time_budget_s: float | None = None
+    confirm_top: int = 2
 
     def __post_init__(self) -> None:
         schema = load_schema()

@@ -353,6 +353,7 @@ SUPPORT: dict[str, Support] = {
     ),
     "autotuning.max_memory_per_rank": _acted('a trial above this cap does not fit (bytes, "16GB", "auto")'),
     "autotuning.time_budget_s": _acted("no trial starts after this many seconds"),
+    "autotuning.confirm_top": _acted("the best fitted trials run once more, ranked by both runs"),
     "autotuning.arg_mappings": _refused("ds_strategy tunes in-process: no command line is rewritten"),
     "autotuning.model_info": _refused("the model is profiled in-process at the start of the tune"),
     "autotuning.model_info_path": _refused("the model is profiled in-process at the start of the tune"),
