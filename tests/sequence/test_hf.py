@@ -102,6 +102,7 @@ def _refusals_body(rank: int, world: int) -> list[str]:
             ),
             lambda: register(core="eager"),
             lambda: _model("Mistral", "ds_ulysses", sliding_window=8)(**shard_batch(batch)),
+            lambda: model.generate(shard_batch(batch)["input_ids"], max_new_tokens=2, do_sample=False),
         ):
             try:
                 call()
@@ -121,6 +122,7 @@ def test_refusals_name_the_problem() -> None:
     assert "Ulysses attention: attention_mask row 1 has padding before its last real token" in errors[2], errors[2]
     assert "core='eager'" in errors[3], errors[3]
     assert "sliding window of 8 tokens over a sequence of 14 (7 per rank x 2)" in errors[4], errors[4]
+    assert "1 queries against 8 keys per rank (a key/value cache: generation) is not supported" in errors[5], errors[5]
 
 
 def test_register_needs_transformers_imported(monkeypatch: pytest.MonkeyPatch) -> None:

@@ -127,6 +127,11 @@ def _forward(
     sp = 1 if comm is None else comm.world_size
     if attention_mask is not None:
         _check_mask(attention_mask, comm)
+    if key.shape[2] != query.shape[2]:
+        raise ValueError(
+            f"Ulysses attention: {query.shape[2]} queries against {key.shape[2]} keys per rank (a key/value cache: "
+            "generation) is not supported; it needs the same shard of the sequence for both (training, evaluation)"
+        )
     window = kwargs.get("sliding_window")
     if window is not None and query.shape[2] * sp > window:
         raise ValueError(
