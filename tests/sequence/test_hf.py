@@ -22,6 +22,7 @@ TOL = {"atol": 1e-5, "rtol": 1e-4}
 
 
 def _model(kind: str, attn: str, **extra: object):  # type: ignore[no-untyped-def]
+    """A tiny causal LM from a config (2 key/value heads unless ``extra`` says otherwise), the same on every rank."""
     import transformers
 
     common = {
@@ -29,11 +30,10 @@ def _model(kind: str, attn: str, **extra: object):  # type: ignore[no-untyped-de
         "hidden_size": 64,
         "intermediate_size": 128,
         "num_attention_heads": 4,
-        "num_key_value_heads": 2,
         "num_hidden_layers": 2,
         "max_position_embeddings": 64,
     }
-    config = getattr(transformers, f"{kind}Config")(**common, **extra)
+    config = getattr(transformers, f"{kind}Config")(**{"num_key_value_heads": 2, **common, **extra})
     torch.manual_seed(0)
     model = getattr(transformers, f"{kind}ForCausalLM")._from_config(config, attn_implementation=attn)
     return model.float().train()
@@ -50,18 +50,33 @@ def _batch() -> dict[str, torch.Tensor]:
     return {"input_ids": ids, "attention_mask": mask, "labels": labels}
 
 
-def _parity_body(rank: int, world: int, kind: str) -> None:
-    import transformers  # noqa: F401  (register takes it from sys.modules)
+def fake_flash(module, query, key, value, attention_mask, dropout=0.0, scaling=None, is_causal=None, **kwargs):  # type: ignore[no-untyped-def]
+    """A stand-in for transformers' flash attention (not on CPU): its calling convention, GQA through
+    ``module.num_key_value_groups`` (as transformers' cores without native GQA do), ``[B, S, H, D]`` out."""
+    import torch.nn.functional as F
+
+    assert attention_mask is None and is_causal is True and "position_ids" not in kwargs
+    groups = module.num_key_value_groups
+    key, value = key.repeat_interleave(groups, dim=1), value.repeat_interleave(groups, dim=1)
+    out = F.scaled_dot_product_attention(query, key, value, dropout_p=dropout, is_causal=True, scale=scaling)
+    return out.transpose(1, 2), None
+
+
+def _parity_body(rank: int, world: int, kind: str, core: str, kv: int) -> None:
+    import transformers
 
     from ds_strategy.sequence import register, shard_batch
 
-    register()
+    name = "ds_ulysses" if core == "sdpa" else "ds_ulysses_fake"
+    if core != "sdpa":
+        transformers.AttentionInterface.register(core, fake_flash)
+    register(name, core=core)
     batch = _batch()
-    ref = _model(kind, "sdpa")
+    ref = _model(kind, "sdpa", num_key_value_heads=kv)
     ref_loss = ref(**batch).loss
     ref_loss.backward()
     with layout(world) as groups:
-        model = _model(kind, "ds_ulysses")
+        model = _model(kind, name, num_key_value_heads=kv)
         local = shard_batch(batch, pad_token_id=0)
         assert local["input_ids"].shape == (2, 7) and "attention_mask" not in local
         loss = model(**local).loss
@@ -69,17 +84,32 @@ def _parity_body(rank: int, world: int, kind: str) -> None:
         mean_loss = loss.detach().clone()
         dist.all_reduce(mean_loss)
         torch.testing.assert_close(mean_loss / world, ref_loss.detach(), **TOL)
-        for (name, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
-            assert p.grad is not None, name
+        for (name_, p), q in zip(model.named_parameters(), ref.parameters(), strict=True):
+            assert p.grad is not None, name_
             grad = p.grad.clone()
             dist.all_reduce(grad)  # the engine's average over the sp x dp ranks
-            torch.testing.assert_close(grad / world, q.grad, **TOL, msg=lambda m, name=name: f"{name}: {m}")
+            torch.testing.assert_close(grad / world, q.grad, **TOL, msg=lambda m, n=name_: f"{n}: {m}")
         assert groups.sp_size == world
+        # the modules were viewed, not changed: their own number of key/value groups is the model's
+        assert all(layer.self_attn.num_key_value_groups == 4 // kv for layer in model.model.layers)
+    if core != "sdpa":  # leave the worker's transformers as it was
+        from transformers.masking_utils import AttentionMaskInterface
+
+        for interface in (transformers.AttentionInterface, AttentionMaskInterface):
+            interface._global_mapping.pop(name, None)
+        transformers.AttentionInterface._global_mapping.pop(core)
 
 
-@pytest.mark.parametrize("kind", ["Llama", "Qwen2"])
-def test_matches_one_process(kind: str) -> None:
-    run_distributed(_parity_body, world_size=2, args=(kind,))
+@pytest.mark.parametrize(
+    ("kind", "core", "kv"),
+    [
+        ("Llama", "sdpa", 2),
+        ("Qwen2", "sdpa", 2),
+        ("Llama", "flash_attention_fake", 1),  # 1 kv head replicated to 2: the core sees 2 query heads per kv head
+    ],
+)
+def test_matches_one_process(kind: str, core: str, kv: int) -> None:
+    run_distributed(_parity_body, world_size=2, args=(kind, core, kv))
 
 
 def _refusals_body(rank: int, world: int) -> list[str]:
@@ -100,7 +130,7 @@ def _refusals_body(rank: int, world: int) -> list[str]:
             lambda: model(
                 input_ids=batch["input_ids"][:, :7], attention_mask=left[:, :7] if rank == 0 else left[:, 6:]
             ),
-            lambda: register(core="eager"),
+            lambda: register(core="flex_attention"),
             lambda: _model("Mistral", "ds_ulysses", sliding_window=8)(**shard_batch(batch)),
             lambda: model.generate(shard_batch(batch)["input_ids"], max_new_tokens=2, do_sample=False),
         ):
@@ -120,7 +150,7 @@ def test_refusals_name_the_problem() -> None:
     ), errors[0]
     assert "position_ids of row 0 do not step by 1" in errors[1], errors[1]
     assert "Ulysses attention: attention_mask row 1 has padding before its last real token" in errors[2], errors[2]
-    assert "core='eager'" in errors[3], errors[3]
+    assert "register(core='flex_attention'): Ulysses runs 'sdpa' or transformers' flash" in errors[3], errors[3]
     assert "sliding window of 8 tokens over a sequence of 14 (7 per rank x 2)" in errors[4], errors[4]
     assert "1 queries against 8 keys per rank (a key/value cache: generation) is not supported" in errors[5], errors[5]
 

@@ -65,21 +65,17 @@ def register(name: str = NAME, core: str = "sdpa") -> Callable[..., tuple[torch.
 
     ``core``: the attention run on the whole sequence for this rank's heads. ``"sdpa"``: torch's
     ``scaled_dot_product_attention`` with ``is_causal=True`` (grouped-query attention through
-    ``enable_gqa``). Any other name registered in transformers' ``AttentionInterface`` (``"flash_attention_2"``,
-    ``"flex_attention"``, ...) is called as transformers calls it, with no mask and ``is_causal=True``.
-    ``"eager"`` is refused: transformers' eager attention is causal only through the mask.
+    ``enable_gqa``). ``"flash_attention_2"`` (``_3``, ``_4``): transformers' flash attention, called as
+    transformers calls it, with no mask and ``is_causal=True``. Other cores are refused: transformers' eager
+    and flex attention are causal only through a mask, which does not exist for the whole sequence here.
     """
     transformers = _transformers()
     interface = transformers.AttentionInterface
-    if core == "eager":
+    flash = sorted(k for k in interface._global_mapping if k.startswith("flash_attention_"))
+    if core != "sdpa" and core not in flash:
         raise ValueError(
-            "register(core='eager'): transformers' eager attention is causal only through a mask, which Ulysses "
-            "cannot pass; use core='sdpa' or a flash / flex attention"
-        )
-    if core != "sdpa" and core not in interface._global_mapping:
-        raise ValueError(
-            f"register(core={core!r}): not an attention of transformers' AttentionInterface; valid: 'sdpa', "
-            f"{sorted(k for k in interface._global_mapping if k != 'sdpa')}"
+            f"register(core={core!r}): Ulysses runs 'sdpa' or transformers' flash attention ({', '.join(flash)}) "
+            "over the whole sequence; eager and flex attention are causal only through a mask it cannot pass"
         )
     if name in interface._global_mapping and not getattr(interface._global_mapping[name], "_ds_ulysses", False):
         raise ValueError(f"register(name={name!r}): transformers already has an attention of that name; pick another")
