@@ -31,6 +31,7 @@ LAYERS: dict[str, tuple[int, str]] = {
     "ds_strategy.pipe": (3, "the public ds_strategy.pipe namespace of runtime.pipe (pipeline parallelism)"),
     "ds_strategy.moe": (3, "the public ds_strategy.moe namespace of runtime.moe (mixture of experts)"),
     "ds_strategy.checkpointing": (3, "the public ds_strategy.checkpointing namespace (activation checkpointing)"),
+    "ds_strategy.sequence": (3, "Ulysses sequence parallelism: torch and comm only, under the engine"),
     "ds_strategy.autotuning": (4, "the autotuner: runs engines in-process, trial after trial"),
     "ds_strategy.lightning": (4, "the Lightning adapter over the engine (and the autotuner's Lightning face)"),
     "ds_strategy.demo": (5, "the main job: runs the adapter"),

@@ -77,7 +77,6 @@ def test_the_warning_class_is_public() -> None:
             "offload_optimizer.ratio",
         ),
         ({"zero_optimization": {"stage": 3, "zeropp_loco_param": {"err_beta": 0.8}}}, "zeropp_loco_param"),
-        ({"sequence_parallel_size": 2}, "sequence_parallel_size"),
         ({"torch_autocast": {"enabled": True}}, "torch_autocast"),
         ({"bf16": {"enabled": True, "bf16_optimizer_states": True}}, "bf16.bf16_optimizer_states"),
     ],
@@ -158,3 +157,16 @@ def test_keys_marked_x_ignored_are_never_classified_as_acted_on() -> None:
 
     acted = [p for p in PATHS if ignored(p) and SUPPORT[p].kind == ACTED]
     assert not acted, f"the loader drops x-ignored keys, so they cannot be acted on: {acted}"
+
+
+def test_sequence_parallel_size_divides_the_ranks_and_the_batch_counts_data_parallel_ranks() -> None:
+    """Ulysses: ``sequence_parallel_size`` ranks hold one sequence, so the batch arithmetic uses ranks / sp."""
+    config = load_config({"train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": 2}, world_size=8)
+    assert (config.world_size, config.sequence_parallel_size, config.train_batch_size) == (4, 2, 8)
+    # re-resolving keeps the ranks it was resolved for
+    assert load_config(config, context={"micro_batch_size": 2}).world_size == 4
+    with pytest.raises(
+        ConfigError,
+        match=r"sequence_parallel_size: 3 does not divide the 8 ranks \(valid for 8 ranks: \[1, 2, 4, 8\]\)",
+    ):
+        load_config({"train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": 3}, world_size=8)

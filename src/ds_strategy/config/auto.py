@@ -109,7 +109,25 @@ def _world_size(explicit: int | None, ctx: ConfigContext, res: Resolution) -> in
             )
         )
         return None
-    return explicit if explicit is not None else ctx.world_size
+    ranks = explicit if explicit is not None else ctx.world_size
+    return ranks if ranks is None else _data_parallel(ranks, res)
+
+
+def _data_parallel(ranks: int, res: Resolution) -> int | None:
+    """The ranks' data-parallel size: a sequence-parallel group of ``sequence_parallel_size`` ranks holds one
+    sequence between them, so it counts as one data-parallel rank in the batch arithmetic."""
+    sp = res.config.get("sequence_parallel_size", 1)
+    if not _is_count(sp) or sp == 1:
+        return ranks
+    if ranks % sp:
+        valid = [d for d in range(1, ranks + 1) if ranks % d == 0]
+        res.problems.append(
+            ConfigProblem(
+                "sequence_parallel_size", f"{sp} does not divide the {ranks} ranks (valid for {ranks} ranks: {valid})"
+            )
+        )
+        return None
+    return ranks // sp
 
 
 def _batch(ctx: ConfigContext, res: Resolution) -> None:

@@ -68,7 +68,8 @@ def load_config(
 
     ``config`` is a dict, a path to a JSON file, a JSON object as text, or a ``DeepSpeedConfig``
     (returned as is, or re-resolved from its original input when ``world_size`` / ``context`` are
-    given). ``world_size`` is the data-parallel world size used for the batch arithmetic; ``context``
+    given). ``world_size`` is the number of ranks training together; the batch arithmetic uses their
+    data-parallel size, ``world_size / sequence_parallel_size`` (``config.world_size``); ``context``
     (a ``ConfigContext`` or a mapping of its fields) supplies values for "auto" entries.
 
     Raises ``ConfigError`` listing every problem found. Emits ``ConfigDeprecationWarning`` for legacy
@@ -83,8 +84,8 @@ def load_config(
         if ctx is None and config.context is not None:
             # Reuse the earlier context; a newly given world size replaces the one it carried.
             ctx = config.context if world_size is None else dataclasses.replace(config.context, world_size=None)
-        if world_size is None and (ctx is None or ctx.world_size is None):
-            world_size = config.world_size
+        if world_size is None and (ctx is None or ctx.world_size is None) and config.world_size is not None:
+            world_size = config.world_size * config.sequence_parallel_size  # the ranks it was resolved for
         # Re-resolution: the first load already warned about the ignored settings.
         return _load(raw, world_size=world_size, context=ctx, source=None, warn_ignored=False)
     raw, source = _read(config)

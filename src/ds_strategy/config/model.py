@@ -503,7 +503,8 @@ class DeepSpeedConfig:
     train_batch_size: int | None = None
     train_micro_batch_size_per_gpu: int | None = None
     gradient_accumulation_steps: int | None = None
-    world_size: int | None = field(default=None, metadata=_NOT_JSON)
+    world_size: int | None = field(default=None, metadata=_NOT_JSON)  # data-parallel: ranks / sequence_parallel_size
+    sequence_parallel_size: int = 1
     steps_per_print: int | None = None
     wall_clock_breakdown: bool = False
     gradient_clipping: float = 0.0

@@ -81,8 +81,7 @@ SUPPORT: dict[str, Support] = {
     "gradient_allreduce_op": _acted(),
     "communication_data_type": _acted(),
     "seq_parallel_comm_data_type": _warned(
-        "ds_strategy has no sequence parallelism (sequence_parallel_size above 1 is refused), so there are no "
-        "sequence-parallel collectives for it to type"
+        "Ulysses' all-to-alls move the activations in their own dtype (the compute dtype); they are not cast"
     ),
     "data_types": _acted(),
     "data_types.grad_accum_dtype": _acted(),
@@ -306,8 +305,8 @@ SUPPORT: dict[str, Support] = {
         "ds_strategy's engine always tracks accumulation boundaries", when=_is(False)
     ),
     "disable_python_gc": _warned(_PERF_ONLY),
-    "sequence_parallel_size": _refused(
-        "Ulysses sequence parallelism is not built", when=lambda v: isinstance(v, int) and v > 1
+    "sequence_parallel_size": _acted(
+        "Ulysses sequence parallelism over consecutive groups of this many ranks (docs/sequence_parallel.md)"
     ),
     "use_data_before_expert_parallelism": _warned(
         "ds_strategy.moe.MoE's expert groups always use DeepSpeed's default order (expert-parallel ranks consecutive, "

@@ -43,6 +43,7 @@ class StrategyKeywords:
     offload_optimizer_device: str | None = None  # Lightning DeepSpeedStrategy's names: "cpu" or "nvme"
     offload_params_device: str | None = None
     nvme_path: str | None = None
+    sequence_parallel_size: int | None = None
 
     def given(self) -> dict[str, Any]:
         return {f.name: getattr(self, f.name) for f in fields(self) if getattr(self, f.name) is not None}
@@ -93,6 +94,7 @@ _PATHS: dict[str, tuple[str, ...]] = {
     "loss_scale": ("fp16", "loss_scale"),
     "initial_scale_power": ("fp16", "initial_scale_power"),
     "micro_batch_size": ("train_micro_batch_size_per_gpu",),
+    "sequence_parallel_size": ("sequence_parallel_size",),
 }
 
 

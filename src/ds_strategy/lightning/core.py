@@ -93,6 +93,22 @@ class ZeroCore:
     def stage(self) -> int:
         return configured_stage(self.raw_config)
 
+    @property
+    def sequence_parallel_size(self) -> int:
+        """The config's ``sequence_parallel_size`` (1 without Ulysses)."""
+        sp = self.raw_config.get("sequence_parallel_size", 1)
+        return sp if isinstance(sp, int) and not isinstance(sp, bool) and sp > 1 else 1
+
+    def shard_batch(self, batch: Any) -> Any:
+        """With sequence parallelism, a Hugging Face style batch (a mapping with ``input_ids``) becomes this
+        rank's slice of each sequence (ds_strategy.sequence.shard_batch, over the engine's active layout);
+        any other batch, or no sequence parallelism, is returned as it is."""
+        if self.sequence_parallel_size == 1 or not isinstance(batch, Mapping) or "input_ids" not in batch:
+            return batch
+        from ds_strategy.sequence import shard_batch
+
+        return shard_batch(dict(batch))
+
     def launcher(self, strategy: ProcessLayout, script: Callable[..., Any], fork: Callable[..., Any]) -> Any:
         """The launcher ``strategy`` starts its ranks with: none when this process stands for a rank of a fake
         group (it is the run), ``script(environment, processes, nodes)`` when each rank re-runs the script,
@@ -161,6 +177,10 @@ class ZeroFace:
     @property
     def stage(self) -> int:
         return self.core.stage
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return self.core.sequence_parallel_size
 
 
 def start_method_here(start_method: str) -> Literal["popen", "fork", "spawn"]:

@@ -106,6 +106,7 @@ class ZeroFabricStrategy(ZeroFace, ProcessLayout, ParallelStrategy, _Sharded):
         on_conflict: OnConflict = "error",
         exclude_frozen_parameters: bool = False,
         compile: CompileArg = None,
+        sequence_parallel_size: int | None = None,
     ) -> None:
         self.core = ZeroCore.of("ZeroFabricStrategy", locals())
         super().__init__(

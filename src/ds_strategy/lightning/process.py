@@ -106,6 +106,9 @@ class ProcessLayout:
         _process_group_backend: str | None
         _timeout: timedelta | None
 
+        @property  # provided by the face (core.py's ZeroFace)
+        def sequence_parallel_size(self) -> int: ...
+
     def layout_process_group(self, backend: str | None, timeout: timedelta | None) -> None:
         """The strategy's ``process_group_backend`` and ``timeout`` keywords (one node until Lightning says
         otherwise); called from the strategy's ``__init__``."""
@@ -133,9 +136,10 @@ class ProcessLayout:
     @property
     def distributed_sampler_kwargs(self) -> dict[str, Any]:
         fake = fake_ranks(self.num_nodes * self.num_processes)
-        if fake is not None:  # this process reads rank r's share of the data
-            return {"num_replicas": fake[1], "rank": fake[0]}
-        return {"num_replicas": self.num_nodes * self.num_processes, "rank": self.global_rank}
+        rank, ranks = fake if fake is not None else (self.global_rank, self.num_nodes * self.num_processes)
+        # The ranks of a sequence-parallel group (consecutive) read the same samples: one replica per group.
+        sp = self.sequence_parallel_size
+        return {"num_replicas": ranks // sp, "rank": rank // sp}
 
     @property
     def process_group_backend(self) -> str | None:

@@ -93,6 +93,10 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
         offload_optimizer_device, offload_params_device: "cpu" or "nvme" (Lightning DeepSpeedStrategy's
             names; "nvme" keeps the offloaded state in swap files under ``nvme_path``, docs/nvme.md).
         nvme_path: the directory of the swap files of every block offloaded to NVMe.
+        sequence_parallel_size: Ulysses sequence parallelism over groups of this many consecutive ranks
+            (the config's ``sequence_parallel_size``): each holds 1/P of every sequence, the sampler deals
+            batches per sequence-parallel group, and a batch dict with ``input_ids`` is sharded along the
+            sequence before the step (``ds_strategy.sequence.shard_batch``; docs/sequence_parallel.md).
         config: a DeepSpeed config, as a dict or the path of a JSON file. Everything not covered by a
             keyword lives here; Trainer arguments fill what it leaves absent or "auto".
         reduce_bucket_size: elements per gradient-reduction bucket (``zero_optimization.reduce_bucket_size``).
@@ -153,6 +157,7 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
         on_conflict: OnConflict = "error",
         exclude_frozen_parameters: bool = False,
         compile: CompileArg = None,
+        sequence_parallel_size: int | None = None,
     ) -> None:
         self.config = config
         self.core = ZeroCore.of("ZeroStrategy", locals())  # checks the config before anything is launched
@@ -195,6 +200,11 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
     @override
     def _configure_launcher(self) -> None:
         self._launcher = self.core.launcher(self, _SubprocessScriptLauncher, ZeroMultiProcessingLauncher)
+
+    @override
+    def batch_to_device(self, batch: Any, device: torch.device | None = None, dataloader_idx: int = 0) -> Any:
+        """Lightning's move, then, with sequence parallelism, this rank's slice of each sequence (core.py)."""
+        return self.core.shard_batch(super().batch_to_device(batch, device, dataloader_idx))
 
     # ------------------------------------------------------------------ process group
     @override

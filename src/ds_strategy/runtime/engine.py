@@ -43,6 +43,7 @@ from ds_strategy.config import DeepSpeedConfig, load_config
 from ds_strategy.log import get_logger
 from ds_strategy.runtime import activation_checkpointing
 from ds_strategy.runtime.activation_checkpointing import ModelParallelUnit
+from ds_strategy.sequence.groups import SequenceGroups, set_active
 
 from .compile import Backend, CompiledForwards, check_backend, check_kwargs, compile_regions, mark_leaves
 from .counters import StepCounters
@@ -90,8 +91,14 @@ class ZeroEngine(nn.Module):
         super().__init__()
         self.comms_logger = CommsLogger.from_config(config.comms_logger)
         self.coll = Collectives(process_group, logger=self.comms_logger)
-        if config.world_size != self.coll.world_size:
+        if config.world_size is None or config.world_size * config.sequence_parallel_size != self.coll.world_size:
             config = load_config(config, world_size=self.coll.world_size)
+        # Ulysses: ZeRO partitions and reduces over every rank of the group (DeepSpeed's sequence-data-parallel
+        # group); the sequence-parallel groups trade sequence for heads around attention (ds_strategy.sequence).
+        self.sequence: SequenceGroups | None = None
+        if config.sequence_parallel_size > 1:
+            self.sequence = SequenceGroups.build(config.sequence_parallel_size, process_group, worker_from=self.coll)
+            set_active(self.sequence)
         self.config = config
         self.batch = config.batch  # raises a ConfigError naming what is missing
         if config.input_config is not None and "activation_checkpointing" in config.input_config:
@@ -594,11 +601,30 @@ class ZeroEngine(nn.Module):
 
     @property
     def dp_rank(self) -> int:
-        """This rank's index in the data-parallel group."""
-        return self.coll.rank
+        """This rank's index in the data-parallel group (the ranks of a sequence-parallel group share one)."""
+        return self.coll.rank if self.sequence is None else self.sequence.dp_rank
 
     @property
     def dp_world_size(self) -> int:
+        """The data-parallel size: ranks / ``sequence_parallel_size`` (the batch arithmetic's world size)."""
+        return self.coll.world_size if self.sequence is None else self.sequence.dp_size
+
+    @property
+    def sequence_parallel_size(self) -> int:
+        return 1 if self.sequence is None else self.sequence.sp_size
+
+    @property
+    def seq_parallel_group(self) -> dist.ProcessGroup | None:
+        """This rank's sequence-parallel group (None without sequence parallelism)."""
+        return None if self.sequence is None else self.sequence.sp_group
+
+    @property
+    def seq_data_parallel_group(self) -> dist.ProcessGroup | None:
+        """The group ZeRO partitions and reduces over: every rank, sequence- and data-parallel (None: the world)."""
+        return self.coll.group
+
+    @property
+    def seq_dp_world_size(self) -> int:
         return self.coll.world_size
 
     @property
@@ -730,6 +756,8 @@ class ZeroEngine(nn.Module):
         self.stage.close()  # NVMe offload: its swap files go with the engine
         if self.moe is not None:
             self.moe.close()
+        if self.sequence is not None:
+            self.sequence.close()  # the sequence-parallel groups it made; no longer the active layout
         self.hybrid.close()
         self.coll.close()
 
