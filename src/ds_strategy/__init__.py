@@ -33,7 +33,7 @@ _LAZY: dict[str, str] = {
 }
 
 # submodules users reach as attributes: ds_strategy.zero.Init(...), ds_strategy.ops.CPUAdam(...)
-_SUBMODULES = ("zero", "pipe", "checkpointing", "ops", "comm", "config", "lightning", "runtime")
+_SUBMODULES = ("zero", "pipe", "checkpointing", "sequence", "ops", "comm", "config", "lightning", "runtime")
 
 __all__ = ["__version__", *_LAZY, *_SUBMODULES]
 

@@ -163,3 +163,29 @@ def test_sequence_parallel_trains_like_one_process(
             f"stage {stage} {precision} sp {sp} x dp {dp}{' checkpointed' if ckpt else ''}",
             references[(stage, "fp32", 1, dp, ckpt)],
         )
+
+
+def _refusals(rank: int, world: int) -> list[str]:
+    from torch import nn
+
+    import ds_strategy
+    from ds_strategy.moe import MoE
+    from ds_strategy.pipe import PipelineModule
+
+    config = {"train_micro_batch_size_per_gpu": 1, "sequence_parallel_size": 2, "optimizer": {"type": "SGD"}}
+    errors = []
+    for model in (
+        nn.Sequential(MoE(hidden_size=8, expert=nn.Linear(8, 8), num_experts=2, ep_size=1)),
+        PipelineModule([nn.Linear(8, 8), nn.Linear(8, 8)], num_stages=1, loss_fn=nn.MSELoss()),
+    ):
+        try:
+            ds_strategy.initialize(model=model, config=config)
+        except ValueError as err:
+            errors.append(str(err))
+    return errors
+
+
+def test_what_is_not_built_beside_sequence_parallelism_is_refused() -> None:
+    moe, pipe = run_distributed(_refusals, world_size=2)[0]
+    assert moe.startswith("sequence_parallel_size=2 with ds_strategy.moe.MoE layers"), moe
+    assert "PipelineModule, ...) with sequence_parallel_size=2" in pipe, pipe

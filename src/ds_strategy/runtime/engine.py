@@ -129,6 +129,12 @@ class ZeroEngine(nn.Module):
             coll=self.coll,
         )
         if self.moe is not None:
+            if config.sequence_parallel_size > 1:
+                raise ValueError(
+                    f"sequence_parallel_size={config.sequence_parallel_size} with ds_strategy.moe.MoE layers: "
+                    "expert parallelism beside Ulysses sequence parallelism is not built; train the MoE model "
+                    "with sequence_parallel_size 1, or a dense model with sequence parallelism"
+                )
             groups = self.moe.split(groups, optimizer)
         named, registration = named_trainable_groups(module, groups)
         trainable = {id(p) for group in named for _, p in group}

@@ -142,6 +142,11 @@ def initialize(
     world = dist.get_world_size(process_group)
     resolved: DeepSpeedConfig = load_config(config, world_size=world)
     if pipeline is not None:
+        if resolved.sequence_parallel_size > 1:
+            raise ValueError(
+                f"initialize(model=PipelineModule, ...) with sequence_parallel_size={resolved.sequence_parallel_size}: "
+                "Ulysses sequence parallelism inside pipeline stages is not built; use one or the other"
+            )
         resolved = apply_pipeline_config(pipeline, resolved)
     engine = ZeroEngine(
         model,
