@@ -17,6 +17,7 @@ from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from tests.harness import run_distributed
 from tests.lightning.common import ELASTIC_ENV
+from tests.sequence.common import tiny_causal_lm
 
 STEPS, MICRO, SEQ, LR = 3, 2, 13, 0.5
 KW: dict[str, Any] = {"env": ELASTIC_ENV, "init_process_group": False, "timeout": 300}
@@ -37,22 +38,12 @@ class Tokens(Dataset[dict[str, torch.Tensor]]):
 
 
 def _model(attn: str) -> Any:
-    import transformers
+    import transformers  # noqa: F401  (register takes it from sys.modules)
 
     from ds_strategy.sequence import register
 
     register()
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    return transformers.LlamaForCausalLM._from_config(config, attn_implementation=attn).float().train()
+    return tiny_causal_lm("Llama", attn)
 
 
 def _reference(shuffle: bool) -> dict[str, torch.Tensor]:

@@ -31,6 +31,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
+from tests.sequence.common import tiny_causal_lm
 
 STEPS, MICRO, SEQ, LR, SGD_LR = 3, 2, 13, 1e-3, 0.5
 TOL = {
@@ -40,22 +41,10 @@ TOL = {
 
 
 def _model(attn: str, checkpointing: bool) -> Any:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-        max_position_embeddings=64,
-    )
-    torch.manual_seed(0)
-    model = transformers.LlamaForCausalLM._from_config(config, attn_implementation=attn)
+    model = tiny_causal_lm("Llama", attn)
     if checkpointing:
         model.gradient_checkpointing_enable()
-    return model.float().train()
+    return model
 
 
 def _batch(step: int, dp_rank: int) -> dict[str, torch.Tensor]:

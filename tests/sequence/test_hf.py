@@ -16,27 +16,12 @@ import torch
 import torch.distributed as dist
 
 from tests.harness import run_distributed
-from tests.sequence.common import layout
+from tests.sequence.common import layout, tiny_causal_lm
 
 TOL = {"atol": 1e-5, "rtol": 1e-4}
 
 
-def _model(kind: str, attn: str, **extra: object):  # type: ignore[no-untyped-def]
-    """A tiny causal LM from a config (2 key/value heads unless ``extra`` says otherwise), the same on every rank."""
-    import transformers
-
-    common = {
-        "vocab_size": 128,
-        "hidden_size": 64,
-        "intermediate_size": 128,
-        "num_attention_heads": 4,
-        "num_hidden_layers": 2,
-        "max_position_embeddings": 64,
-    }
-    config = getattr(transformers, f"{kind}Config")(**{"num_key_value_heads": 2, **common, **extra})
-    torch.manual_seed(0)
-    model = getattr(transformers, f"{kind}ForCausalLM")._from_config(config, attn_implementation=attn)
-    return model.float().train()
+_model = tiny_causal_lm
 
 
 def _batch() -> dict[str, torch.Tensor]:

@@ -181,6 +181,17 @@ class GroupSet:
             _records.subgroup_names.add(group.group_name)
         return group
 
+    def partition(self, rank_sets: list[list[int]], **kwargs: Any) -> tuple[Any, list[int]]:
+        """A group for every set of ``rank_sets`` (disjoint sets covering the ranks), created on every rank in
+        this order (``new_group`` is a collective over the default group); returns this rank's group and its
+        ranks, or ``(None, [])`` when this rank is in none of the sets."""
+        me, mine, ranks_of_mine = dist.get_rank(), None, []
+        for ranks in rank_sets:
+            group = self.new_group(ranks, **kwargs)
+            if me in ranks:
+                mine, ranks_of_mine = group, ranks
+        return mine, ranks_of_mine
+
     def __contains__(self, group: object) -> bool:
         return any(g is group for g in self._groups)
 

@@ -95,18 +95,9 @@ class SequenceGroups:
                 dp_comm=Communicator(group, fast_path=False),
             )
         owned = GroupSet(attributes=("sp_group", "dp_group"))  # destroyed by close() and at exit
-        mine_sp = mine_dp = None
-        sp_ranks: list[int] = []
-        dp_ranks: list[int] = []
         # Every rank creates every group, in one order (new_group is collective over the world).
-        for ranks in sp_sets:
-            pg = _new_group(ranks, owned)
-            if me in ranks:
-                mine_sp, sp_ranks = pg, ranks
-        for ranks in dp_sets:
-            pg = _new_group(ranks, owned)
-            if me in ranks:
-                mine_dp, dp_ranks = pg, ranks
+        mine_sp, sp_ranks = owned.partition(sp_sets, backend=dist.get_backend())
+        mine_dp, dp_ranks = owned.partition(dp_sets, backend=dist.get_backend())
         assert mine_sp is not None and mine_dp is not None
         out = cls(
             sp,
@@ -134,12 +125,6 @@ class SequenceGroups:
         self.dp_comm.close()
         if self.owned is not None:
             self.owned.destroy()
-
-
-def _new_group(ranks: list[int], owned: GroupSet) -> dist.ProcessGroup:
-    group = owned.new_group(ranks, backend=dist.get_backend())
-    assert group is not None
-    return group
 
 
 _active: SequenceGroups | None = None

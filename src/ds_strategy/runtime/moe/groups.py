@@ -79,19 +79,10 @@ class ExpertGroups:
         world = dist.get_process_group_ranks(group) if group is not None else list(range(dist.get_world_size()))
         ep, edp = group_ranks(world, ep_size)
         me = dist.get_rank()
-        mine_ep = mine_edp = None
-        ep_ranks: list[int] = []
-        edp_ranks: list[int] = []
         # Every rank creates every group, in one order (new_group is collective over the world).
         owned = GroupSet(attributes=("ep_group", "edp_group"))  # destroyed by close() and at exit
-        for ranks in ep:
-            pg = _new_group(ranks, owned)
-            if me in ranks:
-                mine_ep, ep_ranks = pg, ranks
-        for ranks in edp:
-            pg = _new_group(ranks, owned)
-            if me in ranks:
-                mine_edp, edp_ranks = pg, ranks
+        mine_ep, ep_ranks = owned.partition(ep, backend=dist.get_backend())
+        mine_edp, edp_ranks = owned.partition(edp, backend=dist.get_backend())
         if mine_ep is None or mine_edp is None:
             raise RuntimeError(f"rank {me} is not in the data-parallel group {world} the expert groups were built from")
         out = cls(
@@ -113,10 +104,3 @@ class ExpertGroups:
         self.edp_comm.close()
         if self.owned is not None:
             self.owned.destroy()
-
-
-def _new_group(ranks: list[int], owned: GroupSet) -> dist.ProcessGroup:
-    backend = dist.get_backend()
-    group = owned.new_group(ranks, backend=backend)
-    assert group is not None
-    return group
