@@ -35,6 +35,7 @@ BENCHMARKS = (
     "pipeline",
     "moe",
     "zeropp",
+    "sequence_parallel",
 )
 ALIASES = {"engine": "e2e", "zero3": "e2e"}
 PEERS = {
@@ -51,6 +52,7 @@ PEERS = {
     "compile": "torch DDP eager and torch.compile(DDP), ds_strategy stages 0, 2, 3 eager (inductor)",
     "moe": "gloo all-to-all; DeepSpeed's MoE layer and engine (ZeRO-2, ep_size 1 and 2)",
     "zeropp": "ds_strategy stage 3 without ZeRO++, DeepSpeed's ZeRO++ (where it runs on CPU)",
+    "sequence_parallel": "sp 1 (no sequence parallelism), DeepSpeed's Ulysses DistributedAttention in our engine",
 }
 
 
