@@ -51,6 +51,7 @@ from .hybrid import GenerateFn, HybridEngine
 from .inference_tp import build_tensor_parallel
 from .moe.engine_moe import EngineMoE
 from .moe.full import full_state_dict as moe_full_state_dict
+from .packed import is_packed
 from .params import (
     OptimizerArg,
     ParamsArg,
@@ -221,7 +222,7 @@ class ZeroEngine(nn.Module):
         dtype = self.precision.compute_dtype
         for p in registration:
             if id(p) not in flat_owned:
-                if p.is_floating_point() and p.dtype != dtype:
+                if p.is_floating_point() and p.dtype != dtype and not is_packed(p):  # [Note: packed parameters]
                     p.data = p.data.to(dtype)
                 expert_comm = self.moe.comm_for(p) if self.moe is not None else None
                 (expert_comm or self.coll).broadcast(p.data)  # a frozen expert: within its replicas

@@ -23,6 +23,7 @@ from typing import Any
 import torch
 
 from ..layout import FlatLayout
+from ..packed import is_packed
 from ..zero.buffers import GroupStorage
 from .format import CheckpointError
 from .reshard import index_by_name, read_param_range
@@ -35,8 +36,19 @@ def frozen_storages(engine: CheckpointTarget) -> Sequence[GroupStorage]:
 
 
 def frozen_names(engine: CheckpointTarget) -> set[str]:
-    """Names of every frozen parameter of the module, partitioned or whole."""
-    return {name for name, p in engine.module.named_parameters() if not p.requires_grad}
+    """Names of every frozen parameter of the module, partitioned or whole, and the entries packed ones carry."""
+    return {name for name, p in engine.module.named_parameters() if not p.requires_grad} | packed_names(engine)
+
+
+def packed_names(engine: CheckpointTarget) -> set[str]:
+    """The state-dict entries of another library's packed quantized parameters: each parameter and the
+    quantization state its library saves beside it under ``<name>.`` ([Note: packed parameters])."""
+    packed = tuple(name for name, p in engine.module.named_parameters() if is_packed(p))
+    if not packed:
+        return set()
+    prefixes = tuple(name + "." for name in packed)
+    keys = engine.module.state_dict(keep_vars=True)
+    return set(packed) | {key for key in keys if key.startswith(prefixes)}
 
 
 def saved_partitions(engine: CheckpointTarget) -> list[torch.Tensor]:

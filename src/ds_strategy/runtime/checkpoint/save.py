@@ -31,7 +31,7 @@ from .format import (
     rank_file,
     ranks,
 )
-from .frozen import frozen_names, saved_layouts, saved_partitions
+from .frozen import frozen_names, packed_names, saved_layouts, saved_partitions
 from .partition import saved_group
 from .store import check_tag, write_tag
 from .sync import agree, gather
@@ -63,10 +63,14 @@ def _saved_entries(engine: CheckpointTarget, exclude_frozen: bool) -> dict[str, 
     # An MoE model's expert entries (frozen parameters, buffers) are in the expert files ([Note: expert files]).
     experts = expert_module_entries(engine.module)
     rest = {k: v for k, v in module_entries(engine)[0].items() if k not in experts}
-    if not exclude_frozen:
-        return rest
-    frozen = frozen_names(engine)
-    return {k: v for k, v in rest.items() if k not in frozen}
+    left_out = _left_out(engine, exclude_frozen)
+    return {k: v for k, v in rest.items() if k not in left_out}
+
+
+def _left_out(engine: CheckpointTarget, exclude_frozen: bool) -> set[str]:
+    """The frozen entries a checkpoint leaves out: all of them (``exclude_frozen_parameters``), else the packed
+    ones: another library's quantized base is reloaded from its own files ([Note: packed parameters])."""
+    return frozen_names(engine) if exclude_frozen else packed_names(engine)
 
 
 def _meta(engine: CheckpointTarget, tag: str, client_state: dict[str, Any], exclude_frozen: bool) -> dict[str, Any]:
@@ -110,7 +114,7 @@ def _meta(engine: CheckpointTarget, tag: str, client_state: dict[str, Any], excl
         },
         "aliases": aliases,
         "frozen_groups": [] if exclude_frozen else saved_layouts(engine),
-        "frozen_excluded": sorted(frozen_names(engine)) if exclude_frozen else [],
+        "frozen_excluded": sorted(_left_out(engine, exclude_frozen)),
         "state_keys": keys,
         "counters": engine.counters.state_dict(),
         "scheduler": engine.lr_scheduler.state_dict() if engine.lr_scheduler is not None else None,

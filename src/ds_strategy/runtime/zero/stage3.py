@@ -40,6 +40,7 @@ from torch import nn
 
 from .. import host_memory
 from ..host_memory import trim_heap
+from ..packed import is_packed
 from .base import BucketKey, StageOptions, ZeroStage
 from .buffers import GroupStorage
 from .collectives import Collectives, Handle
@@ -398,7 +399,7 @@ def _frozen(module: nn.Module, trainable: set[int]) -> list[tuple[str, nn.Parame
     for name, p in module.named_parameters():
         if id(p) in trainable:
             continue
-        if p.requires_grad or not p.is_floating_point():
+        if p.requires_grad or not p.is_floating_point() or is_packed(p):  # [Note: packed parameters]
             unpartition_param(p)
         else:
             out.append((name, p))
