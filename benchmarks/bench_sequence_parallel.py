@@ -7,7 +7,7 @@ Writes benchmarks/results/sequence_parallel.{json,md,png}.
     python -m benchmarks.run_all sequence_parallel   # or: python -m benchmarks.bench_sequence_parallel [--quick]
 
 Model: a Hugging Face ``LlamaForCausalLM`` from a config (hidden 256, 8 heads, 4 key/value heads, 4 layers,
-MLP 688, vocabulary 8192, untied head: 7.3M parameters), fp32, AdamW, ZeRO stage 3 (stage 2 at one length),
+MLP 688, vocabulary 8192, untied head: 7.1M parameters), fp32, AdamW, ZeRO stage 3 (stage 2 at one length),
 one sequence per step (micro batch 1), world = sp (dp 1), through ``ds_strategy.initialize`` with
 ``sequence_parallel_size`` and ``attn_implementation="ds_ulysses"`` (sp 1: plain ``sdpa``); each rank gets its
 ``shard_batch`` slice. gloo process groups, our shared-memory collectives (the all-to-alls of the attention
