@@ -140,6 +140,12 @@ if [[ "${BENCH:-1}" != "0" ]]; then
     log "GPU benchmark: rc $e2e_rc"
     ((e2e_rc == 0)) || bench_rc=$e2e_rc
 fi
+if [[ "${SEQ:-0}" == "1" ]]; then  # opt-in: issue 45's longest sequence at sp 1 vs sp 8 (fake group), minutes
+    log "GPU sequence-parallel benchmark (benchmarks/bench_sequence_fake.py --device cuda)"
+    DS_STRATEGY_BENCH_RESULTS="$OUT_DIR" timeout "${SEQ_TIMEOUT:-300}" \
+        "$PYTHON" -m benchmarks.bench_sequence_fake --device cuda --timeout 120 2>&1 | tee "$OUT_DIR/bench_sequence.log"
+    log "GPU sequence-parallel benchmark: rc ${PIPESTATUS[0]}"
+fi
 log "results in $OUT_DIR"
 if [[ "${ARCHIVE:-0}" == "1" ]]; then
     archive="$(mktemp -d)/gpu-results.tgz"
