@@ -113,9 +113,9 @@ def test_cross_field_rules() -> None:
     assert problems == [
         'zero_optimization.offload_optimizer.nvme_path: offload_optimizer.device is "nvme" but nvme_path is null; '
         "set it to a directory on a fast local disk (its swap files go there)",
-        "zero_optimization.offload_optimizer.ratio: 0.5 is not supported by ds_strategy: a partial optimizer "
-        "offload (ratio below 1) is not built; the whole optimizer step would run on the CPU; remove the key or "
-        "change it",
+        'zero_optimization.offload_optimizer.ratio: got 0.5 with offload_optimizer.device "nvme"; a partial offload '
+        "to NVMe is not built (the swapped part would have to be split from the device part); use device "
+        '"cpu" with a ratio, or NVMe with ratio 1',
     ]
     problems = _problems(
         {"zero_optimization": {"stage": 3, "offload_param": {"device": "nvme", "nvme_path": "/x", "buffer_count": 0}}}

@@ -73,8 +73,8 @@ def test_the_warning_class_is_public() -> None:
     [
         ({"aio": {"use_gds": True}}, "aio.use_gds"),
         (
-            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "ratio": 0.3}}},
-            "offload_optimizer.ratio",
+            {"zero_optimization": {"stage": 3, "offload_optimizer": {"device": "cpu", "super_offload": True}}},
+            "offload_optimizer.super_offload",
         ),
         ({"zero_optimization": {"stage": 3, "zeropp_loco_param": {"err_beta": 0.8}}}, "zeropp_loco_param"),
         ({"torch_autocast": {"enabled": True}}, "torch_autocast"),

@@ -96,7 +96,27 @@ def cross_checks(config: dict[str, Any]) -> list[ConfigProblem]:
                 f"zero_optimization.stage is {stage}; set stage 3 or use 1",
             )
         )
-    # A partial offload (ratio < 1) is refused whatever the stage: see support.py.
+    # A partial optimizer offload (ratio < 1: runtime/zero/partial_offload.py) splits host and compute-device masters.
+    ratio = optim.get("ratio")
+    if isinstance(ratio, (int, float)) and not isinstance(ratio, bool) and 0 < ratio < 1:
+        if optim_device == "nvme":
+            problems.append(
+                ConfigProblem(
+                    "zero_optimization.offload_optimizer.ratio",
+                    f'got {ratio} with offload_optimizer.device "nvme"; a partial offload to NVMe is not built (the '
+                    'swapped part would have to be split from the device part); use device "cpu" with a ratio, or '
+                    "NVMe with ratio 1",
+                )
+            )
+        if param_device in ("cpu", "nvme"):
+            problems.append(
+                ConfigProblem(
+                    "zero_optimization.offload_optimizer.ratio",
+                    f"got {ratio} with offload_param.device {format_value(param_device)}; a partial optimizer offload "
+                    "keeps part of the masters on the compute device, where parameter offload keeps no parameters "
+                    "to update; use ratio 1 with offload_param, or keep the parameters on the device",
+                )
+            )
     problems += autotuning_problems(_section(config, "autotuning"))
     return problems
 

@@ -7,8 +7,8 @@ in docs/config.md and a test walks (tests/config/test_support.py fails on a sche
 - ``WARNED``: ignored, and ignoring it changes neither results nor memory (a monitor, a profiler, a
   performance hint whose job ds_strategy does its own way). A value that asks for something gets one
   rank-0 ``IgnoredConfigWarning`` naming the key and why.
-- ``REFUSED``: ignoring it would change results or memory (a partial optimizer offload, LoCo-ZeRO++, MiCS
-  sharding, sequence parallelism ...): a value that asks for it is a ``ConfigError`` naming the key and why.
+- ``REFUSED``: ignoring it would change results or memory (LoCo-ZeRO++, MiCS sharding, superchip offload
+  ...): a value that asks for it is a ``ConfigError`` naming the key and why.
 
 ``when`` says which values trigger the warning or the refusal; by default every value that asks for
 something (differs from the schema default, and is not a section with ``"enabled": false``).
@@ -152,9 +152,9 @@ SUPPORT: dict[str, Support] = {
     ),
     "zero_optimization.offload_optimizer.pipeline_read": _acted("read the next sub-group while stepping (nvme)"),
     "zero_optimization.offload_optimizer.pipeline_write": _acted("write sub-groups back behind the step (nvme)"),
-    "zero_optimization.offload_optimizer.ratio": _refused(
-        "a partial optimizer offload (ratio below 1) is not built; the whole optimizer step would run on the CPU",
-        when=lambda v: isinstance(v, (int, float)) and v < 1,
+    "zero_optimization.offload_optimizer.ratio": _acted(
+        "device cpu, stages 1-3: the share of each param group's masters and optimizer state kept and stepped on "
+        "the host, in whole buckets; the rest steps on the compute device, overlapped (docs/finetuning.md)"
     ),
     "zero_optimization.offload_optimizer.super_offload": _refused("the superchip offload path is not built"),
     "zero_optimization.offload_optimizer.convert_grad_on_cpu": _warned(_PERF_ONLY),

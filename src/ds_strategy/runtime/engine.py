@@ -646,9 +646,11 @@ class ZeroEngine(nn.Module):
     def local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", "0"))
 
-    def memory_breakdown(self) -> dict[str, int]:
+    def memory_breakdown(self, *, by_device: bool = False) -> dict[str, int]:
         """Bytes this rank holds: params (flat + frozen), gathered_params (stage 3's partitioned buckets gathered
-        now), grads, master (separate fp32 copies), optimizer_state."""
+        now), grads, master (separate fp32 copies), optimizer_state. ``by_device``: each kind ``k`` cut into
+        ``k`` (the compute device) and ``k_host`` (host memory: what optimizer offload, partial or full, and
+        parameter offload keep there), summing to the same total (docs/memory.md)."""
         out = self.stage.memory_bytes()
         out.setdefault("gathered_params", 0)  # stage 3: gathered partitioned buckets (the hybrid engine's hold)
         flat_owned = {id(p) for p in self.stage.placement.stored_params()}
@@ -658,7 +660,24 @@ class ZeroEngine(nn.Module):
             for s in self.optimizer.state.values():
                 state += sum(t.numel() * t.element_size() for t in s.values() if isinstance(t, torch.Tensor))
         out["optimizer_state"] = state
+        if by_device:
+            return self._by_device(out)
         return out
+
+    def _by_device(self, breakdown: dict[str, int]) -> dict[str, int]:
+        from .zero.partial_offload import split_by_device
+
+        stage = self.stage
+        storages = getattr(stage, "storages", ())  # stage 3: the partitions (offload_param keeps them on the host)
+        return split_by_device(
+            breakdown,
+            stage.groups,
+            self.optimizer,
+            offload=self.offload,
+            split=stage.master_split,
+            host_grad_bytes=stage.stepper.offloaded_grad_bytes(self.offload.optimizer),
+            host_param_bytes=sum(gs.rest.nbytes() for gs in storages) if self.offload.params else 0,
+        )
 
     # ------------------------------------------------------------------ checkpoints (runtime/checkpoint/)
     def save_checkpoint(

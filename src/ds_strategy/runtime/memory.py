@@ -33,9 +33,11 @@ dtype's unless ``communication_precision`` says otherwise).
   buffer in place: nothing extra.
 - **offload**: with optimizer offload the fp32 masters and the optimizer state live in host memory
   (``offloaded``); fp32 masters are separate copies then, except when the compute device is the CPU
-  itself. With ``offload_param`` (stage 3) the compute-dtype parameter shards live there too
-  (``offloaded_params``). ``peak_on_device`` leaves both out; ``peak`` counts them (on a CPU-only run host
-  memory is the device's).
+  itself. A partial offload (``offload_ratio`` r < 1, ``offload_optimizer.ratio``) keeps r of them there
+  and 1 - r on the device (the engine's split falls on bucket boundaries, at least r on the host:
+  runtime/zero/partial_offload.py). With ``offload_param`` (stage 3) the compute-dtype parameter shards
+  live there too (``offloaded_params``). ``peak_on_device`` leaves both out; ``peak`` counts them (on a
+  CPU-only run host memory is the device's).
 
 Not counted: bucket padding (< W x 16 elements per bucket), stage 3's persistent parameters (small ones
 kept whole on every rank), the input batch, and the framework's own allocations (CUDA context, kernels,
@@ -75,6 +77,7 @@ class MemoryEstimate:
     gathered: int = 0
     buffers: int = 0
     offloaded_params: int = 0  # of params, the bytes kept in host memory (stage 3 parameter offload)
+    offload_ratio: float = 1.0  # of master + optimizer_state, the share in ``offloaded`` (when offloading)
 
     @property
     def total(self) -> int:
@@ -99,14 +102,25 @@ class MemoryEstimate:
         transient = self.peak - self.total
         return self.on_device + transient
 
-    def as_dict(self) -> dict[str, int]:
-        """The model states by category, as ``engine.memory_breakdown()`` names them."""
-        return {
+    def as_dict(self, *, by_device: bool = False) -> dict[str, int]:
+        """The model states by category, as ``engine.memory_breakdown()`` names them; ``by_device``: each cut
+        into the device's part and the host's (``<kind>_host``), as ``engine.memory_breakdown(by_device=True)``."""
+        out = {
             "params": self.params,
             "grads": self.grads,
             "master": self.master,
             "optimizer_state": self.optimizer_state,
         }
+        if not by_device:
+            return out
+        master_host = round(self.master * self.offload_ratio) if self.offloaded else 0
+        host = {
+            "params": self.offloaded_params,
+            "grads": 0,
+            "master": master_host,
+            "optimizer_state": self.offloaded - master_host,
+        }
+        return {k: v for key, total in out.items() for k, v in ((key, total - host[key]), (f"{key}_host", host[key]))}
 
 
 def estimate_memory(
@@ -125,6 +139,7 @@ def estimate_memory(
     max_live_numel: int | None = None,
     bucket_numel: int = 0,
     communication_precision: str | None = None,
+    offload_ratio: float = 1.0,
 ) -> MemoryEstimate:
     """Per-rank bytes of the model states and a step's transient terms (see the table above).
 
@@ -134,7 +149,8 @@ def estimate_memory(
     ``offload_param``: parameter offload (stage 3). ``activation_bytes_per_sample`` x ``micro_batch_size``:
     the activations; ``largest_unit_numel`` / ``max_live_numel``: stage 3's gathered units;
     ``bucket_numel``: ``reduce_bucket_size`` (stages 2-3) in ``communication_precision`` (default: the
-    compute precision).
+    compute precision). ``offload_ratio``: with ``offload``, the share of masters and optimizer state in host
+    memory (``offload_optimizer.ratio``; the rest counts on the device).
     """
     if isinstance(model_or_num_params, nn.Module):
         n = sum(p.numel() for p in model_or_num_params.parameters() if p.requires_grad)
@@ -152,6 +168,8 @@ def estimate_memory(
         )
     if offload_param and stage != 3:
         raise ValueError(f"parameter offload needs ZeRO stage 3, got stage {stage}")
+    if not 0.0 < offload_ratio <= 1.0:
+        raise ValueError(f"offload_ratio must be in (0, 1] (offload_optimizer.ratio), got {offload_ratio}")
     states = _STATES.get(optimizer.lower())
     if states is None:
         raise ValueError(f"optimizer must be one of {', '.join(_STATES)}, got {optimizer!r}")
@@ -168,7 +186,7 @@ def estimate_memory(
     in_place = precision == "fp32" and (not offload or device == "cpu")
     master = 0 if in_place else 4 * share
     optimizer_state = 4 * states * share
-    offloaded = master + optimizer_state if offload else 0
+    offloaded = round(offload_ratio * (master + optimizer_state)) if offload else 0
     gathered = 0
     if stage == 3:
         live = 2 * largest_unit_numel if max_live_numel is None else min(2 * largest_unit_numel, max_live_numel)
@@ -183,6 +201,7 @@ def estimate_memory(
         gathered=gathered,
         buffers=_SIZES[comm] * bucket_numel if stage >= 2 else 0,
         offloaded_params=params if offload_param else 0,
+        offload_ratio=offload_ratio if offload else 1.0,
     )
 
 

@@ -39,6 +39,7 @@ from .collectives import Collectives, Handle
 from .init import init_shard
 from .intake import GradientIntake, GradStatus
 from .offload import Offload
+from .partial_offload import MasterSplit
 from .placement import WholeParameters
 from .reducer import GradientReducer
 from .step import OptimizerStep
@@ -134,6 +135,8 @@ class ZeroStage:
         # first group leaves at the host default.
         first_device = next((p.device for named in groups for _, p in named), None)
         self.compute_device: torch.device = options.device or first_device or torch.device("cpu")
+        # offload_optimizer.ratio < 1: part of the masters back to the compute device (partial_offload.py)
+        self.master_split = MasterSplit.place(self.groups, options.offload, self.compute_device, rank=coll.rank)
         first = {
             (g, b.index): min(registration[gs.params[i]] for i in b.params)
             for g, gs in enumerate(self.groups)
@@ -250,6 +253,7 @@ class ZeroStage:
         """Bytes this rank holds per kind: params, grads, master (optimizer state is the engine's)."""
         params = sum(gs.numel_bytes()["params"] for gs in self.groups)
         master = sum(gs.numel_bytes()["master"] for gs in self.groups)
+        master += self.master_split.device_master_bytes() if self.master_split is not None else 0
         host = self.stepper.host_grad_bytes()
         return {"params": params, "grads": host, "master": master}
 

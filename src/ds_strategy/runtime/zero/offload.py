@@ -4,7 +4,9 @@ blocks and the ``aio`` block.
 The engine builds one and hands it to the stage (``StageOptions.offload``) and to the optimizer set-up;
 nothing else looks at the offload keys. NVMe offload is host offload whose bytes rest in swap files
 (``runtime/swap``): ``optimizer`` / ``params`` are true for it too, and ``optimizer_nvme`` /
-``params_nvme`` say where the files go and how they are buffered.
+``params_nvme`` say where the files go and how they are buffered. ``ratio`` below 1 is ZeRO-Offload++'s
+partial offload: that share of the masters stays on the host, the rest goes back to the compute device
+once the stage has built them (``runtime/zero/partial_offload.py``).
 """
 
 from __future__ import annotations
@@ -53,6 +55,12 @@ class Offload:
     optimizer_nvme: NvmeSwap | None = None  # ... resting in swap files between steps
     params_nvme: NvmeSwap | None = None  # ... resting in swap files between gathers
     aio: AioOptions = field(default_factory=AioOptions)
+    ratio: float = 1.0  # offload_optimizer.ratio: the share of the masters and optimizer state on the host
+
+    @property
+    def partial(self) -> bool:
+        """A partial optimizer offload: part of the masters on the host, the rest on the compute device."""
+        return self.optimizer and self.ratio < 1.0
 
     @classmethod
     def from_config(cls, zero: Any, aio: Any = None) -> Offload:
@@ -66,6 +74,7 @@ class Offload:
             optimizer_nvme=NvmeSwap.from_block(zero.offload_optimizer),
             params_nvme=NvmeSwap.from_block(zero.offload_param),
             aio=AioOptions.from_config(_aio_block(aio)),
+            ratio=float(zero.offload_optimizer.ratio),
         )
 
     def master_device(self, compute: torch.device) -> torch.device:

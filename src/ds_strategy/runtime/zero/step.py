@@ -4,13 +4,14 @@ skip decision kept on the device, and the publish of the updated parameters (the
 
 The engine calls ``stage.stepper.apply``; this object holds what only the step uses (the host gradient
 buffers, the copier that carries offloaded gradients and the skip flag to the host), and reads the stage
-through ``StepStage``'s public names.
+through ``StepStage``'s public names. A partial offload (``offload_optimizer.ratio`` < 1) steps the compute
+device's masters first and the host's meanwhile ([Note: the partial offload split] in partial_offload.py).
 """
 
 from __future__ import annotations
 
 import math
-from collections.abc import Collection
+from collections.abc import Collection, Iterable
 from typing import Protocol
 
 import torch
@@ -24,6 +25,7 @@ from ..optimizers import is_cpu_kernel_optimizer
 from ..swap import OptimizerSwapper, Swap
 from .buffers import GroupStorage
 from .offload_copy import HostCopier
+from .partial_offload import MasterSplit
 
 
 class StepStage(Protocol):
@@ -33,6 +35,7 @@ class StepStage(Protocol):
     swap: Swap | None
     swapper: OptimizerSwapper | None
     compute_device: torch.device
+    master_split: MasterSplit | None  # a partial offload's host / device masters (partial_offload.py)
 
     @property
     def options(self) -> StepOptions: ...
@@ -56,13 +59,26 @@ class OptimizerStep:
 
     def __init__(self, stage: StepStage) -> None:
         self.stage = stage
-        self._host_grad_buffers: dict[int, list[torch.Tensor]] = {}
+        # fp32 gradient copies on the masters' device: per group (key g), or per side of a partial offload's
+        # group (key (g, first master)); the host ones are listed in ``_on_host``.
+        self._host_grad_buffers: dict[int | tuple[int, int], list[torch.Tensor]] = {}
+        self._on_host: set[int | tuple[int, int]] = set()
         self._host_copier = HostCopier(stage.compute_device)  # offloaded gradients to the host masters
         self._skip_host: torch.Tensor | None = None
 
     def host_grad_bytes(self) -> int:
         """Bytes of the fp32 gradient copies kept on the host for offloaded masters."""
         return sum(t.numel() * t.element_size() for views in self._host_grad_buffers.values() for t in views)
+
+    def offloaded_grad_bytes(self, offloaded: bool) -> int:
+        """Of ``host_grad_bytes``, those of the masters in host memory (``offloaded``: an optimizer offload;
+        under a partial one, the host side's); a copy for masters on the compute device is not."""
+        return sum(
+            t.numel() * t.element_size()
+            for key, views in self._host_grad_buffers.items()
+            if (key in self._on_host if isinstance(key, tuple) else offloaded)
+            for t in views
+        )
 
     def _reduced_grads(self) -> list[torch.Tensor]:
         """This rank's reduced (still scaled) gradients, on the parameters' device, all groups."""
@@ -140,15 +156,21 @@ class OptimizerStep:
         outputs: dict[torch.Tensor, torch.Tensor] = {}
         written: set[int] = set()
         to_host: dict[nn.Parameter, tuple[torch.Tensor, torch.Tensor]] = {}  # master -> (host copy, gradient)
+        split = self.stage.master_split
         for g, gs in enumerate(self.stage.groups):
             grads = self.stage.reduced_grads_of(g)
-            device = gs.masters[0].device if gs.masters else None
-            if grads and (grads[0].device != device or (grads[0].dtype != torch.float32 and not fused)):
-                host = self._host_grads(g)  # offload / non-fp32 accumulation: fp32 copies on the master device
-                to_host.update(zip(gs.masters, zip(host, grads, strict=True), strict=True))
-                grads = host
-            for master, grad in zip(gs.masters, grads, strict=True):
-                master.grad = grad
+            # A partial offload's group has a host side and a device side, each with its own copies (or none).
+            sides = [(0, len(gs.masters), None)] if split is None else split.sides(g, len(gs.masters))
+            for lo, hi, on_host in sides:
+                masters, side = gs.masters[lo:hi], grads[lo:hi]
+                device = masters[0].device if masters else None
+                if side and (side[0].device != device or (side[0].dtype != torch.float32 and not fused)):
+                    # offload / non-fp32 accumulation: fp32 copies on the master device
+                    host = self._host_grads(g) if on_host is None else self._side_grads(g, lo, hi, on_host)
+                    to_host.update(zip(masters, zip(host, side, strict=True), strict=True))
+                    side = host
+                for master, grad in zip(masters, side, strict=True):
+                    master.grad = grad
             if fused and (sixteen := gs.sixteen_bit_outputs()):
                 outputs.update(sixteen)
                 written.add(g)
@@ -216,19 +238,28 @@ class OptimizerStep:
         return [set(tile) for tile in self.tiles()]
 
     def tiles(self) -> list[list[nn.Parameter]]:
+        """``tile_sets`` as lists. A partial offload's device masters come first: their tiles are launched
+        before the host's are stepped ([Note: the partial offload split])."""
+        groups, split = self.stage.groups, self.stage.master_split
+        if split is None:
+            return self._chunk(m for gs in groups for m in gs.masters)
+        on_device = [m for g, gs in enumerate(groups) for m in gs.masters[split.host_counts[g] :]]
+        on_host = [m for g, gs in enumerate(groups) for m in gs.masters[: split.host_counts[g]]]
+        return self._chunk(on_device) + self._chunk(on_host)
+
+    def _chunk(self, masters: Iterable[nn.Parameter]) -> list[list[nn.Parameter]]:
         tiles: list[list[nn.Parameter]] = []
         current: list[nn.Parameter] = []
         filled = 0
-        for gs in self.stage.groups:
-            for m in gs.masters:
-                numel = (
-                    self.stage.swapper.numel[m] if self.stage.swapper is not None else m.numel()
-                )  # swapped: a placeholder
-                if current and filled + numel > self.stage.options.sub_group_numel:
-                    tiles.append(current)
-                    current, filled = [], 0
-                current.append(m)
-                filled += numel
+        for m in masters:
+            numel = (
+                self.stage.swapper.numel[m] if self.stage.swapper is not None else m.numel()
+            )  # swapped: a placeholder
+            if current and filled + numel > self.stage.options.sub_group_numel:
+                tiles.append(current)
+                current, filled = [], 0
+            current.append(m)
+            filled += numel
         if current:
             tiles.append(current)
         return tiles
@@ -313,6 +344,26 @@ class OptimizerStep:
             )
             buffers[group] = gs.master_shaped(buf)
         return buffers[group]
+
+    def _side_grads(self, group: int, lo: int, hi: int, on_host: bool) -> list[torch.Tensor]:
+        """``_host_grads`` for masters ``lo:hi`` of a partial offload's group: one buffer on their device."""
+        key = (group, lo)
+        if key not in self._host_grad_buffers:
+            masters = self.stage.groups[group].masters[lo:hi]
+            buf = torch.empty(
+                sum(m.numel() for m in masters),
+                dtype=torch.float32,
+                device=masters[0].device,
+                pin_memory=self.stage.options.pin_memory and on_host,
+            )
+            views, at = [], 0
+            for m in masters:
+                views.append(buf[at : at + m.numel()].view_as(m))
+                at += m.numel()
+            self._host_grad_buffers[key] = views
+            if on_host:
+                self._on_host.add(key)
+        return self._host_grad_buffers[key]
 
 
 # The host reads of a bf16/fp32 step that [Note: the step on the device] allows (strict.host_read_allowed).
