@@ -46,6 +46,20 @@ CHECKED = [
     ("src/ds_strategy/ops/aio.py", "tmpfs refuses", "the file system refuses O_DIRECT, not ZeRO-Infinity"),
     ("src/ds_strategy/runtime/zero/leaf.py", "transformers' MoE blocks, absent from most models",
      "about the models a class list matches, not about ds_strategy's MoE"),
+    ("docs/finetuning.md", "a ratio is refused with NVMe offload and with `offload_param`",
+     "the combination is refused (config/checks.py); NVMe offload alone is built"),
+    ("docs/sequence_parallel.md", "Not built: sequence parallelism beside `ds_strategy.moe.MoE` layers or inside",
+     "the combinations are refused (runtime/engine.py, runtime/initialize.py); Ulysses alone is built"),
+    ("docs/troubleshooting.md", "expert parallelism beside Ulysses sequence parallelism is not built",
+     "quotes the engine's error for the refused combination MoE + Ulysses"),
+    ("docs/troubleshooting.md", "Ulysses sequence parallelism inside pipeline stages is not built",
+     "quotes initialize's error for the refused combination pipeline + Ulysses"),
+    ("docs/troubleshooting.md", "is not supported (the core is causal over the whole sequence)",
+     "quotes the attention's error: sliding windows shorter than the sequence are refused, Ulysses is built"),
+    ("docs/troubleshooting.md", "(a key/value cache: generation) is not supported",
+     "quotes the attention's error: generation with a cache is refused, Ulysses training is built"),
+    ("src/ds_strategy/sequence/hf.py", "Refuse a mask Ulysses cannot honour",
+     "a docstring about refusing masks with padding in the middle, not about Ulysses"),
 ]  # fmt: skip
 
 
