@@ -126,3 +126,25 @@ def test_a_tune_skips_what_the_measured_floor_rules_out_and_confirms_the_best_tw
     assert [n for _, n in fitted[:2]] == [2, 2] and all(n == 1 for _, n in fitted[2:])
     assert runs.count(fitted[0][0]) == 2 and runs.count(fitted[2][0]) == 1
     assert out[0]["summary"] == {"confirmed": 2, "pruned_calibrated": 2}
+
+
+def test_the_prediction_keeps_a_partial_offload_of_the_base_config_on_the_device() -> None:
+    """``offload_optimizer.ratio`` in the base config: an offloading candidate keeps 1 - ratio of the masters
+    and optimizer state on the device (runtime/memory.py ``offload_ratio``); without offload it changes nothing."""
+    from ds_strategy.autotuning.profile import ModelProfile
+
+    profile = ModelProfile(10**6, 10**6, 4, 10**5, 1000, 500, 1e6)
+    cuda = torch.device("cuda")  # only its type is read: the device-side peak
+    offloading, plain = (
+        _c(2, offload_optimizer="cpu", micro_batch=2, accumulation=4),
+        _c(2, micro_batch=2, accumulation=4),
+    )
+
+    def peak(c: Candidate, ratio: float | None) -> int:
+        zero = {"offload_optimizer": {"device": "cpu", **({} if ratio is None else {"ratio": ratio})}}
+        return tune_module.predict_peak(profile, c, 2, "bf16", "adam", cuda, {"zero_optimization": zero})
+
+    full, half = peak(offloading, None), peak(offloading, 0.5)
+    # fp32 master 4 B + Adam 8 B per element, this rank's half of 1e6 elements, half of that on the device
+    assert half - full == int(0.5 * 12 * 10**6 / 2)
+    assert peak(plain, None) == peak(plain, 0.5)

@@ -264,6 +264,10 @@ def predict_peak(
         world_size=world,
         stage=c.stage,
         offload=c.offload_optimizer != "none",
+        # a partial offload in the base config (offload_optimizer.ratio) keeps 1 - ratio on the device
+        offload_ratio=float((zero.get("offload_optimizer") or {}).get("ratio", 1.0))
+        if c.offload_optimizer != "none"
+        else 1.0,
         precision=precision,
         optimizer=optimizer,
         device=device.type,
