@@ -80,7 +80,10 @@ def test_cpu_offload_next_to_its_replacement_is_an_error() -> None:
 
 
 def test_seq_parallel_communication_data_type_alias() -> None:
-    with pytest.warns(ConfigDeprecationWarning), pytest.warns(IgnoredConfigWarning, match="Ulysses. all-to-alls move the activations in their own dtype"):
+    with (
+        pytest.warns(ConfigDeprecationWarning),
+        pytest.warns(IgnoredConfigWarning, match="Ulysses. all-to-alls move the activations in their own dtype"),
+    ):
         config = load_config({"seq_parallel_communication_data_type": "bf16"})
     assert config.seq_parallel_comm_data_type == "bf16"
 

@@ -156,5 +156,5 @@ def test_qlora_trains_at_stages_2_and_3_like_one_process(tmp_path: Path) -> None
         assert got["adapters"].keys() == want["adapters"].keys() and len(want["adapters"]) == 16
         for name, value in want["adapters"].items():
             torch.testing.assert_close(
-                got["adapters"][name], value, rtol=0, atol=1e-5, msg=lambda m, n=name: f"{key} {n}: {m}"
+                got["adapters"][name], value, rtol=0, atol=1e-5, msg=lambda m, n=name, k=key: f"{k} {n}: {m}"
             )
