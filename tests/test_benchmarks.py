@@ -61,7 +61,7 @@ def test_run_all_quick_writes_every_result(tmp_path: Path, cpu_kernels: bool) ->
         assert s["stage2"]["held"] > s["stage3_held"] > 0, s
     (timed,) = seq["step_time"]
     ours = timed["impls"]["ds_strategy"]
-    assert timed["sp"] == 2 and 0 < ours["a2a_share"] < 1 and ours["a2a_calls"] == 16, timed
+    assert timed["sp"] == 2 and 0 < ours["a2a_share"] < 1 and ours["a2a_calls"] == 8, timed  # 2 layers x (q/k/v, output) x forward, backward
     if importlib.util.find_spec("deepspeed"):
         assert timed["first_loss"]["deepspeed"] == pytest.approx(timed["first_loss"]["ds_strategy"], rel=1e-5)
 

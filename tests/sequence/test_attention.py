@@ -127,3 +127,39 @@ def _exchange_body(rank: int, world: int) -> None:
 @pytest.mark.parametrize("world", [2, 4])
 def test_all_to_all_exchange_and_adjoint(world: int) -> None:
     run_distributed(_exchange_body, world_size=world)
+
+
+def _many_body(rank: int, world: int) -> None:
+    """Query, key and value in one exchange: the same tensors and gradients as three exchanges, in both
+    layouts; tensors that differ beyond the scatter dim go one by one."""
+    from ds_strategy.sequence import seq_all_to_all_many
+
+    with layout(world, active=False) as groups:
+        torch.manual_seed(2 + rank)
+        for dims, s, g in (((2, 8 * world, 3, 4), 1, 2), ((3, 2, 8 * world, 4), 2, 0)):  # [B,H,S/P,D], [S/P,B,H,D]
+            xs = []
+            for heads in (2 * world, world, world):  # query heads, then fewer key / value heads
+                shape = list(dims)
+                shape[s] = heads
+                xs.append(torch.randn(*shape, requires_grad=True))
+            one = seq_all_to_all_many(xs, groups.sp_comm, s, g)
+            three = [seq_all_to_all(x, groups.sp_comm, s, g) for x in xs]
+            weights = [torch.randn_like(t) for t in three]
+            for a, b in zip(one, three, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+            grads_one = torch.autograd.grad(sum((a * w).sum() for a, w in zip(one, weights, strict=True)), xs)
+            grads_three = torch.autograd.grad(sum((b * w).sum() for b, w in zip(three, weights, strict=True)), xs)
+            for a, b in zip(grads_one, grads_three, strict=True):
+                torch.testing.assert_close(a, b, rtol=0, atol=0)
+        odd = [torch.randn(2, world, 3, 4), torch.randn(2, world, 3, 5)]  # another head dim: no packing
+        for a, b in zip(
+            seq_all_to_all_many(odd, groups.sp_comm, 1, 2),
+            [seq_all_to_all(x, groups.sp_comm, 1, 2) for x in odd],
+            strict=True,
+        ):
+            torch.testing.assert_close(a, b, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("world", [2, 4])
+def test_several_tensors_in_one_exchange(world: int) -> None:
+    run_distributed(_many_body, world_size=world)

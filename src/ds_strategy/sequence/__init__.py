@@ -23,7 +23,8 @@ Layer 3 (beside ``runtime/``): it uses torch and ``ds_strategy.comm`` only, so t
 can build on it and our own modules can use ``DistributedAttention`` and ``sequence_loss`` without it.
 
 - ``SequenceGroups.build(sequence_parallel_size, group=None)``, ``set_active``, ``active_groups``: the layout.
-- ``seq_all_to_all(x, group, scatter_idx, gather_idx)``: the differentiable exchange.
+- ``seq_all_to_all(x, group, scatter_idx, gather_idx)``: the differentiable exchange;
+  ``seq_all_to_all_many(xs, ...)``: several tensors in one exchange (query, key and value).
 - ``DistributedAttention(local_attention, sequence_process_group=None, scatter_idx=2, gather_idx=0)``.
 - ``register(name="ds_ulysses", core="sdpa")``: the transformers attention function.
 - ``shard_batch(batch, groups=None, pad_token_id=0, ignore_index=-100)``, ``ShardedSequenceLoader``.
@@ -32,7 +33,7 @@ can build on it and our own modules can use ``DistributedAttention`` and ``seque
 
 from __future__ import annotations
 
-from ds_strategy.sequence.all_to_all import seq_all_to_all
+from ds_strategy.sequence.all_to_all import seq_all_to_all, seq_all_to_all_many
 from ds_strategy.sequence.attention import DistributedAttention
 from ds_strategy.sequence.batch import ShardedSequenceLoader, shard_batch
 from ds_strategy.sequence.groups import SequenceGroups, active_groups, set_active
@@ -46,6 +47,7 @@ __all__ = [
     "active_groups",
     "register",
     "seq_all_to_all",
+    "seq_all_to_all_many",
     "sequence_loss",
     "set_active",
     "shard_batch",

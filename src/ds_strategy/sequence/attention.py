@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from ds_strategy.sequence.all_to_all import Group, group_size, seq_all_to_all
+from ds_strategy.sequence.all_to_all import Group, group_size, seq_all_to_all, seq_all_to_all_many
 from ds_strategy.sequence.groups import active_groups
 
 
@@ -100,7 +100,7 @@ class DistributedAttention(nn.Module):
         factor = check_heads(query.shape[heads], key.shape[heads], group_size(group))
         key = replicate_kv(key, factor, heads)
         value = replicate_kv(value, factor, heads)
-        q, k, v = (seq_all_to_all(t, group, heads, gather) for t in (query, key, value))
+        q, k, v = seq_all_to_all_many((query, key, value), group, heads, gather)
         context = self.local_attn(q, k, v, *args, **kwargs)
         return seq_all_to_all(context, group, gather, heads)
 

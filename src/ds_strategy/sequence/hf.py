@@ -42,7 +42,7 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from ds_strategy.sequence.all_to_all import seq_all_to_all
+from ds_strategy.sequence.all_to_all import seq_all_to_all, seq_all_to_all_many
 from ds_strategy.sequence.attention import check_heads, replicate_kv
 from ds_strategy.sequence.batch import check_right_padded
 from ds_strategy.sequence.groups import active_groups
@@ -138,7 +138,7 @@ def _forward(
     factor = check_heads(query.shape[1], key.shape[1], sp)
     if sp > 1:  # [B, H, S/P, D] -> [B, H/P, S, D]
         key, value = replicate_kv(key, factor, 1), replicate_kv(value, factor, 1)
-        query, key, value = (seq_all_to_all(t, comm, 1, 2) for t in (query, key, value))
+        query, key, value = seq_all_to_all_many((query, key, value), comm, 1, 2)
     if core == "sdpa":
         gqa = key.shape[1] != query.shape[1]
         out = F.scaled_dot_product_attention(

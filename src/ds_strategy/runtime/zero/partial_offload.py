@@ -95,7 +95,7 @@ class MasterSplit:
             if device != HOST and gs.master_flat is not None and n < len(gs.masters):
                 split.device_buffers.append(_move(gs, n, device, pin=offload.pin_masters(device)))
         if rank == 0:
-            split._report(groups)
+            split.log_shares(groups)
         return split
 
     def device_master_bytes(self) -> int:
@@ -112,7 +112,7 @@ class MasterSplit:
         total = sum(m.numel() for m in gs.masters)
         return sum(m.numel() for m in gs.masters[: self.host_counts[g]]) / total if total else 1.0
 
-    def _report(self, groups: Sequence[GroupStorage]) -> None:
+    def log_shares(self, groups: Sequence[GroupStorage]) -> None:
         parts = []
         for g, gs in enumerate(groups):
             if not gs.masters:
