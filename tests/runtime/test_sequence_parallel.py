@@ -182,3 +182,35 @@ def test_what_is_not_built_beside_sequence_parallelism_is_refused() -> None:
     moe, pipe = run_distributed(_refusals, world_size=2)[0]
     assert moe.startswith("sequence_parallel_size=2 with ds_strategy.moe.MoE layers"), moe
     assert "PipelineModule, ...) with sequence_parallel_size=2" in pipe, pipe
+
+
+def _flops(rank: int, world: int) -> list[float | None]:
+    import transformers  # noqa: F401  (register takes it from sys.modules)
+
+    import ds_strategy
+    from ds_strategy.sequence import register, shard_batch
+
+    register()
+    out = []
+    for sp in (2, 1):
+        config = {
+            **_config(2, "fp32", sp, 1),
+            "flops_profiler": {"enabled": True, "profile_step": 1, "output_file": None},
+        }
+        engine, *_ = ds_strategy.initialize(model=_model("ds_ulysses" if sp > 1 else "sdpa", False), config=config)
+        ids = torch.randint(1, 128, (MICRO, 16), generator=torch.Generator().manual_seed(0))
+        for _ in range(2):
+            batch = {"input_ids": ids, "labels": ids}
+            loss = engine(**(shard_batch(batch) if sp > 1 else batch)).loss
+            engine.backward(loss)
+            engine.step()
+        out.append(engine.profiling.flops_per_sample)
+        engine.destroy()
+    return out
+
+
+def test_a_samples_flops_count_the_whole_sequence_under_sequence_parallelism() -> None:
+    """The profiled forward of a rank covers 1/sp of each sample; MFU and TFLOPS must count the whole sample."""
+    sharded, whole = run_distributed(_flops, world_size=2)[0]
+    assert sharded is not None and whole is not None
+    assert sharded == pytest.approx(whole, rel=0.02), (sharded, whole)

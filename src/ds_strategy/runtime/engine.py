@@ -197,6 +197,7 @@ class ZeroEngine(nn.Module):
             micro_batch_size=self.batch.train_micro_batch_size_per_gpu,
             device=self.device,
             dtype=self.precision.compute_dtype,
+            sequence_shards=config.sequence_parallel_size,
         )
         self.flops_profiler = self.profiling.profiler  # DeepSpeed's attribute: None unless flops_profiler.enabled
         self.hybrid = HybridEngine(

@@ -34,8 +34,12 @@ class EngineProfiling:
         micro_batch_size: int,
         device: torch.device,
         dtype: torch.dtype,
+        sequence_shards: int = 1,
     ) -> None:
         self.config = config
+        # Ulysses: a rank's forward covers 1/P of each sample (its shard of the sequence), so a sample's flops
+        # are P times what the profiled forward measured; samples are counted per sequence-parallel group.
+        self._shards = sequence_shards
         self.profiler = FlopsProfiler(module, engine, config.recompute_fwd_factor) if config.enabled else None
         self._module = module
         self._rank, self._world_size, self._micro_batch = rank, world_size, micro_batch_size
@@ -78,7 +82,9 @@ class EngineProfiling:
                 "params": int(prof.get_total_params()),
                 "duration": float(prof.get_total_duration()),
             }
-            self.flops_per_sample = (3.0 + self.config.recompute_fwd_factor) * fwd_flops / self._micro_batch
+            self.flops_per_sample = (
+                (3.0 + self.config.recompute_fwd_factor) * fwd_flops * self._shards / self._micro_batch
+            )
             prof.print_model_profile(
                 profile_step=finished_step,
                 module_depth=self.config.module_depth,
