@@ -154,6 +154,31 @@ def test_the_configs_optimizer_trains_like_torch_adamw(
         engine.destroy()
 
 
+@pytest.mark.parametrize("precision", ["fp32", "bf16"])
+@pytest.mark.parametrize("stage", [1, 2, 3])
+def test_partial_offload_trains_like_torch_with_a_share_on_each_side(stage: int, precision: str) -> None:
+    """``offload_optimizer.ratio`` 0.3 (issue 46): about a third of the masters and Adam state on the host, stepped
+    by CPUAdam, the rest on the GPU, stepped there in the same pass; the same comparison with torch's AdamW.
+    The split falls between buckets (runtime/zero/partial_offload.py), so the share is the nearest the small
+    buckets of this model allow."""
+    import ds_strategy
+
+    label = f"partial offload 0.3: stage {stage} {precision}"
+    data = batches(STEPS, MICRO * GAS)
+    model = make_model()
+    cfg = zero_config(stage, precision, True, False, client_optimizer=False)
+    cfg["zero_optimization"]["offload_optimizer"]["ratio"] = 0.3
+    engine, *_ = ds_strategy.initialize(model=model, model_parameters=groups_of(model), config=cfg)
+    try:
+        split = engine.memory_breakdown(by_device=True)
+        assert split["master"] > 0 and split["master_host"] > 0, f"{label}: {split}"
+        got = engine_run(engine, data, micro=MICRO, gas=GAS)
+        ref = reference_on_device(data, precision=precision, micro=MICRO, world=1, gas=GAS, lr=LR, clip=0.5)
+        assert_trains_like(got, ref, precision, label, clip=0.5)
+    finally:
+        engine.destroy()
+
+
 NVME_LAYOUTS = [(1, False), (2, False), (3, False), (3, True)]  # (stage, parameters on NVMe too)
 
 
