@@ -90,6 +90,7 @@ def _parity_body(rank: int, world: int, kind: str, core: str, kv: int) -> None:
     [
         ("Llama", "sdpa", 2),
         ("Qwen2", "sdpa", 2),
+        ("Mistral", "sdpa", 2),  # its default sliding window (4096) covers the sequence
         ("Llama", "flash_attention_fake", 1),  # 1 kv head replicated to 2: the core sees 2 query heads per kv head
     ],
 )
