@@ -24,6 +24,7 @@ from typing import Any
 
 import torch
 
+from benchmarks.bench_sequence_parallel import llama_config
 from benchmarks.common import machine, markdown_table, peak_memory_bytes, synchronize, write_results
 
 MIB = 1 << 20
@@ -44,15 +45,7 @@ def _one(sp: int, length: int, shape: dict[str, int], device: str, bf16: bool) -
     if sp > 1:
         dist.init_process_group("fake", store=FakeStore(), rank=0, world_size=sp)
     sequence.register()
-    config = transformers.LlamaConfig(
-        vocab_size=shape["vocab"],
-        hidden_size=shape["hidden"],
-        intermediate_size=shape["intermediate"],
-        num_attention_heads=shape["heads"],
-        num_key_value_heads=shape["kv_heads"],
-        num_hidden_layers=shape["layers"],
-        max_position_embeddings=max(length, 2048),
-    )
+    config = llama_config(shape, length)
     with ds_strategy.zero.Init(config_dict_or_path={"zero_optimization": {"stage": 3}, "bf16": {"enabled": bf16}}):
         model = transformers.AutoModelForCausalLM.from_config(config, attn_implementation="ds_ulysses")
     model.gradient_checkpointing_enable()

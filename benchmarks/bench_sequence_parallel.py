@@ -109,14 +109,11 @@ class _LM(nn.Module):
         return sequence_loss(hidden, batch["shift_labels"], head=self.lm.lm_head, chunk_size=self.chunk)
 
 
-def _build(shape: dict[str, int], sp: int, stage: int, chunk: int, max_len: int) -> tuple[Any, _LM]:
+def llama_config(shape: dict[str, int], max_len: int) -> Any:
+    """A Hugging Face ``LlamaConfig`` of ``shape`` (hidden, heads, kv_heads, layers, intermediate, vocab), untied."""
     import transformers
 
-    import ds_strategy
-    from ds_strategy.sequence import register
-
-    register()
-    config = transformers.LlamaConfig(
+    return transformers.LlamaConfig(
         vocab_size=shape["vocab"],
         hidden_size=shape["hidden"],
         intermediate_size=shape["intermediate"],
@@ -126,6 +123,16 @@ def _build(shape: dict[str, int], sp: int, stage: int, chunk: int, max_len: int)
         max_position_embeddings=max(max_len, 2048),
         tie_word_embeddings=False,
     )
+
+
+def _build(shape: dict[str, int], sp: int, stage: int, chunk: int, max_len: int) -> tuple[Any, _LM]:
+    import transformers
+
+    import ds_strategy
+    from ds_strategy.sequence import register
+
+    register()
+    config = llama_config(shape, max_len)
     torch.manual_seed(0)
     lm: Any = transformers.LlamaForCausalLM._from_config(config, attn_implementation="ds_ulysses" if sp > 1 else "sdpa")
     model = _LM(lm.float().train(), chunk)

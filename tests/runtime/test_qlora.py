@@ -109,6 +109,21 @@ def _train(engine: Any, steps: range, rank: int) -> list[float]:
     return losses
 
 
+def _resumed(
+    path: str, tmp: str, rank: int, *, stage: int, tag: str, exclude_frozen_parameters: bool
+) -> dict[str, Any]:
+    engine = _engine(path, stage)
+    _train(engine, range(2), rank)
+    engine.save_checkpoint(tmp, tag=tag, exclude_frozen_parameters=exclude_frozen_parameters)
+    engine.destroy()
+    engine = _engine(path, stage)
+    engine.load_checkpoint(tmp, tag=tag)
+    losses = _train(engine, range(2, 3), rank)
+    adapters = _adapters(engine.full_state_dict(rank=None))
+    engine.destroy()
+    return {"losses": losses, "adapters": adapters}
+
+
 def _body(rank: int, world: int, path: str, tmp: str) -> dict[str, Any]:
     import bitsandbytes as bnb
 
@@ -123,26 +138,10 @@ def _body(rank: int, world: int, path: str, tmp: str) -> dict[str, Any]:
         losses = _train(engine, range(STEPS), rank)
         out[stage] = {"losses": losses, "adapters": _adapters(engine.full_state_dict(rank=None))}
         engine.destroy()
-    # Adapters-only checkpoint at stage 3 after 2 steps, a fresh engine loads it and takes the third step.
-    engine = _engine(path, 3)
-    _train(engine, range(2), rank)
-    engine.save_checkpoint(tmp, tag="two", exclude_frozen_parameters=True)
-    engine.destroy()
-    engine = _engine(path, 3)
-    engine.load_checkpoint(tmp, tag="two")
-    resumed = _train(engine, range(2, 3), rank)
-    out["resumed"] = {"losses": resumed, "adapters": _adapters(engine.full_state_dict(rank=None))}
-    engine.destroy()
-    # The whole checkpoint (the 4-bit base and its quantization state too) at stage 2, loaded by a fresh engine.
-    engine = _engine(path, 2)
-    _train(engine, range(2), rank)
-    engine.save_checkpoint(tmp, tag="whole")
-    engine.destroy()
-    engine = _engine(path, 2)
-    engine.load_checkpoint(tmp, tag="whole")
-    resumed = _train(engine, range(2, 3), rank)
-    out["resumed whole"] = {"losses": resumed, "adapters": _adapters(engine.full_state_dict(rank=None))}
-    engine.destroy()
+    # Adapters-only at stage 3, and the whole checkpoint at stage 2 (which leaves the 4-bit base and its
+    # quantization state out all the same): after 2 steps, a fresh engine loads it and takes the third step.
+    out["resumed"] = _resumed(path, tmp, rank, stage=3, tag="two", exclude_frozen_parameters=True)
+    out["resumed whole"] = _resumed(path, tmp, rank, stage=2, tag="whole", exclude_frozen_parameters=False)
     return out
 
 
