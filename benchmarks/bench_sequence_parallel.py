@@ -46,6 +46,7 @@ import os
 import statistics
 import time
 from typing import Any
+from unittest import mock
 
 import torch
 import torch.distributed as dist
@@ -232,19 +233,6 @@ def _memory_rank(rank: int, world: int, shape: dict[str, int], plan: dict[str, A
     engine.destroy()
     base_max = _all_max(float(base))[0]
     return {"sp": sp, "base": base_max, "rows": rows, "tiled": tiled, "stage3_held": held, "stage2": stage2}
-
-
-def _with_env(env: dict[str, str], fn: Any, *args: Any) -> Any:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)  # the spawned ranks inherit it (restored below for later benchmarks)
-    try:
-        return fn(*args)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 # -------------------------------------------------------------------------------------------- step time
@@ -589,7 +577,8 @@ def run(quick: bool) -> dict[str, Any]:
     memory = []
     for sp in plan["sps"]:
         start = time.monotonic()
-        result = _with_env(MALLOC_ENV, run_ranks, _memory_rank, sp, shape, plan)[0]
+        with mock.patch.dict(os.environ, MALLOC_ENV):  # the spawned ranks inherit it; restored afterwards
+            result = run_ranks(_memory_rank, sp, shape, plan)[0]
         print(f"memory sp {sp}: {time.monotonic() - start:.0f} s", flush=True)
         memory.append(result)
     step_time = []

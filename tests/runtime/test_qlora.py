@@ -18,6 +18,7 @@ import pytest
 import torch
 
 from tests.harness import run_distributed
+from tests.sequence.common import tiny_causal_lm
 
 pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
@@ -26,18 +27,7 @@ STEPS = 3
 
 
 def _save_base(path: str) -> None:
-    import transformers
-
-    config = transformers.LlamaConfig(
-        vocab_size=128,
-        hidden_size=64,
-        intermediate_size=128,
-        num_attention_heads=4,
-        num_key_value_heads=2,
-        num_hidden_layers=2,
-    )
-    torch.manual_seed(0)
-    transformers.LlamaForCausalLM(config).save_pretrained(path)
+    tiny_causal_lm("Llama", "sdpa").save_pretrained(path)
 
 
 def _qlora_model(path: str) -> Any:
