@@ -24,6 +24,7 @@ _LAZY: dict[str, str] = {
     "init_distributed": "ds_strategy.comm",
     "initialize": "ds_strategy.runtime",
     "ZeroEngine": "ds_strategy.runtime",
+    "MuonWithAuxAdam": "ds_strategy.runtime",
     "estimate_memory": "ds_strategy.runtime",
     "estimate_zero2_model_states_mem_needs": "ds_strategy.runtime",
     "estimate_zero2_model_states_mem_needs_all_live": "ds_strategy.runtime",
@@ -45,6 +46,7 @@ if TYPE_CHECKING:
     from ds_strategy.lightning import ZeroPrecision as ZeroPrecision
     from ds_strategy.lightning import ZeroStrategy as ZeroStrategy
     from ds_strategy.lightning import ZeroTuner as ZeroTuner
+    from ds_strategy.runtime import MuonWithAuxAdam as MuonWithAuxAdam
     from ds_strategy.runtime import ZeroEngine as ZeroEngine
     from ds_strategy.runtime import estimate_memory as estimate_memory
     from ds_strategy.runtime import estimate_zero2_model_states_mem_needs as estimate_zero2_model_states_mem_needs

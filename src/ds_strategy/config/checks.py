@@ -13,7 +13,7 @@ from typing import Any, TypeGuard
 from .errors import ConfigProblem, format_value
 from .schema import Schema, child_schema, resolve
 
-IMPLEMENTED_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "Lion", "SGD")
+IMPLEMENTED_OPTIMIZERS = ("Adam", "AdamW", "Adagrad", "Lion", "SGD", "Muon", "Adafactor")
 
 
 def _section(parent: Any, key: str) -> dict[str, Any]:

@@ -21,6 +21,7 @@ from .memory import (
     estimate_zero3_model_states_mem_needs,
     estimate_zero3_model_states_mem_needs_all_live,
 )
+from .muon import MuonWithAuxAdam
 from .optimizers import Lion, build_optimizer
 
 __all__ = [
@@ -30,6 +31,7 @@ __all__ = [
     "LossScaleError",
     "LossScaler",
     "MemoryEstimate",
+    "MuonWithAuxAdam",
     "OneCycle",
     "WarmupCosineLR",
     "WarmupDecayLR",

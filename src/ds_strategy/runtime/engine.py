@@ -51,6 +51,7 @@ from .hybrid import GenerateFn, HybridEngine
 from .inference_tp import build_tensor_parallel
 from .moe.engine_moe import EngineMoE
 from .moe.full import full_state_dict as moe_full_state_dict
+from .muon import embedding_ids, split_for_muon
 from .packed import is_packed
 from .params import (
     OptimizerArg,
@@ -59,6 +60,7 @@ from .params import (
     check_client_optimizer,
     named_trainable_groups,
     param_groups,
+    wants_whole_params,
 )
 from .precision import Precision, make_loss_scaler
 from .profiling import EngineProfiling
@@ -68,6 +70,7 @@ from .zero.access import FullStateAccess
 from .zero.grad_norm import grad_norm
 from .zero.leaf import apply_leaf_module_config
 from .zero.offload import Offload
+from .zero.per_tensor import check_whole_params
 
 log = get_logger("ds_strategy.runtime")
 
@@ -120,6 +123,10 @@ class ZeroEngine(nn.Module):
         if isinstance(optimizer, Optimizer):  # fail before the parameters are moved into flat buffers
             check_client_optimizer(optimizer, stage=config.zero_stage, offload=self.offload.optimizer, config=config)
         groups = param_groups(module, optimizer, model_parameters)
+        # A per-tensor optimizer steps whole parameters: [Note: per-tensor optimizers under ZeRO].
+        whole = wants_whole_params(optimizer, config)
+        if whole and optimizer is None and config.optimizer is not None and config.optimizer.type == "Muon":
+            groups = split_for_muon(groups, embedding_ids(module))  # Muon's matrices, AdamW's rest
         # MoE layers: expert groups built once per ep_size; expert param groups reduce over them.
         self.moe = EngineMoE.create(
             module,
@@ -150,6 +157,10 @@ class ZeroEngine(nn.Module):
         )
         if self.moe is not None:
             options = dataclasses.replace(options, group_comms=self.moe.group_comms(groups))
+        if whole:
+            name = type(optimizer).__name__ if isinstance(optimizer, Optimizer) else "this optimizer"
+            check_whole_params(self.offload, moe=self.moe is not None, what=name)
+            options = dataclasses.replace(options, whole_params=True)
         self.stage = stage_cls.create(
             named, registration, coll=self.coll, options=options, module=module, config=config
         )
@@ -157,10 +168,11 @@ class ZeroEngine(nn.Module):
         self.optimizer: Optimizer | None = attach_optimizer(
             optimizer,
             groups,
-            self.stage.masters,
+            self.stage.optimizer_params,
             config,
             master_device=self.offload.master_device(self.device),
             offload=self.offload.optimizer,
+            whole=whole,
         )
         if self.stage.swapper is not None:
             self.stage.swapper.optimizer = self.optimizer  # its state is swapped with the masters

@@ -11,6 +11,14 @@ into ``world_size`` equal shards: rank r owns shard r of *every* bucket. So
   elements that holds its fp32 master weights, gradients and optimizer state.
 
 With a single bucket this is DESIGN.md's contiguous layout (rank r owns ``[r*n/W, (r+1)*n/W)``).
+
+[Note: whole parameters per rank]
+An optimizer whose math is per tensor (Muon's orthogonalisation, Adafactor's factored moments) must step
+each parameter whole, never a fragment. With ``whole_params`` every bucket's parameters are assigned to
+ranks whole (largest first, each to the least loaded rank) and laid out rank by rank: rank r's shard is
+its parameters back to back, then padding up to the longest rank's load. Shards stay equal, so the
+reduce-scatter and all-gather are the ones above; the cost is that padding (``imbalance``), which
+larger buckets (more parameters to balance) shrink.
 The engine passes parameters in reverse registration order, so backward (which runs from the last
 layer to the first) completes buckets in index order and their reductions overlap the rest of backward.
 
@@ -81,6 +89,7 @@ class FlatLayout:
         self.world_size = world_size
         self.total = self.buckets[-1].end if self.buckets else 0
         self.partition_numel = self.total // world_size if world_size else 0
+        self._gaps: dict[int, list[tuple[int, int]]] = {}  # per bucket, computed on first use
 
     @classmethod
     def build(
@@ -91,12 +100,14 @@ class FlatLayout:
         bucket_numel: int,
         alignment: int = DEFAULT_ALIGNMENT,
         breaks: Collection[int] = (),
+        whole_params: bool = False,
     ) -> FlatLayout:
         """Lay out ``(name, shape, dtype)`` entries in the given order.
 
         ``bucket_numel`` is the bucket capacity in elements; a bucket closes before the parameter that
         would overflow it, and a parameter larger than the capacity forms its own bucket. A bucket also
         closes before every entry index in ``breaks`` (stage 3 aligns buckets with modules).
+        ``whole_params``: each parameter whole in one rank's shard ([Note: whole parameters per rank]).
         """
         if world_size < 1:
             raise ValueError(f"world_size must be >= 1, got {world_size}")
@@ -123,14 +134,26 @@ class FlatLayout:
         start = 0
         partition_start = 0
         for b, members in enumerate(groups):
-            offset = start
-            for i in members:
-                name, shape, dtype = entries[i]
-                params[i] = ParamSlot(name, tuple(shape), dtype, b, offset, sizes[i])
-                offset += sizes[i]
-            numel = offset - start
-            padded = max(unit, -(-numel // unit) * unit)
-            shard = padded // world_size
+            numel = sum(sizes[i] for i in members)
+            if whole_params:
+                owners = _assign_whole(members, sizes, world_size)
+                load = max(sum(sizes[i] for i in mine) for mine in owners)
+                shard = max(alignment, -(-load // alignment) * alignment)
+                padded = shard * world_size
+                for r, mine in enumerate(owners):
+                    offset = start + r * shard
+                    for i in mine:
+                        name, shape, dtype = entries[i]
+                        params[i] = ParamSlot(name, tuple(shape), dtype, b, offset, sizes[i])
+                        offset += sizes[i]
+            else:
+                offset = start
+                for i in members:
+                    name, shape, dtype = entries[i]
+                    params[i] = ParamSlot(name, tuple(shape), dtype, b, offset, sizes[i])
+                    offset += sizes[i]
+                padded = max(unit, -(-numel // unit) * unit)
+                shard = padded // world_size
             buckets.append(BucketSlot(b, start, numel, padded, shard, partition_start, tuple(members)))
             start += padded
             partition_start += shard
@@ -185,6 +208,36 @@ class FlatLayout:
             else:
                 hi = mid - 1
         return self.buckets[lo]
+
+    def gaps(self, bucket: int) -> list[tuple[int, int]]:
+        """The ``[lo, hi)`` ranges of ``bucket`` (relative to its start) no parameter covers: its padding, at the
+        end, or between ranks' runs under [Note: whole parameters per rank]."""
+        if bucket in self._gaps:
+            return self._gaps[bucket]
+        b = self.buckets[bucket]
+        out: list[tuple[int, int]] = []
+        at = 0
+        for slot in sorted((self.params[i] for i in b.params), key=lambda s: s.offset):
+            if slot.offset - b.start > at:
+                out.append((at, slot.offset - b.start))
+            at = slot.end - b.start
+        if at < b.padded:
+            out.append((at, b.padded))
+        self._gaps[bucket] = out
+        return out
+
+    def owner(self, index: int) -> int | None:
+        """The rank whose shard holds all of parameter ``index``, or None if it spans shards."""
+        slot = self.params[index]
+        if slot.numel == 0:
+            return self.locate(slot.offset)[0] if slot.offset < self.total else None
+        first, last = self.locate(slot.offset)[0], self.locate(slot.end - 1)[0]
+        return first if first == last else None
+
+    def imbalance(self) -> float:
+        """Padded elements over parameter elements (1.0: no padding beyond the alignment)."""
+        numel = sum(b.numel for b in self.buckets)
+        return self.total / numel if numel else 1.0
 
     # ----------------------------------------------------------------- views
     def param_view(self, flat: torch.Tensor, index: int) -> torch.Tensor:
@@ -268,3 +321,16 @@ def _numel(shape: torch.Size | tuple[int, ...]) -> int:
     for d in shape:
         n *= int(d)
     return n
+
+
+def _assign_whole(members: Sequence[int], sizes: Sequence[int], world_size: int) -> list[list[int]]:
+    """``members`` split among ``world_size`` ranks whole, balanced by size (largest first to the least
+    loaded rank; ties to the lower rank), each rank's list in the original order."""
+    loads = [0] * world_size
+    owners: list[list[int]] = [[] for _ in range(world_size)]
+    for i in sorted(members, key=lambda i: (-sizes[i], i)):
+        r = min(range(world_size), key=lambda r: (loads[r], r))
+        owners[r].append(i)
+        loads[r] += sizes[i]
+    rank_of = {i: r for r, mine in enumerate(owners) for i in mine}
+    return [[i for i in members if rank_of[i] == r] for r in range(world_size)]

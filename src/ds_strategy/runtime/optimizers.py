@@ -17,6 +17,8 @@ from torch.optim import Optimizer
 import ds_strategy.ops as ops
 from ds_strategy.config import OptimizerConfig
 
+from .muon import MuonWithAuxAdam
+
 ParamGroups = list[dict[str, Any]]
 
 
@@ -60,6 +62,9 @@ class Lion(Optimizer):
             torch._foreach_add_(avgs, grads, alpha=1.0 - beta2)
         return loss
 
+
+# Config types whose step is per tensor: the stage lays parameters out whole (runtime/zero/per_tensor.py).
+PER_TENSOR_TYPES = ("Muon", "Adafactor")
 
 _KERNELS = {"Adam": "CPUAdam", "AdamW": "CPUAdam", "Adagrad": "CPUAdagrad", "Lion": "CPULion"}
 
@@ -138,6 +143,12 @@ def build_optimizer(
     """
     params = config.kwargs()
     kind = config.type
+    if kind in PER_TENSOR_TYPES:  # torch's math over whole tensors ([Note: per-tensor optimizers under ZeRO])
+        if "betas" in params or "adam_betas" in params or "ns_coefficients" in params or "eps" in params:
+            params = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
+        if kind == "Muon":
+            return MuonWithAuxAdam(param_groups, **params)
+        return torch.optim.Adafactor(param_groups, **params)
     if kind == "Adam" and params.get("adam_w_mode", True):
         kind = "AdamW"  # DeepSpeed's Adam is decoupled-weight-decay Adam unless adam_w_mode is false
     ctor, extra = _kernel_or_torch(kind, device=device, bias_correction=bool(params.get("bias_correction", True)))

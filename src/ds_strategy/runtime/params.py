@@ -14,7 +14,7 @@ import ds_strategy.ops as ops
 from ds_strategy.config import DeepSpeedConfig
 from ds_strategy.log import get_logger
 
-from .optimizers import build_optimizer, is_cpu_kernel_optimizer, tested_optimizer_types
+from .optimizers import PER_TENSOR_TYPES, build_optimizer, is_cpu_kernel_optimizer, tested_optimizer_types
 
 log = get_logger(__name__)
 
@@ -89,10 +89,12 @@ def attach_optimizer(
     *,
     master_device: torch.device,
     offload: bool,
+    whole: bool = False,
 ) -> Optimizer | None:
     """The optimizer, stepping ``masters``: a client optimizer rewired (its group dicts, hence its
     hyperparameters and any scheduler built on them, are kept), a client factory called, or the
-    config's ``optimizer`` block built. None when there is neither (an engine for evaluation)."""
+    config's ``optimizer`` block built. None when there is neither (an engine for evaluation). ``whole``:
+    the stage laid parameters out whole, and ``masters`` are a per-tensor optimizer's shaped tensors."""
     stage = config.zero_stage
     rewired = [
         {**{k: v for k, v in g.items() if k != "params"}, "params": list(m)}
@@ -106,28 +108,44 @@ def attach_optimizer(
         return optimizer
     if optimizer is not None:
         built = optimizer(rewired)
-        check_client_optimizer(built, stage=stage, offload=offload, config=config)
+        check_client_optimizer(built, stage=stage, offload=offload, config=config, whole=whole)
         return built
     if config.optimizer is None:
         return None
     return build_optimizer(config.optimizer, rewired, device=master_device, offload=offload)
 
 
-def check_client_optimizer(optimizer: Optimizer, *, stage: int, offload: bool, config: DeepSpeedConfig) -> None:
+def check_client_optimizer(
+    optimizer: Optimizer, *, stage: int, offload: bool, config: DeepSpeedConfig, whole: bool = True
+) -> None:
+    """Refuse a client optimizer the engine cannot step correctly (``whole``: the stage lays parameters out
+    whole, as a per-tensor optimizer needs)."""
     name = type(optimizer).__name__
     if any(len(s) for s in optimizer.state.values()):
         raise ValueError(
             f"the client optimizer {name} already holds state; pass a freshly constructed optimizer "
             "(its state would not match the flat fp32 master weights the engine steps)"
         )
-    if is_per_tensor_optimizer(optimizer):
+    per_tensor = is_per_tensor_optimizer(optimizer)
+    if per_tensor and not whole:
         raise ValueError(
-            f"{name} computes per-tensor quantities (norms, factored second moments, trust ratios or "
-            f"orthogonalisation of each parameter's shape), but ZeRO stage {stage} hands the optimizer flat "
-            "buckets of many parameters, which would silently change its math. Use an element-wise optimizer "
-            "(Adam, AdamW, SGD, Adagrad, Lion ...) with ds_strategy, or train this one with plain DDP"
+            f"{name} computes per-tensor quantities (norms, factored second moments, orthogonalisation of each "
+            "parameter's shape), but the optimizer factory passed to initialize(optimizer=...) was called only "
+            "after the parameters were laid out in flat buckets for an element-wise optimizer. Pass the "
+            f"optimizer itself (initialize(optimizer={name}(model.parameters(), ...))) or name it in the config's "
+            '"optimizer" block ("Muon", "Adafactor"), so ZeRO lays each parameter out whole'
         )
-    if stage > 0 and not isinstance(optimizer, tested_optimizer_types()) and not config.zero_allow_untested_optimizer:
+    if per_tensor and offload and config.zero_force_ds_cpu_optimizer:
+        raise ValueError(
+            f"optimizer offload with the per-tensor optimizer {name}: ds_strategy's CPU kernels are element-wise; "
+            'set "zero_force_ds_cpu_optimizer": false to step the offloaded masters with it on the host'
+        )
+    if (
+        stage > 0
+        and not per_tensor  # stepped whole, as in one process: [Note: per-tensor optimizers under ZeRO]
+        and not isinstance(optimizer, tested_optimizer_types())
+        and not config.zero_allow_untested_optimizer
+    ):
         raise ValueError(
             f"ZeRO stage {stage} steps flat partitions of the parameters, which is only verified for "
             f"{', '.join(t.__name__ for t in tested_optimizer_types())}; {name} is untested. Set "
@@ -149,9 +167,25 @@ def check_client_optimizer(optimizer: Optimizer, *, stage: int, offload: bool, c
 _PER_TENSOR_NAMES = ("adafactor", "lamb", "lars", "muon", "shampoo", "novograd", "sm3")
 
 
-def is_per_tensor_optimizer(optimizer: Optimizer) -> bool:
-    name = type(optimizer).__name__.lower()
-    return any(key in name for key in _PER_TENSOR_NAMES)
+def is_per_tensor_optimizer(optimizer: Optimizer | type) -> bool:
+    """Whether an optimizer (or its class) steps each parameter as a whole tensor: its ``zero_per_tensor``
+    attribute when it declares one, else its class name ([Note: per-tensor optimizers under ZeRO])."""
+    declared = getattr(optimizer, "zero_per_tensor", None)
+    if declared is not None:
+        return bool(declared)
+    cls = optimizer if isinstance(optimizer, type) else type(optimizer)
+    return any(key in cls.__name__.lower() for key in _PER_TENSOR_NAMES)
+
+
+def wants_whole_params(optimizer: OptimizerArg, config: DeepSpeedConfig) -> bool:
+    """Whether the stage must lay parameters out whole: a per-tensor client optimizer (or class), or a
+    per-tensor type in the config's ``optimizer`` block when the client passes none."""
+    factory = getattr(optimizer, "func", optimizer)  # a functools.partial of an optimizer class counts too
+    if isinstance(optimizer, Optimizer) or isinstance(factory, type):
+        return is_per_tensor_optimizer(optimizer if isinstance(optimizer, Optimizer) else factory)
+    if optimizer is None and config.optimizer is not None:
+        return config.optimizer.type in PER_TENSOR_TYPES
+    return False
 
 
 # torch optimizers whose kernel twin keeps their exact math and state-dict format (ds_strategy.ops).

@@ -152,7 +152,20 @@ def _plan(
             )
         state: dict[int, dict[str, Any]] = {}
         index = 0
+        whole = engine.stage.whole
         for g, gs in enumerate(engine.stage.groups):
+            if whole is not None:  # one entry per whole tensor this rank steps, found by name
+                for name in whole.names[g]:
+                    entry = source.tensor_state(name, str(tag_dir))
+                    if entry:
+                        state[index] = entry
+                    index += 1
+                continue
+            if g not in experts and any(source.per_tensor(s) for s in {source.where[s.name].group for s in gs.layout.params}):
+                raise CheckpointError(
+                    f"{tag_dir} holds a per-tensor optimizer's state (Muon, Adafactor ...), this optimizer is "
+                    "element-wise; pass load_optimizer_states=False to load the weights only"
+                )
             if g in experts:
                 scalars, keys = expert_source.scalars(gs)
                 flats = {key: expert_source.fill(gs, ("state", key), torch.float32) for key in keys}

@@ -13,6 +13,11 @@ state tensor with one value per element (``exp_avg``, ``exp_avg_sq``, ``sum``, `
 flat partition, and every per-tensor value (``step``) once, with whether it was a tensor. Loading builds
 a ``torch.optim`` state dict from these and hands it to ``optimizer.load_state_dict``, which places each
 value where that optimizer keeps it (a fused AdamW keeps ``step`` on the parameter's device).
+
+A per-tensor optimizer ([Note: per-tensor optimizers under ZeRO]) keeps state of any shape (Adafactor's
+row and column factors), so its state is stored by parameter name instead (``"tensors"``), by the rank
+whose shard holds the parameter; a load at any world size or stage finds each parameter's entry through
+the saved layout (``FlatLayout.owner``).
 """
 
 from __future__ import annotations
@@ -25,6 +30,7 @@ from torch.optim import Optimizer
 
 from ..layout import FlatLayout
 from ..zero.buffers import GroupStorage
+from ..zero.per_tensor import WholeTensors
 from .format import CheckpointError
 from .reshard import SavedParam, fill_flat_range
 
@@ -42,9 +48,12 @@ def _cat(pieces: Sequence[torch.Tensor], dtype: torch.dtype) -> torch.Tensor:
     return torch.cat([p.detach().to("cpu") for p in pieces])  # a fresh tensor: never saves a larger storage
 
 
-def saved_group(gs: GroupStorage, optimizer: Optimizer | None) -> dict[str, Any]:
-    """``{"fp32": partition, "state": {key: partition}, "scalars": {key: {...}}}`` of one param group."""
+def saved_group(gs: GroupStorage, optimizer: Optimizer | None, whole: WholeTensors | None = None) -> dict[str, Any]:
+    """``{"fp32": partition, "state": {key: partition}, "scalars": {key: {...}}}`` of one param group; with a
+    per-tensor optimizer's tensors (``whole``), ``{"fp32": ..., "tensors": {name: state}}`` instead."""
     fp32 = _cat([_rank_shard(gs, b, m.detach().float()) for b, m in enumerate(gs.masters)], torch.float32)
+    if whole is not None:
+        return {"fp32": fp32, "state": {}, "scalars": {}, "tensors": _named_states(gs, optimizer, whole)}
     states = [dict(optimizer.state.get(m, {})) if optimizer is not None else {} for m in gs.masters]
     keys = sorted(states[0]) if states else []
     for b, s in enumerate(states):
@@ -76,6 +85,22 @@ def saved_group(gs: GroupStorage, optimizer: Optimizer | None) -> dict[str, Any]
             "dtype": str(first.dtype).removeprefix("torch.") if isinstance(first, torch.Tensor) else None,
         }
     return {"fp32": fp32, "state": flat, "scalars": scalars}
+
+
+def _named_states(gs: GroupStorage, optimizer: Optimizer | None, whole: WholeTensors) -> dict[str, dict[str, Any]]:
+    """The optimizer state of each parameter this rank's shard holds, by name (CPU copies)."""
+    out: dict[str, dict[str, Any]] = {}
+    if optimizer is None:
+        return out
+    for i, slot in enumerate(gs.layout.params):
+        tensor = whole.tensor_of(gs.index, i)
+        if gs.layout.owner(i) != gs.rank or tensor is None:
+            continue  # stage 0 holds every parameter: the owner in the layout saves it, as at stage 1
+        out[slot.name] = {
+            k: v.detach().to("cpu", copy=True) if isinstance(v, torch.Tensor) else v
+            for k, v in optimizer.state.get(tensor, {}).items()
+        }
+    return out
 
 
 class Source:
@@ -112,6 +137,23 @@ class Source:
             )
         g = origins[0]
         return g, first[g]["scalars"], sorted(first[g]["state"])
+
+    def per_tensor(self, group: int) -> bool:
+        """Whether saved group ``group`` holds per-tensor state by name (``"tensors"``)."""
+        return "tensors" in self.rank_data(0)["groups"][group]
+
+    def tensor_state(self, name: str, where: str) -> dict[str, Any]:
+        """Parameter ``name``'s saved per-tensor optimizer state (empty before the first step)."""
+        saved = self.where[name]
+        layout = self.layouts[saved.group]
+        rank = layout.owner(saved.index)
+        groups = self.rank_data(0 if rank is None else rank)["groups"]
+        if rank is None or "tensors" not in groups[saved.group]:
+            raise CheckpointError(
+                f"{where} holds element-wise optimizer state (flat partitions) for {name!r}, but this optimizer "
+                "steps whole tensors (Muon, Adafactor ...); pass load_optimizer_states=False to load the weights only"
+            )
+        return dict(groups[saved.group]["tensors"].get(name, {}))
 
     def state_dtype(self, group: int, key: str) -> torch.dtype:
         return self.rank_data(0)["groups"][group]["state"][key].dtype

@@ -160,7 +160,7 @@ def save_checkpoint(
             "rank": rank,
             "world_size": coll.world_size,
             "groups": [
-                saved_group(gs, None if exclude_optimizer_states else engine.optimizer)
+                saved_group(gs, None if exclude_optimizer_states else engine.optimizer, engine.stage.whole)
                 for g, gs in enumerate(engine.stage.groups)
                 if g not in experts
             ],

@@ -15,6 +15,7 @@ from torch import nn
 from ..counters import StepCounters
 from ..zero.buffers import GroupStorage
 from ..zero.collectives import Collectives
+from ..zero.per_tensor import WholeTensors
 
 
 class StatefulScaler(Protocol):
@@ -32,6 +33,10 @@ class PartitionedState(Protocol):
 
     @property
     def groups(self) -> Sequence[GroupStorage]: ...
+
+    @property
+    def whole(self) -> WholeTensors | None:
+        """A per-tensor optimizer's tensors (their state is saved by name), else None."""
 
     def publish(self) -> None:
         """Masters -> compute-dtype parameters (and, partitioned, the gathered copies)."""

@@ -169,12 +169,40 @@ class FullStateAccess:
             return master.detach()
         if kind == "grad":
             return self.stage.reduced_grads_of(group)[bucket]
+        value = self._state_value(master, key, group, index)
+        if not isinstance(value, torch.Tensor) or value.shape != master.shape:
+            raise ValueError(
+                f"optimizer state {key!r} of parameter {self.name(group, index)!r} is not a per-element tensor "
+                f"(got {type(value).__name__} {tuple(getattr(value, 'shape', ()))}); only states shaped like the "
+                "parameter (exp_avg, exp_avg_sq, momentum_buffer ...) are partitioned with it"
+            )
+        return value
+
+    def _piece(self, group: int, bucket: int, kind: Kind, key: str | None, index: int, at: int, n: int) -> torch.Tensor:
+        """Parameter ``index``'s ``n`` elements of ``kind`` at offset ``at`` of ``masters[bucket]`` (a view)."""
+        whole = self.stage.whole
+        if kind != "optimizer_state" or whole is None:
+            return self._source(group, bucket, kind, key, index)[at : at + n]
+        # A per-tensor optimizer keys its state by the whole tensor (per_tensor.py): the fragment is all of it.
+        tensor = whole.tensor_of(group, index)
+        assert tensor is not None and n == tensor.numel()
+        value = self._state_value(tensor, key, group, index)
+        if not isinstance(value, torch.Tensor) or value.shape != tensor.shape:
+            raise ValueError(
+                f"optimizer state {key!r} of parameter {self.name(group, index)!r} is not a per-element tensor "
+                f"(got {type(value).__name__} {tuple(getattr(value, 'shape', ()))}); read the optimizer's own state "
+                "for factored or per-tensor values"
+            )
+        return value.view(-1)
+
+    def _state_value(self, tensor: torch.Tensor, key: str | None, group: int, index: int) -> Any:
+        """``optimizer.state[tensor][key]``, or an error naming the parameter and what exists."""
         optimizer = self.owner.optimizer
         if optimizer is None:
             raise RuntimeError(
                 f"optimizer state {key!r} of parameter {self.name(group, index)!r}: this engine has no optimizer"
             )
-        state = optimizer.state.get(master, {})
+        state = optimizer.state.get(tensor, {})
         value = state.get(key)
         if value is None:
             raise KeyError(
@@ -184,12 +212,6 @@ class FullStateAccess:
                     if state
                     else "the optimizer creates its state in its first step; read it after engine.step()"
                 )
-            )
-        if not isinstance(value, torch.Tensor) or value.shape != master.shape:
-            raise ValueError(
-                f"optimizer state {key!r} of parameter {self.name(group, index)!r} is not a per-element tensor "
-                f"(got {type(value).__name__} {tuple(getattr(value, 'shape', ()))}); only states shaped like the "
-                "parameter (exp_avg, exp_avg_sq, momentum_buffer ...) are partitioned with it"
             )
         return value
 
@@ -231,7 +253,7 @@ class FullStateAccess:
         frag = _fragment(gs, index)
         if frag is not None:
             b, at, start, n = frag
-            out[start : start + n].copy_(self._source(group, b, kind, key, index)[at : at + n])
+            out[start : start + n].copy_(self._piece(group, b, kind, key, index, at, n))
         comm = self.stage.comm_of(group)  # an expert group's own (expert-data-parallel) communicator
         if gs.partitioned and comm.world_size > 1:
             comm.all_reduce(out)
@@ -250,7 +272,7 @@ class FullStateAccess:
         frag = _fragment(gs, index)
         if frag is not None:
             b, at, start, n = frag
-            self._source(group, b, kind, key, index)[at : at + n].copy_(flat[start : start + n] / factor)
+            self._piece(group, b, kind, key, index, at, n).copy_(flat[start : start + n] / factor)
         if kind == "fp32_param":
             self._write_compute(gs, index, 0, flat)
 
@@ -268,7 +290,7 @@ class FullStateAccess:
         if frag is None:
             return torch.zeros(0, dtype=torch.float32, device=gs.device)
         b, at, _, n = frag
-        out = self._source(group, b, kind, key, index)[at : at + n].to(gs.device, torch.float32, copy=True)
+        out = self._piece(group, b, kind, key, index, at, n).to(gs.device, torch.float32, copy=True)
         return out.mul_(factor) if factor != 1.0 else out
 
     @torch.no_grad()
@@ -283,7 +305,7 @@ class FullStateAccess:
         if frag is None:
             return
         b, at, start, n = frag
-        self._source(group, b, kind, key, index)[at : at + n].copy_(flat / factor)
+        self._piece(group, b, kind, key, index, at, n).copy_(flat / factor)
         if kind == "fp32_param":
             self._write_compute(gs, index, start, flat)
 

@@ -42,6 +42,7 @@ from .offload import Offload
 from .partial_offload import MasterSplit
 from .placement import WholeParameters
 from .reducer import GradientReducer
+from .per_tensor import WholeTensors
 from .step import OptimizerStep
 
 BucketKey = tuple[int, int]  # (group index, bucket index)
@@ -70,6 +71,9 @@ class StageOptions:
     # parallel one). Expert groups of an MoE model use their expert-data-parallel group: see [Note: a
     # param group's reduction group] in runtime/moe/params.py. Empty: every group uses the stage's.
     group_comms: tuple[Collectives | None, ...] = ()
+    # A per-tensor optimizer steps each parameter whole: every bucket assigns its parameters to ranks whole
+    # ([Note: whole parameters per rank] in runtime/layout.py; the optimizer's tensors: per_tensor.py).
+    whole_params: bool = False
 
 
 class ZeroStage:
@@ -137,6 +141,8 @@ class ZeroStage:
         self.compute_device: torch.device = options.device or first_device or torch.device("cpu")
         # offload_optimizer.ratio < 1: part of the masters back to the compute device (partial_offload.py)
         self.master_split = MasterSplit.place(self.groups, options.offload, self.compute_device, rank=coll.rank)
+        # A per-tensor optimizer's shaped tensors inside the masters ([Note: per-tensor optimizers under ZeRO]).
+        self.whole: WholeTensors | None = WholeTensors(self.groups) if options.whole_params else None
         first = {
             (g, b.index): min(registration[gs.params[i]] for i in b.params)
             for g, gs in enumerate(self.groups)
@@ -195,6 +201,7 @@ class ZeroStage:
             partitioned=self.partitioned,
             pin_memory=self.options.pin_memory,
             master_swap=self.swapper,
+            whole_params=self.options.whole_params,
         )
 
     def comm_of(self, group: int) -> Collectives:
@@ -280,8 +287,14 @@ class ZeroStage:
     # ------------------------------------------------------------------ the optimizer step
     @property
     def masters(self) -> list[list[nn.Parameter]]:
-        """Per param group, the fp32 tensors the optimizer steps (one per bucket)."""
+        """Per param group, the fp32 tensors that hold the masters (one per bucket)."""
         return [gs.masters for gs in self.groups]
+
+    @property
+    def optimizer_params(self) -> list[list[nn.Parameter]]:
+        """Per param group, what the optimizer steps: the masters, or a per-tensor optimizer's whole shaped
+        tensors inside them ([Note: per-tensor optimizers under ZeRO] in per_tensor.py)."""
+        return self.masters if self.whole is None else self.whole.params
 
     @torch.no_grad()
     def publish(self, params_written: Collection[int] = ()) -> None:

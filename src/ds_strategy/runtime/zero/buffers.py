@@ -109,6 +109,7 @@ class GroupState(GroupStorage):
         partitioned: bool,
         pin_memory: bool = False,
         master_swap: OptimizerSwapper | None = None,
+        whole_params: bool = False,
     ) -> None:
         self.index = index
         self.params = [p for _, p in named_params]
@@ -116,7 +117,10 @@ class GroupState(GroupStorage):
         self.partitioned = partitioned
         self.rank = coll.rank
         self.layout = FlatLayout.build(
-            [(n, p.shape, p.dtype) for n, p in named_params], world_size=coll.world_size, bucket_numel=bucket_numel
+            [(n, p.shape, p.dtype) for n, p in named_params],
+            world_size=coll.world_size,
+            bucket_numel=bucket_numel,
+            whole_params=whole_params,
         )
         device = self.params[0].device if self.params else torch.device("cpu")
         self.device = device

@@ -69,6 +69,7 @@ class ShardedGroup(GroupStorage):
         master_swap: OptimizerSwapper | None = None,
         keep_in_cpu: int = 0,
         zeropp: ZeroPP | None = None,
+        whole_params: bool = False,
     ) -> None:
         self.index = index
         self.frozen = frozen  # parameters nobody trains: no masters, gradients or optimizer state
@@ -82,6 +83,7 @@ class ShardedGroup(GroupStorage):
             world_size=coll.world_size,
             bucket_numel=bucket_numel,
             breaks=breaks,
+            whole_params=whole_params,
         )
         # The compute device: where gathered buckets live. A CPU-built module's trainable parameters are
         # not moved there whole by the engine: each bucket goes over in turn (shard_build.py).

@@ -43,7 +43,8 @@ class Stage2(ZeroStage):
             g, b = key
             bucket = self.groups[g].layout.buckets[b]
             buf = torch.empty(bucket.padded, dtype=self.options.comm_dtype, device=self.groups[g].device)
-            buf[bucket.numel :].zero_()
+            for lo, hi in self.groups[g].layout.gaps(b):  # padding: summed by the reduce-scatter, never read
+                buf[lo:hi].zero_()
             self._staging[key] = buf
         return buf
 

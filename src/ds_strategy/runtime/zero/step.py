@@ -26,6 +26,7 @@ from ..swap import OptimizerSwapper, Swap
 from .buffers import GroupStorage
 from .offload_copy import HostCopier
 from .partial_offload import MasterSplit
+from .per_tensor import WholeTensors
 
 
 class StepStage(Protocol):
@@ -36,6 +37,7 @@ class StepStage(Protocol):
     swapper: OptimizerSwapper | None
     compute_device: torch.device
     master_split: MasterSplit | None  # a partial offload's host / device masters (partial_offload.py)
+    whole: WholeTensors | None  # a per-tensor optimizer's tensors (per_tensor.py)
 
     @property
     def options(self) -> StepOptions: ...
@@ -207,6 +209,8 @@ class OptimizerStep:
             }
             for m in hidden:
                 m.grad = None
+            if self.stage.whole is not None:  # a per-tensor optimizer reads its tensors' views of the grads
+                self.stage.whole.bind_grads(tile)
             with span("ds::optimizer_step"):
                 if fused:
                     out = {m: t for m, t in outputs.items() if m in tile}
@@ -219,6 +223,8 @@ class OptimizerStep:
                     optimizer.step()
             for m, saved in hidden.items():
                 m.grad = saved
+        if self.stage.whole is not None:
+            self.stage.whole.clear_grads()
         for gs in self.stage.groups:
             for master in gs.masters:
                 master.grad = None

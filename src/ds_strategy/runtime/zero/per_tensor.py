@@ -1,0 +1,114 @@
+"""The tensors a per-tensor optimizer steps: this rank's whole parameters, shaped, inside its masters.
+
+[Note: per-tensor optimizers under ZeRO]
+Muon orthogonalises each weight matrix, Adafactor factors each parameter's second moment into row and
+column statistics: their step is a function of the whole tensor and its shape, so stepping a flat
+fragment of a bucket (what elementwise optimizers get, see [Note: master weights] in buffers.py) would
+change their math. With such an optimizer the stage lays out every bucket with each parameter whole in
+one rank's shard ([Note: whole parameters per rank] in runtime/layout.py), and the optimizer is handed,
+instead of the per-bucket masters, one ``nn.Parameter`` per parameter this rank owns, shaped like the
+model's parameter and aliasing its range of the master. Before each step their ``.grad`` become views of
+the masters' gradients (``bind_grads``), so the optimizer reads the reduced gradient and writes the
+master in place; the stage then publishes the masters as usual (the all-gather of stages 1-2, the
+partition itself at stage 3). Every rank steps a disjoint set of whole parameters: together, exactly the
+single-process step. Stage 0 holds every bucket whole, so every rank steps every parameter.
+
+An optimizer declares itself per-tensor with a class or instance attribute ``zero_per_tensor = True``;
+``torch.optim.Muon``, ``torch.optim.Adafactor``, ``MuonWithAuxAdam`` and classes named like the known
+per-tensor families (``is_per_tensor_optimizer`` in runtime/params.py) are recognised by themselves.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Collection, Sequence
+
+from torch import nn
+
+from .buffers import GroupStorage
+from .offload import Offload
+
+
+class WholeTensors:
+    """Per param group, the shaped tensors of the parameters this rank steps (see the note above)."""
+
+    def __init__(self, groups: Sequence[GroupStorage]) -> None:
+        self.params: list[list[nn.Parameter]] = []  # per group, in layout order: what the optimizer gets
+        self.names: list[list[str]] = []
+        self._index: list[list[int]] = []  # per group: the layout index of each tensor
+        self._links: list[tuple[nn.Parameter, nn.Parameter, int, int]] = []  # (tensor, master, lo, hi)
+        for gs in groups:
+            tensors, names, indices = [], [], []
+            for b, master in enumerate(gs.masters):
+                lo_range, hi_range = gs.master_range(b)
+                bucket = gs.layout.buckets[b]
+                for i in bucket.params:
+                    slot = gs.layout.params[i]
+                    if not (lo_range <= slot.offset and slot.end <= hi_range):
+                        if slot.offset < hi_range and slot.end > lo_range:
+                            raise AssertionError(f"{slot.name} is split between shards: not a whole-parameter layout")
+                        continue
+                    lo, hi = slot.offset - lo_range, slot.end - lo_range
+                    tensor = nn.Parameter(master.detach()[lo:hi].view(slot.shape), requires_grad=True)
+                    self._links.append((tensor, master, lo, hi))
+                    tensors.append(tensor)
+                    names.append(slot.name)
+                    indices.append(i)
+            order = sorted(range(len(indices)), key=lambda k: indices[k])  # the model's order, not the shards'
+            self.params.append([tensors[k] for k in order])
+            self.names.append([names[k] for k in order])
+            self._index.append([indices[k] for k in order])
+
+    def tensor_of(self, group: int, index: int) -> nn.Parameter | None:
+        """The tensor of parameter ``index`` of ``group`` if this rank steps it."""
+        try:
+            return self.params[group][self._index[group].index(index)]
+        except ValueError:
+            return None
+
+    def bind_grads(self, masters: Collection[nn.Parameter] | None = None) -> None:
+        """Each tensor's ``.grad`` becomes its range of its master's gradient (``masters``: only theirs)."""
+        for tensor, master, lo, hi in self._links:
+            grad = master.grad
+            if grad is None or (masters is not None and master not in masters):
+                tensor.grad = None
+                continue
+            tensor.grad = grad[lo:hi].view(tensor.shape)
+
+    def clear_grads(self) -> None:
+        for tensor, *_ in self._links:
+            tensor.grad = None
+
+    def refresh(self) -> None:
+        """Point every tensor at its master again (after a master's storage was replaced)."""
+        for tensor, master, lo, hi in self._links:
+            if tensor.data.data_ptr() != master.detach()[lo:hi].data_ptr() or tensor.device != master.device:
+                tensor.data = master.detach()[lo:hi].view(tensor.shape)
+
+
+def owned_counts(groups: Sequence[GroupStorage]) -> list[int]:
+    """Elements each rank steps, over all groups (the balance of the whole-parameter assignment)."""
+    world = max((gs.layout.world_size for gs in groups), default=1)
+    counts = [0] * world
+    for gs in groups:
+        for i, slot in enumerate(gs.layout.params):
+            owner = gs.layout.owner(i)
+            if owner is not None:
+                counts[owner] += slot.numel
+    return counts
+
+
+def check_whole_params(offload: Offload, *, moe: bool, what: str) -> None:
+    """Refuse what a per-tensor optimizer (``what``) cannot run under yet, naming the key at fault."""
+    problems = []
+    if offload.optimizer_nvme is not None:
+        problems.append('offload_optimizer.device "nvme" (its swap steps flat tiles of buckets)')
+    if offload.partial:
+        problems.append(f"offload_optimizer.ratio {offload.ratio} (a partial offload splits buckets by size)")
+    if moe:
+        problems.append("ds_strategy.moe.MoE layers (expert groups checkpoint per-element state only)")
+    if problems:
+        raise ValueError(
+            f"{what} steps each parameter whole, which ds_strategy does not combine with "
+            + "; ".join(problems)
+            + ". Use an element-wise optimizer (AdamW, SGD, Lion ...) there, or drop the setting"
+        )
