@@ -96,29 +96,6 @@ def test_gradient_hook_firing_twice_trains_like_torch(stage: int, bucket: int) -
             )
 
 
-def _per_tensor(rank: int, world: int, stage: int) -> str:
-    import ds_strategy
-
-    model = SharedAcrossSegments()
-    opt = torch.optim.Adafactor(model.parameters(), lr=1e-2)
-    cfg = {k: v for k, v in config(stage=stage, micro=4, gas=1).items() if k != "optimizer"}
-    cfg["zero_allow_untested_optimizer"] = True
-    try:
-        ds_strategy.initialize(model=model, optimizer=opt, config=cfg)
-    except ValueError as err:
-        return str(err)
-    return "no error"
-
-
-@pytest.mark.multiprocess
-@pytest.mark.parametrize("stage", [0, 1, 3])
-def test_per_tensor_optimizer_is_refused_naming_it(stage: int) -> None:
-    """Adafactor factors each weight's second moment by its rows and columns: stepping a flat bucket of
-    several parameters would be different math, so the engine refuses it instead of training wrongly."""
-    for message in run_distributed(_per_tensor, world_size=WORLD, args=(stage,), timeout=120):
-        assert "Adafactor computes per-tensor quantities" in message and f"ZeRO stage {stage}" in message, message
-
-
 def test_per_tensor_names() -> None:
     from ds_strategy.runtime.params import is_per_tensor_optimizer
 
@@ -133,6 +110,15 @@ def test_per_tensor_names() -> None:
     assert not is_per_tensor_optimizer(torch.optim.AdamW(params)) and not is_per_tensor_optimizer(
         torch.optim.SGD(params, lr=0.1)
     )
+
+    class Declared(torch.optim.SGD):  # any name: the attribute decides ([Note: per-tensor optimizers under ZeRO])
+        zero_per_tensor = True
+
+    class NotLamb(torch.optim.SGD):  # a matching name, declared element-wise
+        zero_per_tensor = False
+
+    assert is_per_tensor_optimizer(Declared(params, lr=0.1)) and not is_per_tensor_optimizer(NotLamb(params, lr=0.1))
+    assert is_per_tensor_optimizer(torch.optim.Muon) and is_per_tensor_optimizer(torch.optim.Adafactor)
 
 
 class Plain(nn.Module):

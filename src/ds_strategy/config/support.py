@@ -225,7 +225,8 @@ SUPPORT: dict[str, Support] = {
     "zero_optimization.log_trace_cache_warnings": _warned("a DeepSpeed log switch", when=_truthy),
     "zero_optimization.enable_sanity_checks": _warned("DeepSpeed's internal checks", when=_truthy),
     "zero_optimization.save_muon_momentum_buffer_in_memory": _warned(
-        "Muon momentum is swapped like any other optimizer state (ds_strategy has no Muon optimizer)", when=_truthy
+        "ds_strategy refuses NVMe optimizer offload with Muon (per-tensor optimizers), so no Muon momentum is swapped",
+        when=_truthy,
     ),
     "zero_optimization.leaf_module": _acted("stage 3 gathers each marked module's subtree as one unit"),
     "zero_optimization.leaf_module.classes": _acted(),
