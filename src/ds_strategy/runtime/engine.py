@@ -160,7 +160,9 @@ class ZeroEngine(nn.Module):
         if whole:
             name = type(optimizer).__name__ if isinstance(optimizer, Optimizer) else "this optimizer"
             check_whole_params(self.offload, moe=self.moe is not None, what=name)
-            options = dataclasses.replace(options, whole_params=True)
+            # MuonWithAuxAdam's AdamW groups (use_muon false) are element-wise: flat, no padding
+            flags = tuple(bool(g.get("use_muon", True)) for g in groups)
+            options = dataclasses.replace(options, whole_params=flags)
         self.stage = stage_cls.create(
             named, registration, coll=self.coll, options=options, module=module, config=config
         )

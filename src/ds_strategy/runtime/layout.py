@@ -133,10 +133,11 @@ class FlatLayout:
         buckets: list[BucketSlot] = []
         start = 0
         partition_start = 0
+        totals = [0] * world_size  # whole_params: each rank's elements so far, over the buckets
         for b, members in enumerate(groups):
             numel = sum(sizes[i] for i in members)
             if whole_params:
-                owners = _assign_whole(members, sizes, world_size)
+                owners = _assign_whole(members, sizes, totals)
                 load = max(sum(sizes[i] for i in mine) for mine in owners)
                 shard = max(alignment, -(-load // alignment) * alignment)
                 padded = shard * world_size
@@ -323,14 +324,21 @@ def _numel(shape: torch.Size | tuple[int, ...]) -> int:
     return n
 
 
-def _assign_whole(members: Sequence[int], sizes: Sequence[int], world_size: int) -> list[list[int]]:
-    """``members`` split among ``world_size`` ranks whole, balanced by size (largest first to the least
-    loaded rank; ties to the lower rank), each rank's list in the original order."""
-    loads = [0] * world_size
-    owners: list[list[int]] = [[] for _ in range(world_size)]
+def _assign_whole(members: Sequence[int], sizes: Sequence[int], totals: list[int]) -> list[list[int]]:
+    """``members`` (one bucket) split among the ranks whole: into ``len(totals)`` bins balanced by size
+    (largest first into the lightest bin: the bucket's padding is its heaviest bin), then the heaviest bin to
+    the rank with the fewest elements so far (``totals``, updated), so single-parameter buckets spread out.
+    Each rank's list keeps the original order."""
+    world = len(totals)
+    bins: list[list[int]] = [[] for _ in range(world)]
+    loads = [0] * world
     for i in sorted(members, key=lambda i: (-sizes[i], i)):
-        r = min(range(world_size), key=lambda r: (loads[r], r))
-        owners[r].append(i)
-        loads[r] += sizes[i]
-    rank_of = {i: r for r, mine in enumerate(owners) for i in mine}
-    return [[i for i in members if rank_of[i] == r] for r in range(world_size)]
+        k = min(range(world), key=lambda k: (loads[k], k))
+        bins[k].append(i)
+        loads[k] += sizes[i]
+    ranks = sorted(range(world), key=lambda r: (totals[r], r))
+    owners: list[list[int]] = [[] for _ in range(world)]
+    for k, r in zip(sorted(range(world), key=lambda k: (-loads[k], k)), ranks, strict=True):
+        owners[r] = sorted(bins[k])
+        totals[r] += loads[k]
+    return owners

@@ -154,7 +154,7 @@ def _plan(
         index = 0
         whole = engine.stage.whole
         for g, gs in enumerate(engine.stage.groups):
-            if whole is not None:  # one entry per whole tensor this rank steps, found by name
+            if whole is not None and g in whole.groups:  # one entry per whole tensor this rank steps, by name
                 for name in whole.names[g]:
                     entry = source.tensor_state(name, str(tag_dir))
                     if entry:

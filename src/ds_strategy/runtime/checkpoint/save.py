@@ -35,6 +35,7 @@ from .frozen import frozen_names, packed_names, saved_layouts, saved_partitions
 from .partition import saved_group
 from .store import check_tag, write_tag
 from .sync import agree, gather
+from ..zero.per_tensor import WholeTensors
 from .target import CheckpointTarget
 
 log = get_logger("ds_strategy.runtime.checkpoint")
@@ -160,7 +161,7 @@ def save_checkpoint(
             "rank": rank,
             "world_size": coll.world_size,
             "groups": [
-                saved_group(gs, None if exclude_optimizer_states else engine.optimizer, engine.stage.whole)
+                saved_group(gs, None if exclude_optimizer_states else engine.optimizer, _whole_of(engine, g))
                 for g, gs in enumerate(engine.stage.groups)
                 if g not in experts
             ],
@@ -230,3 +231,9 @@ def _agreed_tag(engine: CheckpointTarget, tags: list[str]) -> str:
 def _own_copy(t: torch.Tensor) -> torch.Tensor:
     """A CPU tensor with its own storage (a view would save the whole storage it looks into)."""
     return t.detach().to("cpu", copy=True)
+
+
+def _whole_of(engine: CheckpointTarget, group: int) -> WholeTensors | None:
+    """The per-tensor optimizer's tensors when param group ``group`` is stepped whole (state saved by name)."""
+    whole = engine.stage.whole
+    return whole if whole is not None and group in whole.groups else None

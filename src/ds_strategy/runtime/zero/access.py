@@ -181,7 +181,7 @@ class FullStateAccess:
     def _piece(self, group: int, bucket: int, kind: Kind, key: str | None, index: int, at: int, n: int) -> torch.Tensor:
         """Parameter ``index``'s ``n`` elements of ``kind`` at offset ``at`` of ``masters[bucket]`` (a view)."""
         whole = self.stage.whole
-        if kind != "optimizer_state" or whole is None:
+        if kind != "optimizer_state" or whole is None or group not in whole.groups:
             return self._source(group, bucket, kind, key, index)[at : at + n]
         # A per-tensor optimizer keys its state by the whole tensor (per_tensor.py): the fragment is all of it.
         tensor = whole.tensor_of(group, index)

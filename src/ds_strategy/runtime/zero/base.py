@@ -71,9 +71,14 @@ class StageOptions:
     # parallel one). Expert groups of an MoE model use their expert-data-parallel group: see [Note: a
     # param group's reduction group] in runtime/moe/params.py. Empty: every group uses the stage's.
     group_comms: tuple[Collectives | None, ...] = ()
-    # A per-tensor optimizer steps each parameter whole: every bucket assigns its parameters to ranks whole
-    # ([Note: whole parameters per rank] in runtime/layout.py; the optimizer's tensors: per_tensor.py).
-    whole_params: bool = False
+    # Per param group: a per-tensor optimizer steps its parameters whole, so every bucket assigns them to
+    # ranks whole ([Note: whole parameters per rank] in runtime/layout.py; the tensors: per_tensor.py).
+    # Empty: no group (an element-wise optimizer).
+    whole_params: tuple[bool, ...] = ()
+
+    def whole(self, group: int) -> bool:
+        """Whether param group ``group`` is laid out with whole parameters per rank."""
+        return group < len(self.whole_params) and self.whole_params[group]
 
 
 class ZeroStage:
@@ -142,7 +147,9 @@ class ZeroStage:
         # offload_optimizer.ratio < 1: part of the masters back to the compute device (partial_offload.py)
         self.master_split = MasterSplit.place(self.groups, options.offload, self.compute_device, rank=coll.rank)
         # A per-tensor optimizer's shaped tensors inside the masters ([Note: per-tensor optimizers under ZeRO]).
-        self.whole: WholeTensors | None = WholeTensors(self.groups) if options.whole_params else None
+        self.whole: WholeTensors | None = (
+            WholeTensors(self.groups, options.whole_params) if any(options.whole_params) else None
+        )
         first = {
             (g, b.index): min(registration[gs.params[i]] for i in b.params)
             for g, gs in enumerate(self.groups)
@@ -201,7 +208,7 @@ class ZeroStage:
             partitioned=self.partitioned,
             pin_memory=self.options.pin_memory,
             master_swap=self.swapper,
-            whole_params=self.options.whole_params,
+            whole_params=self.options.whole(index),
         )
 
     def comm_of(self, group: int) -> Collectives:

@@ -29,14 +29,21 @@ from .offload import Offload
 
 
 class WholeTensors:
-    """Per param group, the shaped tensors of the parameters this rank steps (see the note above)."""
+    """Per param group, the shaped tensors of the parameters this rank steps (see the note above); a group
+    not laid out whole (``whole[g]`` false: MuonWithAuxAdam's AdamW groups) keeps its masters."""
 
-    def __init__(self, groups: Sequence[GroupStorage]) -> None:
-        self.params: list[list[nn.Parameter]] = []  # per group, in layout order: what the optimizer gets
-        self.names: list[list[str]] = []
-        self._index: list[list[int]] = []  # per group: the layout index of each tensor
+    def __init__(self, groups: Sequence[GroupStorage], whole: Sequence[bool]) -> None:
+        self.params: list[list[nn.Parameter]] = []  # per group: what the optimizer gets
+        self.names: list[list[str]] = []  # per whole group: the parameters' names, lined up with ``params``
+        self.groups = {g for g, flag in enumerate(whole) if flag}  # the whole groups
+        self._index: list[dict[int, int]] = []  # per group: layout index -> position in ``params``
         self._links: list[tuple[nn.Parameter, nn.Parameter, int, int]] = []  # (tensor, master, lo, hi)
-        for gs in groups:
+        for g, gs in enumerate(groups):
+            if g not in self.groups:
+                self.params.append(list(gs.masters))
+                self.names.append([])
+                self._index.append({})
+                continue
             tensors, names, indices = [], [], []
             for b, master in enumerate(gs.masters):
                 lo_range, hi_range = gs.master_range(b)
@@ -56,14 +63,12 @@ class WholeTensors:
             order = sorted(range(len(indices)), key=lambda k: indices[k])  # the model's order, not the shards'
             self.params.append([tensors[k] for k in order])
             self.names.append([names[k] for k in order])
-            self._index.append([indices[k] for k in order])
+            self._index.append({indices[k]: at for at, k in enumerate(order)})
 
     def tensor_of(self, group: int, index: int) -> nn.Parameter | None:
-        """The tensor of parameter ``index`` of ``group`` if this rank steps it."""
-        try:
-            return self.params[group][self._index[group].index(index)]
-        except ValueError:
-            return None
+        """The tensor of parameter ``index`` of a whole ``group`` if this rank steps it."""
+        at = self._index[group].get(index)
+        return None if at is None else self.params[group][at]
 
     def bind_grads(self, masters: Collection[nn.Parameter] | None = None) -> None:
         """Each tensor's ``.grad`` becomes its range of its master's gradient (``masters``: only theirs)."""
@@ -77,12 +82,6 @@ class WholeTensors:
     def clear_grads(self) -> None:
         for tensor, *_ in self._links:
             tensor.grad = None
-
-    def refresh(self) -> None:
-        """Point every tensor at its master again (after a master's storage was replaced)."""
-        for tensor, master, lo, hi in self._links:
-            if tensor.data.data_ptr() != master.detach()[lo:hi].data_ptr() or tensor.device != master.device:
-                tensor.data = master.detach()[lo:hi].view(tensor.shape)
 
 
 def owned_counts(groups: Sequence[GroupStorage]) -> list[int]:

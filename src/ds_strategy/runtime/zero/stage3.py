@@ -259,7 +259,7 @@ class Stage3(Stage2):
             master_swap=self.swapper,
             keep_in_cpu=nvme.max_in_cpu if (nvme := self.options.offload.params_nvme) is not None else 0,
             zeropp=self.zeropp,
-            whole_params=self.options.whole_params and not frozen,
+            whole_params=self.options.whole(index) and not frozen,
         )
 
     # ------------------------------------------------------------------ hooks
