@@ -302,8 +302,7 @@ def _resume(rank: int, world: int, root: str, stage: int, kind: str) -> list[flo
 @pytest.mark.parametrize("kind", ["muon", "adafactor"])
 def test_per_tensor_state_checkpoints_reshard_between_world_sizes_and_stages(tmp_path: Path, kind: str) -> None:
     through = run_distributed(_save, world_size=2, args=(str(tmp_path / "a"), 2, kind))[0]
-    resumed = run_distributed(
-        _resume, world_size=4, args=(str(tmp_path / "a"), 3, kind))[0]
+    resumed = run_distributed(_resume, world_size=4, args=(str(tmp_path / "a"), 3, kind))[0]
     assert resumed == pytest.approx(through, rel=LOSS_RTOL)
 
 

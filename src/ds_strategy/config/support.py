@@ -455,6 +455,16 @@ _OPTIMIZER_PARAMS_ACTED = [
     "momentum",
     "dampening",
     "nesterov",
+    # Muon (MuonWithAuxAdam) and Adafactor: torch.optim's arguments
+    "ns_steps",
+    "ns_coefficients",
+    "adjust_lr_fn",
+    "adam_lr",
+    "adam_betas",
+    "adam_eps",
+    "adam_weight_decay",
+    "beta2_decay",
+    "d",
 ]
 SUPPORT.update({f"optimizer.params.{k}": _acted() for k in _OPTIMIZER_PARAMS_ACTED})
 SUPPORT["optimizer.params.torch_adam"] = _acted(

@@ -175,6 +175,12 @@ class _KernelOptimizer(Optimizer):
         return loss
 
 
+def is_kernel_optimizer(optimizer: object) -> bool:
+    """Whether ``optimizer`` is one of these kernel optimizers (what the engine's fused step drives: see
+    [Note: the fused optimizer pass] in runtime/zero/step.py)."""
+    return isinstance(optimizer, _KernelOptimizer)
+
+
 class CPUAdam(_KernelOptimizer):
     """Adam / AdamW over the fused CPU kernel (the CUDA kernel for CUDA parameters).
 

@@ -83,9 +83,9 @@ class MuonWithAuxAdam(Optimizer):
         adam_eps: float = 1e-8,
         adam_weight_decay: float | None = None,
     ) -> None:
-        items = list(params)
-        groups = items if items and isinstance(items[0], dict) else [{"params": items}]
-        muon = {
+        items: list[Any] = list(params)
+        groups: list[dict[str, Any]] = items if items and isinstance(items[0], dict) else [{"params": items}]
+        muon: dict[str, Any] = {
             "lr": lr,
             "weight_decay": weight_decay,
             "momentum": momentum,
@@ -95,7 +95,7 @@ class MuonWithAuxAdam(Optimizer):
             "ns_steps": ns_steps,
             "adjust_lr_fn": adjust_lr_fn,
         }
-        adam = {
+        adam: dict[str, Any] = {
             "lr": lr if adam_lr is None else adam_lr,
             "betas": tuple(adam_betas),
             "eps": adam_eps,

@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 
 import ds_strategy.ops as ops
 from ds_strategy.config import OptimizerConfig
+from ds_strategy.ops.optimizers import is_kernel_optimizer
 
 from .muon import MuonWithAuxAdam
 
@@ -82,7 +83,7 @@ def _kernel_types() -> tuple[type, ...]:
 def is_cpu_kernel_optimizer(optimizer: Optimizer) -> bool:
     """Whether ``optimizer`` is one of ds_strategy's kernel optimizers (what optimizer offload expects, and
     what the engine's fused step drives: see [Note: the fused optimizer pass] in zero/step.py)."""
-    return isinstance(optimizer, _kernel_types())
+    return is_kernel_optimizer(optimizer)
 
 
 def _kernel_or_torch(

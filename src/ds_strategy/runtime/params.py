@@ -180,9 +180,11 @@ def is_per_tensor_optimizer(optimizer: Optimizer | type) -> bool:
 def wants_whole_params(optimizer: OptimizerArg, config: DeepSpeedConfig) -> bool:
     """Whether the stage must lay parameters out whole: a per-tensor client optimizer (or class), or a
     per-tensor type in the config's ``optimizer`` block when the client passes none."""
+    if isinstance(optimizer, Optimizer):
+        return is_per_tensor_optimizer(optimizer)
     factory = getattr(optimizer, "func", optimizer)  # a functools.partial of an optimizer class counts too
-    if isinstance(optimizer, Optimizer) or isinstance(factory, type):
-        return is_per_tensor_optimizer(optimizer if isinstance(optimizer, Optimizer) else factory)
+    if isinstance(factory, type):
+        return is_per_tensor_optimizer(factory)
     if optimizer is None and config.optimizer is not None:
         return config.optimizer.type in PER_TENSOR_TYPES
     return False

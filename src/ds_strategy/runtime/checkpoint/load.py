@@ -161,7 +161,9 @@ def _plan(
                         state[index] = entry
                     index += 1
                 continue
-            if g not in experts and any(source.per_tensor(s) for s in {source.where[s.name].group for s in gs.layout.params}):
+            if g not in experts and any(
+                source.per_tensor(s) for s in {source.where[s.name].group for s in gs.layout.params}
+            ):
                 raise CheckpointError(
                     f"{tag_dir} holds a per-tensor optimizer's state (Muon, Adafactor ...), this optimizer is "
                     "element-wise; pass load_optimizer_states=False to load the weights only"

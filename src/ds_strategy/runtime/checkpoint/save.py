@@ -19,6 +19,7 @@ import torch
 
 from ds_strategy.log import get_logger
 
+from ..zero.per_tensor import WholeTensors
 from . import rng
 from .experts import expert_group_indices, expert_module_entries, gather_experts, moe_meta
 from .format import (
@@ -35,7 +36,6 @@ from .frozen import frozen_names, packed_names, saved_layouts, saved_partitions
 from .partition import saved_group
 from .store import check_tag, write_tag
 from .sync import agree, gather
-from ..zero.per_tensor import WholeTensors
 from .target import CheckpointTarget
 
 log = get_logger("ds_strategy.runtime.checkpoint")

@@ -40,9 +40,9 @@ from .init import init_shard
 from .intake import GradientIntake, GradStatus
 from .offload import Offload
 from .partial_offload import MasterSplit
+from .per_tensor import WholeTensors
 from .placement import WholeParameters
 from .reducer import GradientReducer
-from .per_tensor import WholeTensors
 from .step import OptimizerStep
 
 BucketKey = tuple[int, int]  # (group index, bucket index)

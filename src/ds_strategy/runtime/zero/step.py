@@ -19,9 +19,9 @@ from torch import nn
 
 from ds_strategy.accelerator import strict
 from ds_strategy.accelerator.spans import span
+from ds_strategy.ops.optimizers import is_kernel_optimizer
 
 from ..host_memory import trim_heap
-from ..optimizers import is_cpu_kernel_optimizer
 from ..swap import OptimizerSwapper, Swap
 from .buffers import GroupStorage
 from .offload_copy import HostCopier
@@ -93,7 +93,7 @@ class OptimizerStep:
             m.device != self.stage.compute_device for gs in self.stage.groups for m in gs.masters
         ):
             return "copy"
-        if is_cpu_kernel_optimizer(optimizer) or _takes_found_inf(optimizer):
+        if is_kernel_optimizer(optimizer) or _takes_found_inf(optimizer):
             return "device"
         return "read"
 
@@ -141,7 +141,7 @@ class OptimizerStep:
             mode, skip = "given", None
         if self.stage.swap is not None:
             return self._apply_step_tiled(optimizer, factor, clip, skip)
-        fused = is_cpu_kernel_optimizer(optimizer)
+        fused = is_kernel_optimizer(optimizer)
         if not fused:
             pieces = self._reduced_grads()
             scale: float | torch.Tensor = factor if clip is None else clip * factor
@@ -299,7 +299,7 @@ class OptimizerStep:
             if skipped > 0:
                 return True
             factor *= coef
-        fused = is_cpu_kernel_optimizer(optimizer)
+        fused = is_kernel_optimizer(optimizer)
         tiles = self.tiles()
         where = {m: (g, b) for g, gs in enumerate(self.stage.groups) for b, m in enumerate(gs.masters)}
         sw = self.stage.swapper
@@ -381,7 +381,7 @@ TORCH_FUSED = "torch's fused optimizer moves found_inf to its parameters' device
 def _takes_found_inf(optimizer: torch.optim.Optimizer) -> bool:
     """A torch optimizer whose step skips on the device when ``optimizer.found_inf`` is set (the fused ones,
     as ``torch.amp.GradScaler`` drives them)."""
-    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and not is_cpu_kernel_optimizer(optimizer)
+    return bool(getattr(optimizer, "_step_supports_amp_scaling", False)) and not is_kernel_optimizer(optimizer)
 
 
 def _step_with_found_inf(optimizer: torch.optim.Optimizer, skip: torch.Tensor | None) -> None:
