@@ -460,6 +460,7 @@ _OPTIMIZER_PARAMS_ACTED = [
     "ns_coefficients",
     "adjust_lr_fn",
     "adam_lr",
+    "muon_lr",
     "adam_betas",
     "adam_eps",
     "adam_weight_decay",
@@ -476,6 +477,11 @@ SUPPORT["optimizer.params.set_grad_none"] = _warned(
     "set_grad_none asks of DeepSpeed's fused optimizers; false would only change an optimizer.zero_grad() "
     "that ZeRO never calls",
     when=_is(False),
+)
+SUPPORT["optimizer.params.ns_method"] = _warned(
+    "ds_strategy's Muon runs torch.optim.Muon's quintic Newton-Schulz iteration (ns_steps, ns_coefficients) "
+    "whatever variant ns_method names",
+    when=lambda v: True,
 )
 SUPPORT["optimizer.params.max_grad_norm"] = _warned(
     "not an optimizer argument in DeepSpeed either; use the top-level gradient_clipping", when=lambda v: True

@@ -63,6 +63,7 @@ class MuonWithAuxAdam(Optimizer):
     ``nesterov``, ``weight_decay``, ``ns_steps``, ``ns_coefficients``, ``eps`` and ``adjust_lr_fn`` (torch.optim
     .Muon's meaning and defaults); AdamW groups take ``lr`` (default ``adam_lr``, else ``lr``), ``betas``
     (``adam_betas``), ``eps`` (``adam_eps``) and ``weight_decay`` (``adam_weight_decay``, else ``weight_decay``).
+    ``muon_lr`` (DeepSpeed's config name) is the Muon groups' learning rate, ``lr`` then the AdamW groups'.
     """
 
     zero_per_tensor = True  # Muon's step is a function of each whole matrix: [Note: per-tensor optimizers under ZeRO]
@@ -82,11 +83,12 @@ class MuonWithAuxAdam(Optimizer):
         adam_betas: tuple[float, float] = (0.9, 0.999),
         adam_eps: float = 1e-8,
         adam_weight_decay: float | None = None,
+        muon_lr: float | None = None,
     ) -> None:
         items: list[Any] = list(params)
         groups: list[dict[str, Any]] = items if items and isinstance(items[0], dict) else [{"params": items}]
         muon: dict[str, Any] = {
-            "lr": lr,
+            "lr": lr if muon_lr is None else muon_lr,
             "weight_decay": weight_decay,
             "momentum": momentum,
             "nesterov": nesterov,

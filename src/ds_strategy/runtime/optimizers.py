@@ -131,7 +131,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "SGD": {"lr": 1e-3},
 }
 # DeepSpeed-only switches that do not reach torch.optim.
-_DROPPED = ("max_grad_norm", "torch_adam", "set_grad_none", "adam_w_mode", "bias_correction")
+_DROPPED = ("max_grad_norm", "torch_adam", "set_grad_none", "adam_w_mode", "bias_correction", "ns_method")
 
 
 def build_optimizer(
@@ -145,8 +145,7 @@ def build_optimizer(
     params = config.kwargs()
     kind = config.type
     if kind in PER_TENSOR_TYPES:  # torch's math over whole tensors ([Note: per-tensor optimizers under ZeRO])
-        if "betas" in params or "adam_betas" in params or "ns_coefficients" in params or "eps" in params:
-            params = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items()}
+        params = {k: tuple(v) if isinstance(v, list) else v for k, v in params.items() if k not in _DROPPED}
         if kind == "Muon":
             return MuonWithAuxAdam(param_groups, **params)
         return torch.optim.Adafactor(param_groups, **params)
