@@ -36,7 +36,9 @@ RATIOS: tuple[float, ...] = (0.0, 0.3, 0.7, 1.0)  # 0: no optimizer offload
 MIB = 2**20
 
 
-class _MLP(nn.Module):
+class ResidualMLP(nn.Module):
+    """Residual blocks of LayerNorm, Linear, GELU, Linear (also bench_per_tensor's model)."""
+
     def __init__(self, width: int, hidden: int, depth: int) -> None:
         super().__init__()
         self.blocks = nn.ModuleList(
@@ -77,7 +79,7 @@ def _rank(rank: int, world: int, width: int, hidden: int, depth: int, steps: int
     engines, built = {}, {}
     for ratio in RATIOS:
         torch.manual_seed(0)
-        model = _MLP(width, hidden, depth)
+        model = ResidualMLP(width, hidden, depth)
         start = time.perf_counter()
         engines[ratio], *_ = ds_strategy.initialize(model=model, config=_config(ratio, width * hidden))
         built[ratio] = time.perf_counter() - start

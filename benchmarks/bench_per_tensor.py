@@ -28,9 +28,8 @@ import time
 from typing import Any
 
 import torch
-import torch.nn.functional as F
-from torch import nn
 
+from benchmarks.bench_partial_offload import ResidualMLP
 from benchmarks.common import machine, markdown_table, peak_rss_bytes, results_dir, run_ranks, write_results
 
 WIDTH, HIDDEN, DEPTH, MICRO, SEQ = 512, 1536, 6, 8, 64
@@ -46,20 +45,6 @@ ENGINES: dict[str, tuple[int, str]] = {
 BASELINE = "stage 2 AdamW"
 # TinyLlama-1.1B: hidden 2048, intermediate 5632, 22 layers, 32 heads / 4 key-value heads, vocabulary 32000.
 LLAMA = {"hidden": 2048, "inter": 5632, "layers": 22, "kv": 256, "vocab": 32000}
-
-
-class _MLP(nn.Module):
-    def __init__(self, width: int, hidden: int, depth: int) -> None:
-        super().__init__()
-        self.blocks = nn.ModuleList(
-            nn.Sequential(nn.LayerNorm(width), nn.Linear(width, hidden), nn.GELU(), nn.Linear(hidden, width))
-            for _ in range(depth)
-        )
-
-    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
-        for block in self.blocks:
-            x = x + block(x)
-        return F.mse_loss(x, y)
 
 
 def _config(stage: int, optimizer: str) -> dict[str, Any]:
@@ -81,7 +66,9 @@ def _rank(rank: int, world: int, width: int, hidden: int, depth: int, steps: int
     engines = {}
     for label, (stage, optimizer) in ENGINES.items():
         torch.manual_seed(0)
-        engines[label], *_ = ds_strategy.initialize(model=_MLP(width, hidden, depth), config=_config(stage, optimizer))
+        engines[label], *_ = ds_strategy.initialize(
+            model=ResidualMLP(width, hidden, depth), config=_config(stage, optimizer)
+        )
     n = sum(p.numel() for p in engines[BASELINE].module.parameters())
     g = torch.Generator().manual_seed(rank)
     batches = [

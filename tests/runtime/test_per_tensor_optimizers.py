@@ -395,3 +395,26 @@ def _mismatch(rank: int, world: int, root: str) -> str:
 def test_per_tensor_state_does_not_load_into_an_element_wise_optimizer(tmp_path: Path) -> None:
     message = run_distributed(_mismatch, world_size=2, args=(str(tmp_path),))[0]
     assert "per-tensor optimizer's state" in message and "load_optimizer_states=False" in message
+
+
+def _padding_log(rank: int, world: int, units: str) -> list[str]:
+    import logging
+
+    import ds_strategy
+    from tests.runtime.common import runtime_log_messages
+
+    model = _model()
+    cfg = _config(3, "adafactor", 4096)
+    cfg["zero_optimization"]["stage3_fetch_units"] = units
+    with runtime_log_messages(logging.INFO) as messages:
+        engine, *_ = ds_strategy.initialize(model=model, optimizer=_optimizer("adafactor", model), config=cfg)
+    engine.destroy()
+    return [m for m in messages if "per-tensor optimizer" in m]
+
+
+def test_large_padding_of_the_whole_parameter_layout_is_warned_about() -> None:
+    modules = run_distributed(_padding_log, world_size=2, args=("modules",))
+    assert any("is padded to" in m and 'stage3_fetch_units "blocks"' in m for m in modules[0]), modules[0]
+    assert modules[1] == []  # rank 0 speaks
+    blocks = run_distributed(_padding_log, world_size=2, args=("blocks",))
+    assert not any("is padded to" in m for m in blocks[0]) and any("laid out whole" in m for m in blocks[0])

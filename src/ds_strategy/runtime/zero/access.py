@@ -169,14 +169,10 @@ class FullStateAccess:
             return master.detach()
         if kind == "grad":
             return self.stage.reduced_grads_of(group)[bucket]
-        value = self._state_value(master, key, group, index)
-        if not isinstance(value, torch.Tensor) or value.shape != master.shape:
-            raise ValueError(
-                f"optimizer state {key!r} of parameter {self.name(group, index)!r} is not a per-element tensor "
-                f"(got {type(value).__name__} {tuple(getattr(value, 'shape', ()))}); only states shaped like the "
-                "parameter (exp_avg, exp_avg_sq, momentum_buffer ...) are partitioned with it"
-            )
-        return value
+        advice = (
+            "only states shaped like the parameter (exp_avg, exp_avg_sq, momentum_buffer ...) are partitioned with it"
+        )
+        return self._state_value(master, key, group, index, advice)
 
     def _piece(self, group: int, bucket: int, kind: Kind, key: str | None, index: int, at: int, n: int) -> torch.Tensor:
         """Parameter ``index``'s ``n`` elements of ``kind`` at offset ``at`` of ``masters[bucket]`` (a view)."""
@@ -186,17 +182,12 @@ class FullStateAccess:
         # A per-tensor optimizer keys its state by the whole tensor (per_tensor.py): the fragment is all of it.
         tensor = whole.tensor_of(group, index)
         assert tensor is not None and n == tensor.numel()
-        value = self._state_value(tensor, key, group, index)
-        if not isinstance(value, torch.Tensor) or value.shape != tensor.shape:
-            raise ValueError(
-                f"optimizer state {key!r} of parameter {self.name(group, index)!r} is not a per-element tensor "
-                f"(got {type(value).__name__} {tuple(getattr(value, 'shape', ()))}); read the optimizer's own state "
-                "for factored or per-tensor values"
-            )
-        return value.view(-1)
+        advice = "read the optimizer's own state for factored or per-tensor values"
+        return self._state_value(tensor, key, group, index, advice).view(-1)
 
-    def _state_value(self, tensor: torch.Tensor, key: str | None, group: int, index: int) -> Any:
-        """``optimizer.state[tensor][key]``, or an error naming the parameter and what exists."""
+    def _state_value(self, tensor: torch.Tensor, key: str | None, group: int, index: int, advice: str) -> torch.Tensor:
+        """``optimizer.state[tensor][key]``, a tensor shaped like ``tensor``; else an error naming the parameter
+        and what exists (``advice``: what to do about a state of another shape)."""
         optimizer = self.owner.optimizer
         if optimizer is None:
             raise RuntimeError(
@@ -212,6 +203,11 @@ class FullStateAccess:
                     if state
                     else "the optimizer creates its state in its first step; read it after engine.step()"
                 )
+            )
+        if not isinstance(value, torch.Tensor) or value.shape != tensor.shape:
+            raise ValueError(
+                f"optimizer state {key!r} of parameter {self.name(group, index)!r} is not a per-element tensor "
+                f"(got {type(value).__name__} {tuple(getattr(value, 'shape', ()))}); {advice}"
             )
         return value
 

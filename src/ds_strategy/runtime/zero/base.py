@@ -40,7 +40,7 @@ from .init import init_shard
 from .intake import GradientIntake, GradStatus
 from .offload import Offload
 from .partial_offload import MasterSplit
-from .per_tensor import WholeTensors
+from .per_tensor import WholeTensors, log_padding
 from .placement import WholeParameters
 from .reducer import GradientReducer
 from .step import OptimizerStep
@@ -147,9 +147,10 @@ class ZeroStage:
         # offload_optimizer.ratio < 1: part of the masters back to the compute device (partial_offload.py)
         self.master_split = MasterSplit.place(self.groups, options.offload, self.compute_device, rank=coll.rank)
         # A per-tensor optimizer's shaped tensors inside the masters ([Note: per-tensor optimizers under ZeRO]).
-        self.whole: WholeTensors | None = (
-            WholeTensors(self.groups, options.whole_params) if any(options.whole_params) else None
-        )
+        self.whole: WholeTensors | None = None
+        if any(options.whole_params):
+            self.whole = WholeTensors(self.groups, options.whole_params)
+            log_padding(self.groups, self.whole)
         first = {
             (g, b.index): min(registration[gs.params[i]] for i in b.params)
             for g, gs in enumerate(self.groups)

@@ -24,8 +24,12 @@ from collections.abc import Collection, Sequence
 
 from torch import nn
 
+from ds_strategy.log import get_logger
+
 from .buffers import GroupStorage
 from .offload import Offload
+
+log = get_logger(__name__)
 
 
 class WholeTensors:
@@ -82,6 +86,28 @@ class WholeTensors:
     def clear_grads(self) -> None:
         for tensor, *_ in self._links:
             tensor.grad = None
+
+
+PADDING_WARN = 1.5  # padded / parameter elements of a whole group above which rank 0 warns
+
+
+def log_padding(groups: Sequence[GroupStorage], whole: WholeTensors) -> None:
+    """Rank 0 logs each whole group's padding (``FlatLayout.imbalance``), warning where it is large."""
+    if not groups or groups[0].rank != 0:
+        return
+    parts = []
+    for g in sorted(whole.groups):
+        padding = groups[g].layout.imbalance()
+        parts.append(f"group {g}: {padding:.2f}")
+        if padding > PADDING_WARN:
+            log.warning(
+                "per-tensor optimizer: param group %d is padded to %.2fx its elements (each parameter lies whole in "
+                "one rank's shard, every shard as long as the fullest); larger buckets (reduce_bucket_size at stages "
+                '1-2, stage3_fetch_units "blocks" at stage 3) balance better',
+                g,
+                padding,
+            )
+    log.info("per-tensor optimizer: parameters laid out whole, padded / parameter elements: %s", "; ".join(parts))
 
 
 def owned_counts(groups: Sequence[GroupStorage]) -> list[int]:
