@@ -219,6 +219,9 @@ class OptimizerStep:
                     )
                 elif mode == "device":
                     _step_with_found_inf(optimizer, skip)
+                elif self.stage.whole is not None:  # a per-tensor optimizer's own reads are its own
+                    with strict.host_read_allowed(PER_TENSOR_STEP):
+                        optimizer.step()
                 else:
                     optimizer.step()
             for m, saved in hidden.items():
@@ -375,6 +378,7 @@ class OptimizerStep:
 # The host reads of a bf16/fp32 step that [Note: the step on the device] allows (strict.host_read_allowed).
 READ_SKIP = "the skip flag of an optimizer that cannot skip on the device (a torch optimizer without fused=True)"
 OFFLOAD_COPY = "offloaded optimizer: gradients and the step's flags to the host masters"
+PER_TENSOR_STEP = "a per-tensor optimizer's own step (torch.optim.Adafactor reads its step count on the host)"
 TORCH_FUSED = "torch's fused optimizer moves found_inf to its parameters' device (no copy on a GPU)"
 
 
