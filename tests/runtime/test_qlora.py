@@ -1,12 +1,17 @@
 """QLoRA through the engine (issue 46, criterion 1): a Hugging Face Llama loaded with bitsandbytes 4-bit weights
 (nf4, ``bnb_4bit_quant_storage=torch.bfloat16``) and a peft LoRA adapter trains on 2 ranks at stages 2 and 3
-like one process training the same 4-bit model, and an adapters-only checkpoint resumes exactly.
+like one process training the same 4-bit model, and checkpoints (adapters only, or whole) resume exactly.
 
 The 4-bit base is packed codes in a bfloat16 tensor ([Note: packed parameters] in runtime/packed.py): the
-engine must neither cast it nor move it through float arithmetic. fp32 compute (the LoRA weights, the
-embeddings and ``bnb_4bit_compute_dtype``), AdamW, 3 steps of 2 rows per rank; the reference averages the
-two ranks' losses on one process. Tolerances: losses rtol 1e-6, LoRA weights atol 1e-5 (observed: losses
-equal, weights 3.8e-6 apart: the gradient average of two ranks summed in another order, through Adam).
+engine must neither cast it nor move it through float arithmetic. At stage 3 each rank keeps half of the
+codes and of their quantization state (absmax), gathered per fetch unit ([Note: packed partitions] in
+runtime/zero/packed_store.py; persistence threshold 0, so that the tiny model's weights are partitioned at
+all), and the full state dict and ``destroy``'s hand-back give the base back bit for bit. fp32 compute (the
+LoRA weights, the embeddings and ``bnb_4bit_compute_dtype``), training mode (in eval mode bitsandbytes'
+CPU backend repacks a layer whose input needs no gradient: [Note: the CPU repack]), AdamW, 3 steps of 2
+rows per rank; the reference averages the two ranks' losses on one process. Tolerances: losses rtol 1e-6,
+LoRA weights atol 1e-5 (observed: losses equal, weights 3.8e-6 apart: the gradient average of two ranks
+summed in another order, through Adam).
 """
 
 from __future__ import annotations
@@ -24,6 +29,7 @@ pytest.importorskip("bitsandbytes")
 pytest.importorskip("peft")
 
 STEPS = 3
+REPACK = "support_avx512bf16_for_cpu"  # bitsandbytes' flag for its CPU repack in eval mode
 
 
 def _save_base(path: str) -> None:
@@ -45,7 +51,7 @@ def _qlora_model(path: str) -> Any:
     )
     torch.manual_seed(1)
     lora = peft.LoraConfig(r=4, lora_alpha=8, target_modules=["q_proj", "v_proj", "o_proj", "gate_proj"])
-    return peft.get_peft_model(model, lora)
+    return peft.get_peft_model(model, lora).train()  # from_pretrained returns a model in eval mode
 
 
 def _batch(step: int, rank: int) -> dict[str, torch.Tensor]:
@@ -55,6 +61,17 @@ def _batch(step: int, rank: int) -> dict[str, torch.Tensor]:
 
 def _adapters(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
     return {k: v.detach().float().clone() for k, v in state.items() if "lora_" in k}
+
+
+def _base_bytes(state: dict[str, torch.Tensor]) -> dict[str, torch.Tensor]:
+    """The 4-bit base's entries (codes, absmax, code book, packed state) as bytes: compared bit for bit."""
+    return {k: v.detach().reshape(-1).view(torch.uint8).clone() for k, v in state.items() if "_proj.base_layer" in k}
+
+
+def _packed_bytes(model: Any) -> int:
+    """Bytes of the 4-bit codes and their absmax (what stage 3 partitions) in the whole model."""
+    packed = [p for p in model.parameters() if getattr(p, "quant_state", None) is not None]
+    return sum(p.numel() * p.element_size() + p.quant_state.absmax.nbytes for p in packed)
 
 
 def _reference(path: str, world: int) -> dict[str, Any]:
@@ -70,15 +87,23 @@ def _reference(path: str, world: int) -> dict[str, Any]:
         optimizer.step()
         optimizer.zero_grad()
         losses.append(total)
-    return {"losses": losses, "adapters": _adapters(model.state_dict())}
+    for m in model.modules():  # the CPU repack off, as stage 3 turns it off ([Note: the CPU repack])
+        if hasattr(m, REPACK):
+            setattr(m, REPACK, False)
+    with torch.no_grad():
+        evaluated = sum(model.eval()(**_batch(STEPS, rank)).loss.item() for rank in range(world)) / world
+    return {"losses": losses, "adapters": _adapters(model.state_dict()), "eval": evaluated}
 
 
 def _engine(path: str, stage: int) -> Any:
     import ds_strategy
 
+    zero: dict[str, Any] = {"stage": stage}
+    if stage == 3:
+        zero["stage3_param_persistence_threshold"] = 0  # the tiny base's weights partitioned too
     config = {
         "train_micro_batch_size_per_gpu": 2,
-        "zero_optimization": {"stage": stage},
+        "zero_optimization": zero,
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
     }
     engine, *_ = ds_strategy.initialize(model=_qlora_model(path), config=config)
@@ -121,24 +146,55 @@ def _body(rank: int, world: int, path: str, tmp: str) -> dict[str, Any]:
         _save_base(path)
     torch.distributed.barrier()
     out: dict[str, Any] = {"reference": _reference(path, world)}
+    base = _qlora_model(path)
+    out["base"] = _base_bytes(base.state_dict())
+    out["repack flags"] = [getattr(m, REPACK) for m in base.modules() if hasattr(m, REPACK)]
+    whole_bytes = _packed_bytes(base)
     for stage in (2, 3):
         engine = _engine(path, stage)
         packed = [m.weight for m in engine.module.modules() if isinstance(m, bnb.nn.Linear4bit)]
         assert packed and all(p.dtype == torch.bfloat16 and p.quant_state is not None for p in packed)
+        if stage == 3:  # each rank keeps half of the codes and absmax; nothing whole outside a fetch
+            held = sum(gs.rest.nbytes() for gs in engine.stage.packed)
+            out["held"] = (held, whole_bytes)
+            out["whole outside fetch"] = [p.numel() + p.quant_state.absmax.numel() for p in packed]
         losses = _train(engine, range(STEPS), rank)
-        out[stage] = {"losses": losses, "adapters": _adapters(engine.full_state_dict(rank=None))}
-        engine.destroy()
-    # Adapters-only at stage 3, and the whole checkpoint at stage 2 (which leaves the 4-bit base and its
-    # quantization state out all the same): after 2 steps, a fresh engine loads it and takes the third step.
+        full = engine.full_state_dict(rank=None)
+        out[stage] = {"losses": losses, "adapters": _adapters(full), "base": _base_bytes(full)}
+        if stage == 3:  # an eval forward without autograd: bitsandbytes must not repack the gathered codes
+            with torch.no_grad():
+                loss = engine.module.eval()(**_batch(STEPS, rank)).loss
+            torch.distributed.all_reduce(loss)
+            out["eval"] = loss.item() / world
+            out["repacked"] = [getattr(p.quant_state, "packing_format_for_cpu", False) for p in packed]
+        engine.destroy()  # stage 3: the base handed back whole
+        out[stage]["handed back"] = _base_bytes(engine.module.state_dict())
+        out[stage]["repack flags"] = [getattr(m, REPACK) for m in engine.module.modules() if hasattr(m, REPACK)]
+    # Adapters-only at stage 3, and whole checkpoints at stages 2 and 3 (which leave the 4-bit base and its
+    # quantization state out all the same): after 2 steps, a fresh engine loads one and takes the third step.
     out["resumed"] = _resumed(path, tmp, rank, stage=3, tag="two", exclude_frozen_parameters=True)
     out["resumed whole"] = _resumed(path, tmp, rank, stage=2, tag="whole", exclude_frozen_parameters=False)
+    out["resumed whole 3"] = _resumed(path, tmp, rank, stage=3, tag="whole3", exclude_frozen_parameters=False)
     return out
 
 
 def test_qlora_trains_at_stages_2_and_3_like_one_process(tmp_path: Path) -> None:
-    out = run_distributed(_body, world_size=2, args=(str(tmp_path / "base"), str(tmp_path / "ckpt")), timeout=300)[0]
+    outs = run_distributed(_body, world_size=2, args=(str(tmp_path / "base"), str(tmp_path / "ckpt")), timeout=300)
+    for out in outs:  # at stage 3 each rank holds half the 4-bit base (bytes padded to 16 per piece and rank)
+        held, whole = out["held"]
+        assert whole / 2 <= held <= whole / 2 * 1.1, (held, whole)
+        assert not any(out["whole outside fetch"]) and not any(out["repacked"])
+        torch.testing.assert_close(out["eval"], out["reference"]["eval"], rtol=1e-5, atol=0)
+        for stage in (2, 3):  # the base bit for bit: in the full state dict and as destroy hands it back
+            for kind in ("base", "handed back"):
+                got = out[stage][kind]
+                assert got.keys() == out["base"].keys() and len(got) > 14, (stage, kind)
+                for name, value in out["base"].items():
+                    assert torch.equal(got[name], value), (stage, kind, name)
+            assert out[stage]["repack flags"] == out["repack flags"]  # put back by destroy
+    out = outs[0]
     want = out["reference"]
-    for key in (2, 3, "resumed", "resumed whole"):
+    for key in (2, 3, "resumed", "resumed whole", "resumed whole 3"):
         got = out[key]
         n = len(got["losses"])
         torch.testing.assert_close(torch.tensor(got["losses"]), torch.tensor(want["losses"][-n:]), rtol=1e-6, atol=0)

@@ -207,8 +207,8 @@ class PartitionedParameters(WholeParameters):
             self.gather_for_user([key])
             gs = self.storages[key[0]]
             if keep:
-                for i in gs.layout.buckets[key[1]].params:
-                    full[id(gs.params[i])] = gs.params[i].detach().to("cpu", copy=True)
+                for t in gs.bucket_tensors(key[1]):  # packed parameters' quantization state too
+                    full[id(t)] = t.detach().to("cpu", copy=True)
             self.release_for_user([key], None)
         if not keep:
             return {}
@@ -225,6 +225,9 @@ class PartitionedParameters(WholeParameters):
         and no parameter refers to this stage any more, so its partitions and optimizer state can go."""
         coll = Collectives(self._coll.group, fast_path=False)  # outlives this engine's collectives
         for g, gs in enumerate(self.storages):
+            if gs.hands_back_whole:
+                self._hand_back_whole(g, gs)
+                continue
             for b, bucket in enumerate(gs.layout.buckets):
                 whole = b in gs.persistent
                 if not whole:
@@ -240,3 +243,16 @@ class PartitionedParameters(WholeParameters):
                     self.release_for_user([(g, b)], None)
                     for i in bucket.params:  # release_for_user pointed them at this stage's placeholder
                         gs.params[i].data = torch.empty(0, dtype=gs.params[i].dtype, device=gs.device)
+
+    def _hand_back_whole(self, g: int, gs: Any) -> None:
+        """Packed parameters go back whole, as they came ([Note: packed partitions] in packed_store.py): one
+        bucket gathered at a time, its parameters and their quantization state copied off it."""
+        for b in range(len(gs.layout.buckets)):
+            gathered = b not in gs.persistent
+            if gathered:
+                self.gather_for_user([(g, b)])
+            gs.hand_back(b)
+            for i in gs.layout.buckets[b].params:
+                delattr(gs.params[i], ZERO3_ATTR)
+            if gathered:
+                self.release_for_user([(g, b)], None)

@@ -21,6 +21,7 @@ once and never freed (persistent): they behave like stage 2 parameters.
 from __future__ import annotations
 
 from collections.abc import Collection, Sequence
+from typing import Any
 
 import torch
 from torch import nn
@@ -32,9 +33,11 @@ from .buffers import GroupStorage
 from .collectives import DONE, Collectives, Handle
 from .init import init_shard
 from .partition_rest import PartitionRest
-from .shard_build import ShardBuild
+from .shard_build import ShardBuild, Shards
 from .streams import GatherStream
 from .zeropp import ZeroPP
+
+LayoutEntry = tuple[str, tuple[int, ...] | torch.Size, torch.dtype]
 
 
 class ShardedGroup(GroupStorage):
@@ -48,6 +51,9 @@ class ShardedGroup(GroupStorage):
     # [Note: a group of one gathers in place]; tests measuring world size 1 as a rank of a larger group
     # gathers (a memory baseline with the same working set) set it False.
     GATHER_IN_PLACE: bool = True
+    # When the engine lets go of the model, the parameters stay zero.Init shards (False) or go back whole
+    # (``hand_back``: packed_store.py's bytes).
+    hands_back_whole: bool = False
 
     def __init__(
         self,
@@ -79,7 +85,7 @@ class ShardedGroup(GroupStorage):
         self.rank = coll.rank
         self.coll = coll
         self.layout = FlatLayout.build(
-            [(n, p.shape if init_shard(p) is None else init_shard(p).shape, p.dtype) for n, p in named_params],  # type: ignore[union-attr]
+            self._layout_entries(named_params),
             world_size=coll.world_size,
             bucket_numel=bucket_numel,
             breaks=breaks,
@@ -94,7 +100,7 @@ class ShardedGroup(GroupStorage):
         # offload_param.pin_memory pins the host partition (parameter-only offload too); pin_memory is the
         # optimizer offload's, for the fp32 masters.
         pin = pin_part and param_device.type == "cpu" and torch.cuda.is_available()
-        self.rest = PartitionRest(
+        self.rest = self._make_rest(
             index,
             self.layout,
             coll=coll,
@@ -110,19 +116,7 @@ class ShardedGroup(GroupStorage):
         self._param_views: dict[int, tuple[torch.Tensor, list[torch.Tensor]]] = {}  # see _point_params
         self._live_numel = 0
         self._placeholder = torch.empty(0, dtype=compute_dtype, device=self.device)
-        build = ShardBuild(
-            index,
-            self.params,
-            self.layout,
-            self.rest,
-            coll=coll,
-            persistent=self.persistent,
-            compute_dtype=compute_dtype,
-            device=self.device,
-            placeholder=self._placeholder,
-            master_swap=self.master_swap,
-        )
-        shards = build.run(master_device=master_device, pin_memory=pin_memory, frozen=frozen)
+        shards = self._build(master_device=master_device, pin_memory=pin_memory)
         self.aliased, self.master_flat, self.masters = shards.aliased, shards.master_flat, shards.masters
         self.full, self.live = shards.full, shards.live
         for b in sorted(self.persistent):  # whole for good: their parameters point into them from now on
@@ -132,6 +126,30 @@ class ShardedGroup(GroupStorage):
             self.rest.rest_int8()
         self.quantized_rest = self.rest.quantized  # the partitions rest as int8 (decided here, for good)
         self.in_place = self._gather_in_place(coll.world_size)
+
+    def _make_rest(self, *args: Any, **kwargs: Any) -> PartitionRest:
+        """The partition's resting place (``PartitionRest``), made before ``_build`` fills it."""
+        return PartitionRest(*args, **kwargs)
+
+    def _layout_entries(self, named_params: Sequence[tuple[str, nn.Parameter]]) -> list[LayoutEntry]:
+        """``(name, shape, dtype)`` of each parameter in the flat layout (a ``zero.Init`` shard's whole shape)."""
+        return [(n, p.shape if (info := init_shard(p)) is None else info.shape, p.dtype) for n, p in named_params]
+
+    def _build(self, *, master_device: torch.device, pin_memory: bool) -> Shards:
+        """Take the parameters into the partition (and masters), bucket by bucket (shard_build.py)."""
+        build = ShardBuild(
+            self.index,
+            self.params,
+            self.layout,
+            self.rest,
+            coll=self.coll,
+            persistent=self.persistent,
+            compute_dtype=self.compute_dtype,
+            device=self.device,
+            placeholder=self._placeholder,
+            master_swap=self.master_swap,
+        )
+        return build.run(master_device=master_device, pin_memory=pin_memory, frozen=self.frozen)
 
     def _gather_in_place(self, world_size: int) -> set[int]:
         """[Note: a group of one gathers in place] With one rank, a bucket's partition is the whole bucket:
@@ -182,6 +200,15 @@ class ShardedGroup(GroupStorage):
         for i, view in zip(self.layout.buckets[bucket].params, cached[1], strict=True):
             self.params[i].data = view
 
+    def _point_away(self, bucket: int) -> None:
+        """The bucket is being freed: its parameters become 0-element placeholders (see [Note: storage swap])."""
+        for i in self.layout.buckets[bucket].params:
+            self.params[i].data = self._placeholder
+
+    def bucket_tensors(self, bucket: int) -> list[torch.Tensor]:
+        """The tensors whose values the gathered ``bucket`` holds (full state dicts copy them): its parameters."""
+        return [self.params[i] for i in self.layout.buckets[bucket].params]
+
     # ------------------------------------------------------------------ gather / free (see the note)
     def gather(
         self, bucket: int, *, async_op: bool, tag: int = 0, exact: bool = False, stream: GatherStream | None = None
@@ -214,8 +241,7 @@ class ShardedGroup(GroupStorage):
         """Drop the bucket's gathered storage (persistent buckets stay)."""
         if bucket in self.persistent or not self.live[bucket]:
             return
-        for i in self.layout.buckets[bucket].params:
-            self.params[i].data = self._placeholder
+        self._point_away(bucket)
         if bucket not in self.in_place:  # an in-place bucket's storage is the partition: it stays
             host_memory.release(self.full[bucket])
         self.live[bucket] = False

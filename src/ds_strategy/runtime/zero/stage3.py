@@ -24,6 +24,8 @@ no optimizer state; they are never published (nothing changes them but ``Gathere
 modifier rank, which writes the partition back). How their buckets are freed in backward, where no
 gradient tells us a module is done: [Note: frozen buckets in backward] in module_hooks.py. A parameter
 that requires grad but is left out of the optimizer stays whole (autograd gives it a full gradient).
+Another library's 4-bit packed parameters (QLoRA's base) go in one more storage after those, ``self.packed``,
+partitioned as raw bytes with their quantization state ([Note: packed partitions] in packed_store.py).
 """
 
 from __future__ import annotations
@@ -40,12 +42,13 @@ from torch import nn
 
 from .. import host_memory
 from ..host_memory import trim_heap
-from ..packed import is_packed
+from ..packed import is_packed, state_tensors
 from .base import BucketKey, StageOptions, ZeroStage
 from .buffers import GroupStorage
 from .collectives import Collectives, Handle
 from .init import init_shard, unpartition_param
 from .offload import HOST, Offload
+from .packed_store import PackedGroup
 from .param_gather import ParamGatherer
 from .placement import ZERO3_ATTR, PartitionedParameters
 from .sharded import ShardedGroup
@@ -154,20 +157,23 @@ class Stage3(Stage2):
                 if p is not None:
                     owner.setdefault(id(p), position[id(owners[id(m)])])
         trainable = {id(p) for named in groups for _, p in named}
-        frozen = _frozen(module, trainable)
-        persistent = _persistent(module, trainable | {id(p) for _, p in frozen}, s3)
+        frozen, packed = _frozen(module, trainable)
+        persistent = _persistent(module, trainable | {id(p) for _, p in frozen + packed}, s3)
         self._plans: list[tuple[set[int], set[int]]] = []
         self.zeropp = ZeroPP.from_config(s3, coll)  # before the groups: they gather through it
         ordered = [self._plan(named, owner, persistent) for named in groups]
         frozen_plan = self._plan(frozen, owner, persistent)
+        packed_plan = self._plan(packed, owner, persistent)
         super().__init__(ordered, registration, coll=coll, options=options)
         self.sharded: list[ShardedGroup] = [gs for gs in self.groups if isinstance(gs, ShardedGroup)]
         # [Note: frozen parameters] are partitioned like trainable ones, in a storage of their own after the
         # trainable groups: gathered around forward and backward, never reduced, no masters.
         self.frozen: list[ShardedGroup] = (
-            [self._make_group(len(self._plans) - 1, frozen_plan, frozen=True)] if frozen_plan else []
+            [self._make_group(len(ordered), frozen_plan, frozen=True)] if frozen_plan else []
         )
-        self.storages: list[ShardedGroup] = self.sharded + self.frozen  # what gather keys index
+        # 4-bit packed parameters: their bytes, codes and quantization state ([Note: packed partitions]).
+        self.packed: list[ShardedGroup] = [self._make_packed(len(ordered) + 1, packed_plan)] if packed_plan else []
+        self.storages: list[ShardedGroup] = self.sharded + self.frozen + self.packed  # what gather keys index
         self.swapped = list(self.storages)
         # NVMe optimizer offload: the gradient partitions rest in the swap file too, one holder per master
         # (see [Note: swapped tensors] in runtime/swap/optimizer.py), written as each bucket's shard lands.
@@ -229,7 +235,7 @@ class Stage3(Stage2):
         """``gathered_params``: the partitioned buckets gathered now (by hooks, GatheredParameters or the hybrid
         engine's hold); ``params`` the rest (partitions, persistent buckets)."""
         out = super().memory_bytes()
-        out["params"] += sum(gs.numel_bytes()["params"] for gs in self.frozen)
+        out["params"] += sum(gs.numel_bytes()["params"] for gs in self.frozen + self.packed)
         gathered = sum(gs.gathered_bytes() for gs in self.storages)
         out["params"] -= gathered
         out["gathered_params"] = gathered
@@ -260,6 +266,21 @@ class Stage3(Stage2):
             keep_in_cpu=nvme.max_in_cpu if (nvme := self.options.offload.params_nvme) is not None else 0,
             zeropp=self.zeropp,
             whole_params=self.options.whole(index) and not frozen,
+        )
+
+    def _make_packed(self, index: int, named: Sequence[tuple[str, nn.Parameter]]) -> PackedGroup:
+        breaks, persistent = self._plans[index]
+        device = self.options.device or named[0][1].device
+        return PackedGroup(
+            index,
+            named,
+            root=self.module,
+            coll=self.coll,
+            bucket_numel=sys.maxsize if self.block_units else self.options.bucket_numel,
+            breaks=breaks,
+            persistent=persistent,
+            param_device=self.s3.param_device or device,
+            device=device,
         )
 
     # ------------------------------------------------------------------ hooks
@@ -392,19 +413,26 @@ def _config_policy(value: Any) -> Any:
     return policy
 
 
-def _frozen(module: nn.Module, trainable: set[int]) -> list[tuple[str, nn.Parameter]]:
+def _frozen(
+    module: nn.Module, trainable: set[int]
+) -> tuple[list[tuple[str, nn.Parameter]], list[tuple[str, nn.Parameter]]]:
     """The parameters stage 3 partitions without training them (see [Note: frozen parameters]): floating
-    ones with ``requires_grad=False``, each once (tied parameters under their first name). A parameter that
-    requires grad but is left out of the optimizer stays whole: autograd still gives it a full gradient."""
+    ones with ``requires_grad=False``, and apart from them the 4-bit packed ones it partitions as bytes
+    ([Note: packed partitions] in packed_store.py); each once (tied parameters under their first name). A
+    parameter that requires grad but is left out of the optimizer stays whole: autograd still gives it a
+    full gradient; so do int8 packed ones ([Note: packed parameters])."""
     out: list[tuple[str, nn.Parameter]] = []
+    packed: list[tuple[str, nn.Parameter]] = []
     for name, p in module.named_parameters():
         if id(p) in trainable:
             continue
-        if p.requires_grad or not p.is_floating_point() or is_packed(p):  # [Note: packed parameters]
+        if is_packed(p) and not p.requires_grad and state_tensors(p) is not None:
+            packed.append((name, p))
+        elif p.requires_grad or not p.is_floating_point() or is_packed(p):
             unpartition_param(p)
         else:
             out.append((name, p))
-    return out
+    return out, packed
 
 
 def _numel(p: torch.Tensor) -> int:
