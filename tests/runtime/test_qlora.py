@@ -139,6 +139,24 @@ def _resumed(
     return {"losses": losses, "adapters": adapters}
 
 
+def _hf_weights(engine: Any, tmp: str) -> dict[str, Any]:
+    """Hugging Face weights of a QLoRA model: the packed base is refused (its codes mean nothing without their
+    quantization state); the adapters alone save and load back."""
+    from ds_strategy.runtime.checkpoint import CheckpointError
+    from ds_strategy.utils import load_hf_weights, save_hf_weights
+
+    out: dict[str, Any] = {}
+    with pytest.raises(CheckpointError) as refused:
+        save_hf_weights(engine, f"{tmp}/hf_whole")
+    out["refused"] = str(refused.value)
+    before = _adapters(engine.full_state_dict(rank=None))
+    save_hf_weights(engine, f"{tmp}/hf_adapters", exclude_frozen_parameters=True)
+    load_hf_weights(engine, f"{tmp}/hf_adapters", strict=False)
+    after = _adapters(engine.full_state_dict(rank=None))
+    out["same adapters"] = before.keys() == after.keys() and all(torch.equal(before[k], after[k]) for k in before)
+    return out
+
+
 def _body(rank: int, world: int, path: str, tmp: str) -> dict[str, Any]:
     import bitsandbytes as bnb
 
@@ -167,6 +185,7 @@ def _body(rank: int, world: int, path: str, tmp: str) -> dict[str, Any]:
             torch.distributed.all_reduce(loss)
             out["eval"] = loss.item() / world
             out["repacked"] = [getattr(p.quant_state, "packing_format_for_cpu", False) for p in packed]
+            out["hf"] = _hf_weights(engine, tmp)
         engine.destroy()  # stage 3: the base handed back whole
         out[stage]["handed back"] = _base_bytes(engine.module.state_dict())
         out[stage]["repack flags"] = [getattr(m, REPACK) for m in engine.module.modules() if hasattr(m, REPACK)]
@@ -184,6 +203,11 @@ def test_qlora_trains_at_stages_2_and_3_like_one_process(tmp_path: Path) -> None
         held, whole = out["held"]
         assert whole / 2 <= held <= whole / 2 * 1.1, (held, whole)
         assert not any(out["whole outside fetch"]) and not any(out["repacked"])
+        assert (
+            "packed quantized codes" in out["hf"]["refused"]
+            and "exclude_frozen_parameters=True" in out["hf"]["refused"]
+        )
+        assert out["hf"]["same adapters"]
         torch.testing.assert_close(out["eval"], out["reference"]["eval"], rtol=1e-5, atol=0)
         for stage in (2, 3):  # the base bit for bit: in the full state dict and as destroy hands it back
             for kind in ("base", "handed back"):

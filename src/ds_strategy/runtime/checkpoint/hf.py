@@ -37,6 +37,7 @@ import torch.distributed as dist
 from torch import nn
 
 from ..moe.full import ExpertNames
+from ..packed import is_packed
 from ..zero.access import _fragment, find
 from ..zero.init import gather_init_param, init_shard
 from ..zero.placement import ZERO3_ATTR
@@ -252,6 +253,8 @@ def load_hf_weights(model: Any, path: str | os.PathLike[str], *, strict: bool = 
     with ExitStack() as stack:
         files = _Files(path, stack)
         present = set(files.where)
+        in_file = {k: t for k, t in targets.items() if k in present}
+        _refuse_packed(list(in_file), list(in_file.values()), "load_hf_weights")
         twins = {n for a, n in aliases.items() if a in present}  # loaded through another name of the same tensor
         missing = sorted(k for k in targets if k not in present and k not in twins)
         missing += sorted(k for k in others if k not in present)
@@ -283,6 +286,20 @@ def load_hf_weights(model: Any, path: str | os.PathLike[str], *, strict: bool = 
             stage.publish()
         for stage in refresh.values():
             stage.placement.refresh_frozen()
+
+
+def _refuse_packed(names: list[str], tensors: list[torch.Tensor], what: str) -> None:
+    """A bitsandbytes 4-bit / 8-bit weight is packed codes read with a quantization state held elsewhere
+    ([Note: packed parameters] in runtime/packed.py): written alone it loads as garbage, read into it a float
+    checkpoint would be taken as codes. Refused, naming them."""
+    packed = [n for n, t in zip(names, tensors, strict=True) if is_packed(t)]
+    if packed:
+        raise CheckpointError(
+            f"{what}: {len(packed)} weights hold bitsandbytes' packed quantized codes ({', '.join(packed[:3])}"
+            f"{' ...' if len(packed) > 3 else ''}), which are not Hugging Face weights without their quantization "
+            "state. Save or load the trainable adapters only (exclude_frozen_parameters=True, or peft's "
+            "save_pretrained), and load a quantized base with from_pretrained(quantization_config=...)"
+        )
 
 
 def _global(experts: ExpertNames, prefix: str, key: str) -> str:
@@ -422,6 +439,7 @@ def save_hf_weights(
     rank = dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
     writer = ShardWriter(save_dir, max_shard_size) if rank == 0 else None
     targets = _targets(module, "", with_frozen=not exclude_frozen_parameters).items()
+    _refuse_packed([k for k, t in targets], [t for k, t in targets], "save_hf_weights")
     # An MoE model's experts: every one, under its global name ([Note: global expert names], moe/full.py).
     for key, value in ExpertNames(module).full_items(
         targets, lambda t: _full_value(t, dtype if t.is_floating_point() else None)
