@@ -16,6 +16,7 @@ def test_environment_rows_name_the_essentials() -> None:
     assert rows["torch"].startswith(torch.__version__)
     for item in ("python", "lightning", "C++ compiler", "ninja", "nvcc", "accelerator", "comm backend", "kernel cache"):
         assert item in rows
+    assert "io_uring" in rows["async I/O libraries"] or "none found" in rows["async I/O libraries"]
 
 
 def test_kernel_rows_list_norm_family_with_its_ops() -> None:

@@ -54,6 +54,13 @@ REQUIRE_KERNELS = _declare(
 DISABLE_KERNELS = _declare(
     "DS_STRATEGY_DISABLE_KERNELS", "0", "1: never build kernels; use the pure-torch fallbacks", "ops/builder.py"
 )
+AIO_BACKEND = _declare(
+    "DS_STRATEGY_AIO_BACKEND",
+    "auto",
+    "I/O backend of the C++ aio engine (NVMe offload): auto (io_uring, else libaio, else blocking), io_uring, "
+    "libaio or blocking (pread/pwrite, one request per thread); read when an engine is created",
+    "ops/aio.py",
+)
 DIST_TIMEOUT = _declare(
     "DS_STRATEGY_DIST_TIMEOUT",
     "torch's",

@@ -18,7 +18,7 @@ from pathlib import Path
 
 import torch
 
-from ds_strategy.ops import builder
+from ds_strategy.ops import aio_libs, builder
 from ds_strategy.ops.isa import detect_isa
 from ds_strategy.table import print_table
 
@@ -56,8 +56,16 @@ def environment_rows() -> list[tuple[str, str]]:
         ("accelerator", accelerator),
         ("comm backend", "nccl" if accelerator == "cuda" else "gloo (+ shared memory on one node)"),
         ("CPU instruction set", detect_isa()),
+        ("async I/O libraries", _aio_libraries(cxx)),
         ("kernel cache", str(builder.cache_root())),
     ]
+
+
+def _aio_libraries(cxx: str | None) -> str:
+    """What the NVMe I/O engine is (or would be) built with; ``python -m ds_strategy.ops build`` says which
+    one runs."""
+    found = [f.library.backend for f in aio_libs.find(cxx)] if cxx else []
+    return ", ".join(found) if found else "none found (blocking I/O only: install liburing-dev)"
 
 
 def _families(root: Path) -> dict[str, list[str]]:

@@ -359,11 +359,13 @@ SUPPORT: dict[str, Support] = {
     "autotuning.model_info_path": _refused("the model is profiled in-process at the start of the tune"),
     "autotuning.metric_path": _refused("trial metrics stay in memory and go to results_dir"),
     "aio": _acted("the asynchronous I/O engine of NVMe offload (docs/nvme.md)"),
-    "aio.block_size": _acted("bytes per I/O request"),
-    "aio.queue_depth": _acted("I/O requests in flight at once"),
-    "aio.thread_count": _acted("I/O threads"),
+    "aio.block_size": _acted("bytes per I/O request (one read or write per block)"),
+    "aio.queue_depth": _acted(
+        "I/O requests each I/O thread keeps in flight at the device (io_uring / Linux AIO; 1 on the blocking fallback)"
+    ),
+    "aio.thread_count": _acted("I/O threads, each with queue_depth requests in flight"),
     "aio.intra_op_parallelism": _acted("I/O threads (DeepSpeed's newer name for thread_count)"),
-    "aio.single_submit": _acted("submit requests one at a time instead of in batches"),
+    "aio.single_submit": _acted("issue requests to the kernel one system call each instead of in batches"),
     "aio.overlap_events": _acted("overlap I/O with compute (false: every request completes before it returns)"),
     "aio.use_gds": _refused("GPUDirect Storage is not built; NVMe offload reads and writes through host memory"),
     "elasticity": _refused("elastic training (DeepSpeed choosing the batch size) is not built"),

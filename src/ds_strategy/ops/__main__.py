@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from ds_strategy.ops import builder
+from ds_strategy.ops import aio_libs, builder
 from ds_strategy.ops.isa import ISA_ENV, ISAS
 
 
@@ -38,7 +38,26 @@ def main(argv: list[str] | None = None) -> int:
         built = builder.build_library(spec, verbose=args.verbose)
         state = "built" if built.built_here else "cached"
         print(f"{spec.name} [{spec.isa}] {state} in {time.monotonic() - start:.1f}s: {built.path}")
+    print(_aio_report(specs[0]))
     return 0
+
+
+def _aio_report(spec: builder.LibrarySpec) -> str:
+    """Which I/O backend NVMe offload's engine uses, of those the CPU library was compiled with."""
+    compiled = aio_libs.compiled_backends(spec.cflags)
+    if spec.key() == builder.cpu_spec().key() and builder.load_cpu_kernels():
+        from ds_strategy.ops.aio import backend
+
+        used = backend()  # what this machine's kernel accepts (a sandbox may refuse io_uring)
+    else:
+        used = f"{compiled[0]} (expected; this build is not the one loaded here)"
+    line = f"aio I/O backend: {used} (compiled: {', '.join(compiled)})"
+    if compiled == ["blocking"]:
+        line += (
+            "; no liburing/libaio headers and library were found, so each I/O thread has one request in "
+            "flight: install liburing-dev or libaio-dev and rebuild"
+        )
+    return line
 
 
 if __name__ == "__main__":

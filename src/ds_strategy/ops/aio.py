@@ -3,16 +3,19 @@
 An :class:`AsyncIO` engine moves the bytes of a contiguous CPU tensor to or from a file at a byte offset,
 in the background: :meth:`AsyncIO.read` and :meth:`AsyncIO.write` split the tensor into ``block_size``
 blocks, hand them to ``thread_count`` worker threads and return an :class:`AioRequest` to wait on. At most
-``queue_depth`` blocks are in flight per engine (queued or being transferred); a submitter that finds the
-queue full blocks until a block completes, so a large request never grows memory.
+2 x ``queue_depth`` x ``thread_count`` blocks are in flight per engine (queued or being transferred: a
+queue_depth of blocks waits behind each thread's transfers, so a finished one is replaced at once); a
+submitter that finds the queue full blocks until a block completes, so a large request never grows memory.
 
 Two backends do the same work, block for block:
 
-- ``"kernel"``: a C++ thread pool (csrc/aio/) with a bounded job queue and pread/pwrite loops, used when
-  the compiled CPU kernels load (:func:`ds_strategy.ops.builder.load_cpu_kernels`). Waiting releases the
-  GIL, so Python threads keep running during I/O.
-- ``"python"``: a ``ThreadPoolExecutor`` issuing ``os.preadv`` / ``os.pwrite`` (which release the GIL)
-  with a semaphore of ``queue_depth`` slots.
+- ``"kernel"``: the C++ engine (csrc/aio/), used when the compiled CPU kernels load
+  (:func:`ds_strategy.ops.builder.load_cpu_kernels`). Each worker keeps up to ``queue_depth`` blocks
+  outstanding at the device through io_uring or Linux AIO, whichever the build found (liburing, libaio),
+  else runs one blocking pread/pwrite at a time: :func:`backend` says which, ``DS_STRATEGY_AIO_BACKEND``
+  forces one. Waiting releases the GIL, so Python threads keep running during I/O.
+- ``"python"``: a ``ThreadPoolExecutor`` issuing ``os.preadv`` / ``os.pwrite`` (which release the GIL,
+  one transfer per thread at a time) with a semaphore of 2 x ``queue_depth`` x ``thread_count`` slots.
 
 Files are opened with ``O_DIRECT`` when the file system allows it (ext4, xfs: the page cache is
 bypassed, as ZeRO-Infinity wants for swap files), else buffered (tmpfs refuses ``O_DIRECT``). O_DIRECT
@@ -20,8 +23,8 @@ needs the memory address, the file offset and the length of every transfer to be
 :data:`ALIGNMENT`; the engine takes care of it per request:
 
 - tensor address and file offset aligned: direct transfers straight into / out of the tensor;
-- address not aligned, offset aligned: direct transfers through a per-thread aligned staging buffer of
-  ``block_size`` bytes (one extra memcpy per block);
+- address not aligned, offset aligned: direct transfers through an aligned staging buffer of
+  ``block_size`` bytes per outstanding transfer (one extra memcpy per block);
 - offset not aligned: buffered transfers (a second, buffered descriptor of the same file);
 - a length that is not a multiple of ALIGNMENT: the aligned prefix as above, the tail buffered.
 
@@ -46,6 +49,8 @@ from types import TracebackType
 from typing import Any
 
 import torch
+
+from ds_strategy import env
 
 ALIGNMENT = 4096  # bytes: the O_DIRECT unit (logical block size) of the file systems we target
 
@@ -83,12 +88,14 @@ class AioOptions:
     (positive integers, ``block_size`` a multiple of ALIGNMENT, DeepSpeed's ``intra_op_parallelism`` for
     ``thread_count``, ``use_gds`` refused); nothing here checks them again.
 
-    - ``block_size``: bytes per transfer (one pread/pwrite per block); a multiple of ALIGNMENT.
-    - ``queue_depth``: blocks in flight per engine (queued + transferring); submitters block beyond it.
+    - ``block_size``: bytes per transfer (one read or write request per block); a multiple of ALIGNMENT.
+    - ``queue_depth``: blocks each worker keeps outstanding at the device at once (io_uring / Linux AIO;
+      the blocking backend has one); the engine holds at most 2 x ``queue_depth`` x ``thread_count`` blocks
+      in flight (queued + transferring), and submitters block beyond it.
     - ``thread_count``: worker threads issuing the transfers (DeepSpeed's ``intra_op_parallelism``).
-    - ``single_submit``: True hands blocks to the workers one at a time, each after waiting for a free
-      slot; False (default) hands over every block that fits in the free slots at once (a batch). The
-      thread pool's counterpart of libaio's one-iocb-per-io_submit versus batched io_submit.
+    - ``single_submit``: True queues blocks one at a time, each after waiting for a free slot, and issues
+      them to the kernel one system call each; False (default) queues every block that fits in the free
+      slots at once and issues a worker's new blocks with one ``io_uring_submit`` / ``io_submit``.
     - ``overlap_events``: True (default) returns from read/write as soon as the blocks are queued, so the
       caller overlaps I/O with its own work; False completes the request before read/write returns.
     """
@@ -251,11 +258,17 @@ class _PythonBackend:
     def __init__(self, options: AioOptions) -> None:
         self._options = options
         self._pool = ThreadPoolExecutor(options.thread_count, thread_name_prefix="ds_strategy-aio")
-        self._slots = threading.Semaphore(options.queue_depth)
+        self._slots = threading.Semaphore(2 * options.queue_depth * options.thread_count)  # as the C++ engine
         self._lock = threading.Lock()
         self._local = threading.local()
+        self._transferred: set[int] = set()  # threads that ran a transfer (each one at a time)
         self.in_flight = 0
         self.max_in_flight = 0
+
+    @property
+    def device_max_in_flight(self) -> list[int]:
+        ran = len(self._transferred)
+        return [1] * ran + [0] * (self._options.thread_count - ran)
 
     def _staging(self) -> int:
         staging = getattr(self._local, "staging", None)
@@ -269,6 +282,7 @@ class _PythonBackend:
         start, length, offset, mode = block
         try:
             if request.failure is None:  # a failed request skips its remaining blocks
+                self._transferred.add(threading.get_ident())
                 fd = file.buffered_fd if mode == _BUFFERED else file.fd
                 if mode == _BOUNCE:
                     staging = self._staging()
@@ -325,6 +339,43 @@ class _PythonBackend:
 # -- the C++ backend -------------------------------------------------------------------------------------
 
 
+_IO_BACKENDS = ("auto", "io_uring", "libaio", "blocking")
+
+
+def _requested() -> str:
+    """DS_STRATEGY_AIO_BACKEND, read when an engine is created (tests and benchmarks switch it per engine)."""
+    raw = env.get(env.AIO_BACKEND) or ""
+    name = raw.strip().lower() or "auto"
+    if name not in _IO_BACKENDS:
+        expected = ", ".join(_IO_BACKENDS)
+        raise ValueError(f"{env.AIO_BACKEND}={raw!r}: not an I/O backend of the aio engine; expected one of {expected}")
+    return name
+
+
+def compiled_backends() -> list[str]:
+    """The I/O backends the C++ engine was built with, best first (``["io_uring", "libaio", "blocking"]``
+    with both libraries found at build time); ``[]`` when the CPU kernels do not load."""
+    from ds_strategy.ops.builder import load_cpu_kernels
+
+    if not load_cpu_kernels():
+        return []
+    return [str(name) for name in torch.classes.ds_strategy.AioEngine.compiled_backends()]
+
+
+def backend() -> str:
+    """How a new :class:`AsyncIO` reaches the device here: ``"io_uring"`` or ``"libaio"`` (each worker keeps
+    ``queue_depth`` transfers outstanding), ``"blocking"`` (the C++ engine's pread/pwrite fallback: no
+    library at build time, the kernel refused both, or ``DS_STRATEGY_AIO_BACKEND=blocking``) or
+    ``"python"`` (no compiled kernels). Sets up, and drops, a one-thread engine to find out."""
+    if not compiled_backends():
+        return "python"
+    probe = torch.classes.ds_strategy.AioEngine(ALIGNMENT, 1, 1, False, _requested())
+    try:
+        return str(probe.backend())
+    finally:
+        probe.close()
+
+
 class _KernelRequest:
     def __init__(self, engine: Any, request_id: int) -> None:
         self._engine = engine
@@ -348,8 +399,16 @@ class _KernelRequest:
 class _KernelBackend:
     def __init__(self, options: AioOptions) -> None:
         self._engine = torch.classes.ds_strategy.AioEngine(
-            options.block_size, options.queue_depth, options.thread_count, options.single_submit
+            options.block_size, options.queue_depth, options.thread_count, options.single_submit, _requested()
         )
+        self.io_backend = str(self._engine.backend())
+        self._device_max: list[int] | None = None  # kept at close: the engine's counters go with it
+
+    @property
+    def device_max_in_flight(self) -> list[int]:
+        if self._device_max is not None:
+            return self._device_max
+        return [int(n) for n in self._engine.device_max_in_flight()]
 
     @property
     def in_flight(self) -> int:
@@ -364,6 +423,7 @@ class _KernelBackend:
         return _KernelRequest(self._engine, request_id)
 
     def close(self) -> None:
+        self._device_max = self.device_max_in_flight
         self._engine.close()
 
 
@@ -391,10 +451,12 @@ class AioRequest:
 
 
 class AsyncIO:
-    """An asynchronous I/O engine: ``thread_count`` workers, at most ``queue_depth`` blocks in flight.
+    """An asynchronous I/O engine: ``thread_count`` workers, each with up to ``queue_depth`` blocks at the
+    device.
 
-    ``backend``: ``"kernel"`` (the C++ thread pool), ``"python"``, or None for ``"kernel"`` when the
-    compiled CPU kernels load and ``"python"`` otherwise. The chosen one is the ``backend`` attribute.
+    ``backend``: ``"kernel"`` (the C++ engine), ``"python"``, or None for ``"kernel"`` when the compiled
+    CPU kernels load and ``"python"`` otherwise. The chosen one is the ``backend`` attribute; how its
+    workers reach the device (``"io_uring"``, ``"libaio"``, ``"blocking"``) is ``io_backend``.
     Use as a context manager, or call :meth:`close` (it waits for every request).
     """
 
@@ -417,6 +479,8 @@ class AsyncIO:
         self._impl: _PythonBackend | _KernelBackend = (
             _KernelBackend(self.options) if backend == "kernel" else _PythonBackend(self.options)
         )
+        # How the workers reach the device: "io_uring", "libaio" or "blocking" (one transfer per thread).
+        self.io_backend = self._impl.io_backend if isinstance(self._impl, _KernelBackend) else "blocking"
         self._outstanding: dict[int, AioRequest] = {}
         self._lock = threading.Lock()
         self._closed = False
@@ -429,6 +493,12 @@ class AsyncIO:
     @property
     def max_in_flight(self) -> int:
         return self._impl.max_in_flight
+
+    @property
+    def device_max_in_flight(self) -> list[int]:
+        """Per worker thread: the most transfers it had outstanding at the device at once (at most
+        ``queue_depth``; 1 on the blocking paths), since the engine was created."""
+        return self._impl.device_max_in_flight
 
     def open(self, path: str | os.PathLike[str], create: bool = False) -> AioFile:
         """Open ``path`` read-write (``create``: create it if missing, mode 0o600; never truncates)."""
@@ -500,7 +570,7 @@ class AsyncIO:
         self.close()
 
     def __repr__(self) -> str:
-        return f"AsyncIO(backend={self.backend!r}, {self.options})"
+        return f"AsyncIO(backend={self.backend!r}, io_backend={self.io_backend!r}, {self.options})"
 
 
 def _describe(tensor: object) -> str:

@@ -31,6 +31,7 @@ from typing import Any
 import torch
 
 from ds_strategy import env
+from ds_strategy.ops import aio_libs
 from ds_strategy.ops.isa import detect_isa, isa_flags
 from ds_strategy.ops.lock import BuildLock
 
@@ -115,13 +116,14 @@ def cpu_spec(isa: str | None = None) -> LibrarySpec:
     isa = isa or detect_isa()
     sources = tuple(sorted(p for p in root.rglob("*.cpp") if not p.name.endswith("_cuda.cpp")))
     cxx = compiler() or ""
+    aio_cflags, aio_ldflags = aio_libs.build_flags(cxx) if cxx else ((), ())  # liburing / libaio when present
     return LibrarySpec(
         name=CPU_LIBRARY,
         sources=sources,
         root=root,
         isa=isa,
-        cflags=("-O3", "-fopenmp", "-Wall", *isa_flags(isa)),
-        ldflags=("-fopenmp",),
+        cflags=("-O3", "-fopenmp", "-Wall", *isa_flags(isa), *aio_cflags),
+        ldflags=("-fopenmp", *aio_ldflags),
         extra_hash_inputs=(_compiler_version(cxx), torch.__version__),
     )
 
