@@ -18,6 +18,8 @@ from lightning_utilities import apply_to_collection
 from torch import Tensor
 from torch.nn import Module
 
+from ds_strategy.runtime.packed import is_packed
+
 from ._compat import _convert_fp_tensor, _DtypeContextManager
 
 P = TypeVar("P")
@@ -93,7 +95,12 @@ class EngineDtypes:
         return plugin if isinstance(plugin, cls) else cls("32-true")
 
     def convert_module(self, module: Module) -> Module:
-        return module.to(dtype=self.dtype) if self.precision.endswith("-true") else module
+        if not self.precision.endswith("-true"):
+            return module
+        # module.to(dtype) but for another library's packed quantized codes (a QLoRA base: [Note: packed
+        # parameters] in runtime/packed.py), whose storage dtype is not a value type: casting corrupts them.
+        dtype = self.dtype
+        return module._apply(lambda t: t.to(dtype) if t.is_floating_point() and not is_packed(t) else t)
 
     def convert_input(self, data: Any) -> Any:
         return apply_to_collection(data, function=_convert_fp_tensor, dtype=Tensor, dst_type=self.dtype)

@@ -48,6 +48,7 @@ from torch.utils.hooks import RemovableHandle
 
 from ds_strategy.accelerator import get_accelerator
 
+from ..packed import is_packed
 from .collectives import Collectives
 
 _ATTR = "_ds_init_shard"
@@ -379,6 +380,8 @@ class Init:
     def _partition(self, p: nn.Parameter) -> None:
         if p.is_meta:
             return  # [Note: meta parameters under zero.Init]
+        if is_packed(p):  # bitsandbytes quantizes it after construction; the engine partitions it as bytes
+            return  # ([Note: packed partitions] in packed_store.py): never cast, split or broadcast here
         if self.dtype is not None and p.is_floating_point() and p.dtype != self.dtype:
             p.data = p.data.to(self.dtype)
         if self._remote is not None and self._store is None:
