@@ -1,22 +1,29 @@
-"""Asynchronous file I/O (ds_strategy.ops.aio, the engine under NVMe offload) beside a plain sequential
-read / write of the same bytes on the same file system.
+"""NVMe offload's I/O engine (ds_strategy.ops.aio) beside DeepSpeed's ``aio_handle`` and ``fio``, at the same
+block size and queue depth.
 
-Issue 22's target: the engine's bandwidth at >= 80% of the plain sequential one. Every case moves one
-file of ``--size-mib`` MiB (default 512) in a folder of ``--dir`` (default: the system temp folder):
+Issue 47: the engine keeps ``queue_depth`` requests in flight per thread (io_uring or Linux AIO). Every case
+moves one file of ``--size-mib`` MiB (default 512) in a folder of ``--dir`` (default: the system temp
+folder; put it on the disk to measure, ext4 or xfs, not tmpfs: the table names the file system) in 1 MiB
+blocks from one I/O thread, at queue depth 1, 8 and 32:
 
-- plain write: ``os.write`` of 1 MiB chunks into a fresh (truncated) buffered file, then ``fsync``; the
-  time includes the fsync, so the data is on the device as with O_DIRECT.
-- plain read: ``os.readv`` of 1 MiB chunks into one preallocated buffer, after the file was evicted from
-  the page cache (``posix_fadvise(POSIX_FADV_DONTNEED)`` after its fsync): read from the device, not RAM.
-- engine write / read: one ``AsyncIO.write`` / ``read`` of an aligned tensor (:func:`aligned_empty`)
-  into a fresh file, waited for; the write is followed by ``fsync`` too, the read by nothing (O_DIRECT
-  when the file system allows it: no page cache; evicted beforehand all the same). Each setting runs on
-  both backends (``kernel``: the C++ thread pool, ``python``: ThreadPoolExecutor + os.pread/pwrite), plus
-  one case with an unaligned tensor (every block bounces through the staging buffer).
+- ours: ``AsyncIO`` (O_DIRECT, an aligned tensor) with each I/O backend the C++ engine was built with,
+  forced through ``DS_STRATEGY_AIO_BACKEND``: io_uring, libaio, and blocking (pread/pwrite, one request
+  at a time: the engine before issue 47);
+- DeepSpeed: ``AsyncIOBuilder().load().aio_handle(block_size, queue_depth, single_submit=False,
+  overlap_events=True, intra_op_parallelism=1)``, ``sync_pwrite`` / ``sync_pread`` of the same aligned
+  tensor (libaio, O_DIRECT), when deepspeed imports and its op builds (it needs libaio-dev);
+- fio (Debian's package), ``--ioengine=libaio`` and ``io_uring``, ``--direct=1``, same block size, size and
+  ``--iodepth``, one job: its own bandwidth figure;
+- a plain sequential reference: ``os.write`` of 1 MiB chunks then ``fsync``, ``os.readv`` after eviction.
 
-Rounds are interleaved (every case once per round) so load from other jobs hits all alike; the table
-shows the median over rounds in GB/s (10^9 bytes/s) and the ratio to the plain median. Every read is
-checked against the bytes written.
+Each case writes the file twice, both ending with ``fsync`` (fio: ``--end_fsync=1``): into a new file (the
+first swap-out: the file system allocates as it goes, and ext4 serialises O_DIRECT writes that extend a
+file) and over the file just written (every later swap-out rewrites the same regions). Reads start with
+the file evicted from the page cache (``fsync``, then ``posix_fadvise(POSIX_FADV_DONTNEED)``; fio also
+invalidates), so they come from the device, not RAM. Rounds are interleaved (every case once per round, after a warm-up
+round) so load from other jobs hits all alike; the table shows the median over rounds in GB/s (10^9
+bytes/s). Every read by ours and DeepSpeed is checked against the bytes written; for ours the JSON also
+records the most transfers each worker had outstanding at the device (``device_max_in_flight``).
 
     python -m benchmarks.run_all aio          # or: python -m benchmarks.bench_aio [--quick] [--dir DIR]
 """
@@ -24,27 +31,28 @@ checked against the bytes written.
 from __future__ import annotations
 
 import argparse
+import json
 import os
+import shutil
 import statistics
+import subprocess
 import tempfile
 import time
+import traceback
 from collections.abc import Callable
-from dataclasses import asdict
 from pathlib import Path
 from typing import Any
+from unittest import mock
 
 import torch
 
 from benchmarks.common import machine, markdown_table, results_dir, write_results
-from ds_strategy.ops.aio import AioOptions, AsyncIO, aligned_empty
-from ds_strategy.ops.builder import load_cpu_kernels
+from ds_strategy import env
+from ds_strategy.ops.aio import AioOptions, AsyncIO, aligned_empty, compiled_backends
 
-CHUNK = 2**20  # the plain loops' transfer size
-SETTINGS = {  # label -> options
-    "DeepSpeed defaults (1 MiB blocks, qd 8, 1 thread)": AioOptions(),
-    "1 MiB blocks, qd 16, 2 threads": AioOptions(queue_depth=16, thread_count=2),
-    "8 MiB blocks, qd 8, 4 threads": AioOptions(block_size=8 * 2**20, queue_depth=8, thread_count=4),
-}
+BLOCK = 2**20  # bytes per request, every engine
+DEPTHS = (1, 8, 32)
+QUICK_DEPTHS = (1, 8)
 
 
 def _filesystem(path: Path) -> str:
@@ -70,200 +78,269 @@ def _evict(path: Path) -> None:
         os.close(fd)
 
 
-def _plain_write(path: Path, data: memoryview) -> None:
-    fd = os.open(path, os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o600)
+def _fsync(path: Path) -> None:
+    fd = os.open(path, os.O_RDONLY)
     try:
-        for start in range(0, len(data), CHUNK):
-            view = data[start : start + CHUNK]
-            while view:
-                view = view[os.write(fd, view) :]
         os.fsync(fd)
     finally:
         os.close(fd)
 
 
-def _plain_read(path: Path, out: memoryview) -> None:
-    fd = os.open(path, os.O_RDONLY)
-    try:
-        at = 0
-        while at < len(out):
-            n = os.readv(fd, [out[at : at + CHUNK]])
-            if n == 0:
-                raise OSError(f"{path}: short read at {at}")
-            at += n
-    finally:
-        os.close(fd)
+def _timed(fn: Callable[[], None]) -> float:
+    start = time.perf_counter()
+    fn()
+    return time.perf_counter() - start
+
+
+# -- the engines: each case writes a fresh file, then reads it back evicted; returns (write s, read s) ----
 
 
 class _Case:
-    def __init__(self, label: str, options: AioOptions | None, backend: str | None, aligned: bool = True) -> None:
-        self.label, self.options, self.backend, self.aligned = label, options, backend, aligned
-        self.write_s: list[float] = []
+    def __init__(self, engine: str, io: str, depth: int | None) -> None:
+        self.engine, self.io, self.depth = engine, io, depth
+        self.write_s: list[float] = []  # into a new file
+        self.overwrite_s: list[float] = []
         self.read_s: list[float] = []
-        self.direct: bool | None = None
+        self.extra: dict[str, Any] = {}
+
+    @property
+    def label(self) -> str:
+        return f"{self.engine} ({self.io})" if self.io != "-" else self.engine
+
+    def run(self, path: Path, src: torch.Tensor, dst: torch.Tensor) -> tuple[float, float, float]:
+        """Write ``src`` into the new file ``path``, write it again over it, read it into ``dst`` evicted:
+        the three times in seconds."""
+        raise NotImplementedError
 
 
-def _buffers(numel: int, aligned: bool) -> tuple[torch.Tensor, torch.Tensor]:
-    if aligned:
-        return aligned_empty(numel, torch.uint8), aligned_empty(numel, torch.uint8)
-    src, dst = torch.empty(numel + 64, dtype=torch.uint8), torch.empty(numel + 64, dtype=torch.uint8)
-    return src[1 : numel + 1], dst[3 : numel + 3]  # not 4096-aligned: every block bounces
+class _Plain(_Case):
+    def run(self, path: Path, src: torch.Tensor, dst: torch.Tensor) -> tuple[float, float, float]:
+        data, out = memoryview(src.numpy()), memoryview(dst.numpy())
 
+        def write() -> None:
+            fd = os.open(path, os.O_WRONLY | os.O_CREAT, 0o600)
+            try:
+                for start in range(0, len(data), BLOCK):
+                    view = data[start : start + BLOCK]
+                    while view:
+                        view = view[os.write(fd, view) :]
+                os.fsync(fd)
+            finally:
+                os.close(fd)
 
-def _run_case(case: _Case, data: torch.Tensor, work: Path) -> bool:
-    """One write + read round of ``case``; returns whether the read gave back the bytes written."""
-    path = work / "aio.bin"
-    path.unlink(missing_ok=True)
-    src, dst = _buffers(data.numel(), case.aligned)
-    src.copy_(data)
-    dst.zero_()
-    if case.options is None:  # plain
-        start = time.perf_counter()
-        _plain_write(path, memoryview(src.numpy()))
-        case.write_s.append(time.perf_counter() - start)
+        def read() -> None:
+            fd = os.open(path, os.O_RDONLY)
+            try:
+                at = 0
+                while at < len(out):
+                    n = os.readv(fd, [out[at : at + BLOCK]])
+                    if n == 0:
+                        raise OSError(f"{path}: short read at {at}")
+                    at += n
+            finally:
+                os.close(fd)
+
+        w, over = _timed(write), _timed(write)
         _evict(path)
-        start = time.perf_counter()
-        _plain_read(path, memoryview(dst.numpy()))
-        case.read_s.append(time.perf_counter() - start)
-    else:
-        with AsyncIO(case.options, backend=case.backend) as io:
+        return w, over, _timed(read)
+
+
+class _Ours(_Case):
+    def run(self, path: Path, src: torch.Tensor, dst: torch.Tensor) -> tuple[float, float, float]:
+        options = AioOptions(block_size=BLOCK, queue_depth=self.depth or 1, thread_count=1)
+        with mock.patch.dict(os.environ, {env.AIO_BACKEND: self.io}), AsyncIO(options, backend="kernel") as io:
+            assert io.io_backend == self.io, (io.io_backend, self.io)
             with io.open(path, create=True) as f:
-                case.direct = f.direct
-                start = time.perf_counter()
-                io.write(src, f, 0).wait()
-                os.fsync(f.fd)
-                case.write_s.append(time.perf_counter() - start)
+                self.extra["direct"] = f.direct
+
+                def write() -> None:
+                    io.write(src, f, 0).wait()
+                    os.fsync(f.fd)
+
+                w, over = _timed(write), _timed(write)
             _evict(path)
             with io.open(path) as f:
-                start = time.perf_counter()
-                io.read(dst, f, 0).wait()
-                case.read_s.append(time.perf_counter() - start)
-    path.unlink(missing_ok=True)
-    return bool(torch.equal(src, dst))
+                r = _timed(lambda: io.read(dst, f, 0).wait())
+            self.extra["device_max_in_flight"] = max(io.device_max_in_flight)
+        return w, over, r
 
 
-def _cases(backends: list[str]) -> list[_Case]:
-    cases = [_Case("plain sequential (os.write + fsync / os.readv, 1 MiB)", None, None)]
-    for label, options in SETTINGS.items():
-        cases += [_Case(f"{backend}: {label}", options, backend) for backend in backends]
-    if "kernel" in backends:
-        label = f"kernel: unaligned tensor (bounced), {next(iter(SETTINGS))}"
-        cases.append(_Case(label, AioOptions(), "kernel", aligned=False))
-    return cases
+class _DeepSpeed(_Case):
+    def __init__(self, module: Any, depth: int) -> None:
+        super().__init__("DeepSpeed aio_handle", "libaio", depth)
+        self.handle = module.aio_handle(BLOCK, depth, False, True, 1)
+
+    def run(self, path: Path, src: torch.Tensor, dst: torch.Tensor) -> tuple[float, float, float]:
+        def write() -> None:
+            self.handle.sync_pwrite(src, str(path))
+            _fsync(path)
+
+        w, over = _timed(write), _timed(write)
+        _evict(path)
+        return w, over, _timed(lambda: self.handle.sync_pread(dst, str(path)))
 
 
-def measure(size_mib: int, rounds: int, work: Path, backends: list[str]) -> dict[str, Any]:
-    numel = size_mib * 2**20
-    data = torch.arange(numel, dtype=torch.int64).mul_(2654435761).to(torch.uint8)  # not compressible to zeros
-    cases = _cases(backends)
-    runners: dict[str, Callable[[], bool]] = {c.label: (lambda c=c: _run_case(c, data, work)) for c in cases}
-    for i in range(rounds + 1):  # round 0: warm-up (file system, thread start-up), not recorded
+class _Fio(_Case):
+    def __init__(self, ioengine: str, depth: int, nbytes: int) -> None:
+        super().__init__("fio", ioengine, depth)
+        self.nbytes = nbytes
+
+    def _job(self, path: Path, rw: str) -> float:
+        cmd = [
+            "fio", "--name=bench", f"--filename={path}", f"--rw={rw}", f"--bs={BLOCK}", f"--size={self.nbytes}",
+            f"--ioengine={self.io}", f"--iodepth={self.depth}", "--direct=1", "--numjobs=1", "--fallocate=none",
+            "--output-format=json", *(["--end_fsync=1"] if rw == "write" else []),
+        ]  # fmt: skip
+        out = subprocess.run(cmd, capture_output=True, text=True, timeout=600, check=True).stdout
+        job = json.loads(out[out.index("{") :])["jobs"][0][rw]
+        if job["io_bytes"] != self.nbytes:
+            raise RuntimeError(f"fio moved {job['io_bytes']} bytes, not {self.nbytes}")
+        return self.nbytes / job["bw_bytes"]
+
+    def run(self, path: Path, src: torch.Tensor, dst: torch.Tensor) -> tuple[float, float, float]:
+        w, over = self._job(path, "write"), self._job(path, "write")
+        _evict(path)
+        r = self._job(path, "read")
+        dst.copy_(src)  # fio writes its own pattern: nothing of ours to check
+        return w, over, r
+
+
+def _deepspeed_aio() -> tuple[Any, str]:
+    """DeepSpeed's async_io module (JIT-built on first use, cached), or None and why not."""
+    try:
+        from deepspeed.ops.op_builder import AsyncIOBuilder
+
+        builder = AsyncIOBuilder()
+        if not builder.is_compatible(verbose=False):
+            return None, "DeepSpeed's async_io op is not compatible here (libaio-dev missing?)"
+        return builder.load(verbose=False), ""
+    except Exception as err:
+        return None, f"{type(err).__name__}: {err}".splitlines()[0][:300] + "\n" + traceback.format_exc(limit=2)[-300:]
+
+
+def _cases(depths: tuple[int, ...], nbytes: int) -> tuple[list[_Case], dict[str, str]]:
+    skipped: dict[str, str] = {}
+    ours = compiled_backends()
+    ds, ds_error = _deepspeed_aio()
+    if ds is None:
+        skipped["DeepSpeed aio_handle"] = ds_error
+    fio = shutil.which("fio")
+    if fio is None:
+        skipped["fio"] = "the fio binary is not installed (apt-get install fio)"
+    cases: list[_Case] = [_Plain("plain sequential", "-", None)]
+    for depth in depths:
+        cases += [_Ours("ours", io, depth) for io in ours]
+        if ds is not None:
+            cases.append(_DeepSpeed(ds, depth))
+        if fio is not None:
+            cases += [_Fio(ioengine, depth, nbytes) for ioengine in ("libaio", "io_uring")]
+    return cases, skipped
+
+
+def measure(size_mib: int, rounds: int, work: Path, depths: tuple[int, ...]) -> dict[str, Any]:
+    nbytes = size_mib * 2**20
+    data = torch.randint(0, 256, (nbytes,), dtype=torch.uint8, generator=torch.Generator().manual_seed(0))
+    src, dst = aligned_empty(nbytes, torch.uint8).copy_(data), aligned_empty(nbytes, torch.uint8)
+    cases, skipped = _cases(depths, nbytes)
+    path = work / "aio.bin"
+    for i in range(rounds + 1):  # round 0: warm-up (file system, thread start-up, fio's first run), not recorded
         for case in cases:
-            ok = runners[case.label]()
-            if not ok:
-                raise AssertionError(f"{case.label}: the bytes read back differ from the bytes written")
-            if i == 0:
-                case.write_s.clear()
-                case.read_s.clear()
+            path.unlink(missing_ok=True)
+            dst.zero_()
+            w, over, r = case.run(path, src, dst)
+            if not torch.equal(src, dst):
+                raise AssertionError(f"{case.label}, qd {case.depth}: the bytes read back differ from those written")
+            if i > 0:
+                case.write_s.append(w)
+                case.overwrite_s.append(over)
+                case.read_s.append(r)
         print(f"round {i}/{rounds} done", flush=True)
-    nbytes = numel
-    plain = cases[0]
-    plain_w = nbytes / statistics.median(plain.write_s) / 1e9
-    plain_r = nbytes / statistics.median(plain.read_s) / 1e9
-    records = []
-    for case in cases:
-        w = nbytes / statistics.median(case.write_s) / 1e9
-        r = nbytes / statistics.median(case.read_s) / 1e9
-        records.append(
-            {
-                "case": case.label,
-                "backend": case.backend or "plain",
-                "options": None if case.options is None else asdict(case.options),
-                "aligned": case.aligned,
-                "direct": case.direct,
-                "write_s": case.write_s,
-                "read_s": case.read_s,
-                "write_gbps": w,
-                "read_gbps": r,
-                "write_ratio": w / plain_w,
-                "read_ratio": r / plain_r,
-            }
-        )
-    return {"bytes": nbytes, "rounds": rounds, "cases": records}
+    path.unlink(missing_ok=True)
+    records = [
+        {
+            "engine": case.engine,
+            "io": case.io,
+            "depth": case.depth,
+            "write_s": case.write_s,
+            "overwrite_s": case.overwrite_s,
+            "read_s": case.read_s,
+            "write_gbps": nbytes / statistics.median(case.write_s) / 1e9,
+            "overwrite_gbps": nbytes / statistics.median(case.overwrite_s) / 1e9,
+            "read_gbps": nbytes / statistics.median(case.read_s) / 1e9,
+            **case.extra,
+        }
+        for case in cases
+    ]
+    return {"bytes": nbytes, "block_size": BLOCK, "rounds": rounds, "depths": list(depths), "cases": records,
+            "skipped": skipped}  # fmt: skip
+
+
+KINDS = (("read_gbps", "read"), ("overwrite_gbps", "overwrite"), ("write_gbps", "new file"))
+
+
+def _table(payload: dict[str, Any]) -> str:
+    """One row per engine: read, overwrite and new-file write GB/s at each depth."""
+    depths = payload["depths"]
+    columns = ["engine", *[f"{kind} qd {d}" for _, kind in KINDS for d in depths]]
+    plain = next(r for r in payload["cases"] if r["engine"] == "plain sequential")
+    rows = [["plain sequential (buffered, reference)", *[f"{plain[key]:.2f}" for key, _ in KINDS for _ in depths]]]
+    labels = dict.fromkeys((r["engine"], r["io"]) for r in payload["cases"] if r["depth"] is not None)
+    for engine, io in labels:
+        by_depth = {r["depth"]: r for r in payload["cases"] if (r["engine"], r["io"]) == (engine, io)}
+        rows.append([f"{engine} ({io})", *[f"{by_depth[d][key]:.2f}" for key, _ in KINDS for d in depths]])
+    return markdown_table(columns, rows)
 
 
 def main(argv: list[str] | None = None) -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--quick", action="store_true", help="16 MiB, 1 round (smoke run)")
+    parser.add_argument("--quick", action="store_true", help="16 MiB, queue depth 1 and 8, 1 round (smoke run)")
     parser.add_argument("--dir", default=tempfile.gettempdir(), help="folder for the test file (its file system)")
     parser.add_argument("--size-mib", type=int, default=None, help="file size in MiB (default 512)")
     parser.add_argument("--rounds", type=int, default=None, help="timed rounds (default 3)")
     args = parser.parse_args(argv)
     size = args.size_mib or (16 if args.quick else 512)
     rounds = args.rounds or (1 if args.quick else 3)
-    backends = (["kernel"] if load_cpu_kernels() else []) + ["python"]
+    depths = QUICK_DEPTHS if args.quick else DEPTHS
     with tempfile.TemporaryDirectory(prefix="bench_aio_", dir=args.dir) as tmp:
         work = Path(tmp)
         fs = _filesystem(work.resolve())
-        result = measure(size, rounds, work, backends)
+        result = measure(size, rounds, work, depths)
     payload = {"machine": machine(), "dir": str(Path(args.dir).resolve()), "filesystem": fs, **result}
-    rows = [
-        (
-            r["case"],
-            "-" if r["direct"] is None else ("yes" if r["direct"] else "no"),
-            f"{r['write_gbps']:.2f}",
-            f"{r['write_ratio']:.2f}",
-            f"{r['read_gbps']:.2f}",
-            f"{r['read_ratio']:.2f}",
-        )
-        for r in payload["cases"]
-    ]
-    columns = ("case", "O_DIRECT", "write GB/s", "write vs plain", "read GB/s", "read vs plain")
+    ours_depth = {
+        f"{r['io']} qd {r['depth']}": r["device_max_in_flight"] for r in payload["cases"] if r["engine"] == "ours"
+    }
     note = (
-        f"\n\n{size} MiB file in {payload['dir']} ({fs}); median of {rounds} interleaved rounds after a warm-up "
-        "round. GB/s = 10^9 bytes/s. Writes include fsync (plain: buffered writes then fsync; engine: "
-        "O_DIRECT where the file system allows, then fsync). Reads start with the file evicted from the page "
-        "cache (posix_fadvise DONTNEED after fsync), so the plain read comes from the device, not RAM. "
-        "'vs plain' = engine / plain sequential (issue 22's target: >= 0.80). Every read is checked against "
-        "the bytes written. Timed on a shared machine (other jobs running): read trends, not absolutes."
+        f"\n\nGB/s (10^9 bytes/s), median of {rounds} interleaved rounds after a warm-up round: a {size} MiB file "
+        f"in {payload['dir']} ({fs}), {BLOCK // 2**20} MiB blocks, one I/O thread, O_DIRECT for every engine "
+        "but the plain reference. 'new file': writes into a new file; 'overwrite': the same bytes written again "
+        "over it (the steady state of swap files); both include fsync (fio: end_fsync=1). Reads start with the "
+        "file evicted from the page cache. 'ours (blocking)' is the pread/pwrite path (one request in "
+        "flight, the engine before issue 47). Most transfers ours had outstanding at the device per thread: "
+        + ", ".join(f"{k}: {v}" for k, v in ours_depth.items())
+        + ". Timed on a shared machine (other jobs running): read trends, not absolutes."
     )
-    table = markdown_table(columns, rows)
+    if payload["skipped"]:
+        note += " Not measured: " + "; ".join(f"{k}: {v.splitlines()[0]}" for k, v in payload["skipped"].items()) + "."
+    table = _table(payload)
     write_results("aio", payload, table + note)
     _plot(payload)
     print(table + note)
 
 
 def headlines(payload: dict[str, Any]) -> list[tuple[str, str]]:
-    """(figure, value) pairs for benchmarks/results/summary.md: each backend's best setting and the
-    DeepSpeed-default setting, as ratios to the plain sequential read / write."""
-    out = []
-    engine = [r for r in payload["cases"] if r["backend"] != "plain" and r["aligned"]]
-    plain = next(r for r in payload["cases"] if r["backend"] == "plain")
-    out.append(
-        (
-            f"plain sequential, {payload['bytes'] // 2**20} MiB on {payload.get('filesystem', '?')}",
-            f"write {plain['write_gbps']:.2f} GB/s, read {plain['read_gbps']:.2f} GB/s",
-        )
-    )
-    for backend in sorted({r["backend"] for r in engine}):
-        mine = [r for r in engine if r["backend"] == backend]
-        default = next((r for r in mine if "DeepSpeed defaults" in r["case"]), None)
-        if default is not None:
-            out.append(
-                (
-                    f"{backend} backend, DeepSpeed default aio settings vs plain",
-                    f"write {default['write_ratio']:.2f}x, read {default['read_ratio']:.2f}x",
-                )
-            )
-        best_w = max(mine, key=lambda r: r["write_gbps"])
-        best_r = max(mine, key=lambda r: r["read_gbps"])
-        out.append(
-            (
-                f"{backend} backend, best setting vs plain",
-                f"write {best_w['write_ratio']:.2f}x ({best_w['write_gbps']:.2f} GB/s), "
-                f"read {best_r['read_ratio']:.2f}x ({best_r['read_gbps']:.2f} GB/s)",
-            )
-        )
+    """(figure, value) pairs for benchmarks/results/summary.md: at each depth, our best backend beside
+    DeepSpeed's aio_handle and fio (libaio), read, overwrite and new-file write GB/s."""
+    cases = payload["cases"]
+    plain = next(r for r in cases if r["engine"] == "plain sequential")
+    size = f"{payload['bytes'] // 2**20} MiB on {payload.get('filesystem', '?')}"
+    out = [(f"plain sequential, {size}", ", ".join(f"{kind} {plain[key]:.2f}" for key, kind in KINDS) + " GB/s")]
+    for depth in payload["depths"]:
+        mine = [r for r in cases if r["engine"] == "ours" and r["depth"] == depth]
+        peers = [r for r in cases if r["engine"] != "ours" and r["depth"] == depth and r["io"] == "libaio"]
+        best = {key: max(mine, key=lambda r, key=key: r[key]) for key, _ in KINDS}
+        figures = ["ours " + ", ".join(f"{kind} {best[key][key]:.2f} ({best[key]['io']})" for key, kind in KINDS)]
+        figures += [f"{r['engine']} " + ", ".join(f"{kind} {r[key]:.2f}" for key, kind in KINDS) for r in peers]
+        out.append((f"qd {depth}, 1 MiB blocks, GB/s", "; ".join(figures)))
     return out
 
 
@@ -273,20 +350,28 @@ def _plot(payload: dict[str, Any]) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    cases = payload["cases"]
-    labels = [c["case"] for c in cases]
-    fig, axes = plt.subplots(1, 2, figsize=(14, 0.5 * len(cases) + 1.5), sharey=True)
-    for ax, key, title, color in zip(
-        axes, ("write_gbps", "read_gbps"), ("write GB/s", "read GB/s"), ("tab:blue", "tab:green"), strict=True
-    ):
-        values = [c[key] for c in cases]
-        ax.barh(labels, values, color=[("tab:gray" if c["backend"] == "plain" else color) for c in cases])
-        ax.axvline(0.8 * values[0], color="tab:red", linestyle="--", linewidth=1, label="80% of plain")
-        ax.set_xlabel(title)
-        ax.legend(loc="lower right", fontsize=8)
-    axes[0].invert_yaxis()
-    fig.suptitle(f"{payload['bytes'] // 2**20} MiB on {payload.get('filesystem', '?')} ({payload['dir']})")
-    fig.tight_layout()
+    depths = payload["depths"]
+    engines = list(dict.fromkeys((r["engine"], r["io"]) for r in payload["cases"] if r["depth"] is not None))
+    plain = next(r for r in payload["cases"] if r["engine"] == "plain sequential")
+    fig, axes = plt.subplots(1, len(KINDS), figsize=(18, 5.5))
+    width = 0.8 / max(len(engines), 1)
+    for ax, (key, kind) in zip(axes, KINDS, strict=True):
+        title = f"{kind} GB/s"
+        for k, (engine, io) in enumerate(engines):
+            by_depth = {r["depth"]: r[key] for r in payload["cases"] if (r["engine"], r["io"]) == (engine, io)}
+            xs = [i + (k - (len(engines) - 1) / 2) * width for i in range(len(depths))]
+            ax.bar(xs, [by_depth[d] for d in depths], width, label=f"{engine} ({io})")
+        ax.axhline(plain[key], color="tab:gray", linestyle="--", linewidth=1, label="plain sequential (buffered)")
+        ax.set_xticks(range(len(depths)), [f"qd {d}" for d in depths])
+        ax.set_ylabel(title)
+        ax.set_title(title)
+    handles, labels = axes[0].get_legend_handles_labels()
+    fig.legend(handles, labels, loc="lower center", ncol=4, fontsize=9)
+    fig.suptitle(
+        f"{payload['bytes'] // 2**20} MiB, {payload['block_size'] // 2**20} MiB blocks, one thread, "
+        f"on {payload.get('filesystem', '?')} ({payload['dir']})"
+    )
+    fig.tight_layout(rect=(0, 0.12, 1, 1))  # room for the legend below the panels
     fig.savefig(results_dir() / "aio.png", dpi=120)
     plt.close(fig)
 

@@ -45,7 +45,7 @@ PEERS = {
     "checkpoint": "DeepSpeed stages 1-3 (save, load, size, consolidation)",
     "activation_checkpointing": "DeepSpeed stages 2-3 + deepspeed.checkpointing, torch FSDP2 + checkpoint_wrapper",
     "lora": "DeepSpeed stages 2-3 (peft LoRA on a frozen Hugging Face Llama base)",
-    "aio": "a plain sequential read / write of the same bytes on the same file system",
+    "aio": "DeepSpeed's aio_handle and fio (libaio, io_uring) at the same block size and queue depth (1, 8, 32)",
     "nvme": "ds_strategy CPU offload, DeepSpeed NVMe offload (ZeRO-3, a GPT and one 4x larger)",
     "hybrid": "torch DDP, ds_strategy stage 3 through the per-module hooks (greedy generation)",
     "pipeline": "the 1F1B theory (p-1)/(m+p-1), DeepSpeed's PipelineEngine (same layers and config)",

@@ -7,6 +7,7 @@ from __future__ import annotations
 import importlib.util
 import json
 import os
+import shutil
 import subprocess
 import sys
 import time
@@ -120,14 +121,26 @@ def test_aio_quick_writes_its_results(tmp_path: Path, cpu_kernels: bool) -> None
     )  # fmt: skip
     assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
     payload = json.loads((tmp_path / "results" / "aio.json").read_text())
-    backends = {r["backend"] for r in payload["cases"]}
-    assert backends == {"plain", "kernel", "python"}, backends
-    assert all(r["write_gbps"] > 0 and r["read_gbps"] > 0 for r in payload["cases"])
+    engines = {(r["engine"], r["io"]) for r in payload["cases"]}
+    from ds_strategy.ops.aio import compiled_backends
+
+    assert {io for engine, io in engines if engine == "ours"} == set(compiled_backends()), engines
+    assert ("plain sequential", "-") in engines and {r["depth"] for r in payload["cases"]} == {None, 1, 8}
+    if shutil.which("fio"):
+        assert {("fio", "libaio"), ("fio", "io_uring")} <= engines, engines
+    if importlib.util.find_spec("deepspeed"):
+        assert ("DeepSpeed aio_handle", "libaio") in engines or "DeepSpeed aio_handle" in payload["skipped"]
+    assert all(r["write_gbps"] > 0 and r["overwrite_gbps"] > 0 and r["read_gbps"] > 0 for r in payload["cases"])
+    # io_uring and libaio keep the queue depth in flight (as many blocks as the file has, at most); the
+    # blocking path one request at a time
+    blocks = payload["bytes"] // payload["block_size"]
+    depth = {(r["io"], r["depth"]): r["device_max_in_flight"] for r in payload["cases"] if r["engine"] == "ours"}
+    assert all(n == (min(d, blocks) if io != "blocking" else 1) for (io, d), n in depth.items()), depth
     assert "| plain sequential" in (tmp_path / "results" / "aio.md").read_text()
     assert (tmp_path / "results" / "aio.png").read_bytes()[:8] == PNG
     from benchmarks.bench_aio import headlines
 
-    assert any("DeepSpeed default" in figure for figure, _ in headlines(payload))
+    assert any("qd 8" in figure for figure, _ in headlines(payload))
     assert [p.name for p in tmp_path.iterdir()] == ["results"]  # the test file's folder was removed
 
 
