@@ -34,6 +34,7 @@ import argparse
 import functools
 import importlib.util
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -274,6 +275,7 @@ def run(
     time_shape = QUICK_SHAPE if quick else TIME_SHAPE
     steps = 8 if quick else steps
     payload: dict[str, Any] = {"machine": machine(), "quick": quick, "conv_shape": conv_shape}
+    payload["load_average_at_start"] = list(os.getloadavg())  # 1, 5, 15 minutes: this machine is shared
     if convergence:
         curves: dict[str, Any] = {}
         options = {**OPTIONS, **{f"stage 3 (init seed {k})": {"_seed": k} for k in range(1, seeds + 1)}}
@@ -362,10 +364,19 @@ def table(payload: dict[str, Any]) -> str:
         "Step time (median over interleaved rounds of the slowest rank's step, s), the loss of the last timed "
         "step (mean over the ranks) and MiB per step by op@group size; the cross-node cap is simulated (a "
         "sleep per collective for its cross-node bytes); on 4 ranks qgZ's node groups are the simulated "
-        "nodes\n\n"
+        f"nodes{_load_note(payload)}\n\n"
         + markdown_table(("ranks", "peer", "option", "cross-node link", "s/step", "last loss", "MiB/step"), rows)
     )
     return "\n\n".join(parts)
+
+
+def _load_note(payload: dict[str, Any]) -> str:
+    load = payload.get("load_average_at_start")
+    return (
+        ""
+        if not load
+        else f"; load average at the start {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min)"
+    )
 
 
 def plot(payload: dict[str, Any]) -> None:
@@ -454,6 +465,7 @@ def main(argv: list[str] | None = None) -> None:
         payload["conv_shape"] = old.get("conv_shape", payload["conv_shape"])  # the model those curves are of
     if args.skip_timing and "timings" in old:
         payload["timings"], payload["time_shape"] = old["timings"], old.get("time_shape")
+        payload["load_average_at_start"] = old.get("load_average_at_start")  # the timings' run
     text = table(payload)
     write_results("zeropp", payload, text)
     plot(payload)
