@@ -10,6 +10,7 @@ checked element by element against the error bound its formats give (see _qgz_bo
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -272,7 +273,9 @@ class _GPTLoss(torch.nn.Module):
 def _qgz_across_nodes(rank: int, world: int, extra: dict[str, Any], hosts_of: int) -> dict[str, Any]:
     """qgZ over 2 (simulated) nodes of 2: the log of what each rank did in order (step 1 / step 2 all-to-alls,
     the end of each backward, each bucket's landing) and the losses. ``hosts_of``: simulate hosts of that many
-    ranks (qgZ's node groups otherwise follow the host names: one node here)."""
+    ranks (qgZ's node groups otherwise follow the host names: one node here). The ranks run backward at
+    different paces (a rank-dependent pause before each block's backward), so each reaches every bucket at
+    another time."""
     import ds_strategy
 
     if hosts_of:
@@ -280,6 +283,9 @@ def _qgz_across_nodes(rank: int, world: int, extra: dict[str, Any], hosts_of: in
 
         zeropp._host_node_size = lambda coll: hosts_of  # type: ignore[assignment]
     model = _GPTLoss()
+    for i, block in enumerate(model.gpt.blocks):
+        pause = 0.005 * ((rank + i) % 4)
+        block.register_full_backward_pre_hook(lambda *_, pause=pause: time.sleep(pause))
     cfg = config(stage=3, micro=2, gas=1)
     cfg["zero_optimization"].update({"stage3_param_persistence_threshold": 0, "zero_quantized_gradients": True})
     cfg["zero_optimization"].update(extra)
