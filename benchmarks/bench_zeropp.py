@@ -14,6 +14,12 @@ Two parts, both on the GPT of ds_strategy.demo, fp32, AdamW, in CPU processes (g
    simulated slow link between the two simulated nodes: every collective of the benchmark's communicators
    sleeps ``bytes x (share of the group's ranks on the other node) / bandwidth`` when issued (so it models
    a blocking link, no overlap), swept over cross-node bandwidths. That shows where each option pays.
+   The 4-rank timing runs also tell qgZ where the simulated nodes are (``simulate_hosts``: hosts of 2
+   ranks), so its reduction takes both steps (int4 inside a node, int8 across) as on two real hosts; its
+   second step is issued while backward goes on ([Note: when step 2 is issued] in
+   comm/quantized_all_to_all.py). (Part 1's qgZ case follows the host names: one node of 4, one int8
+   all-to-all; its two-step reduction is the all-three case's.) Each option's loss per timed step is
+   recorded (the mean over the ranks).
    DeepSpeed's ZeRO++ runs with the same config where it runs here (its quantizers are CUDA kernels: on
    CPU the attempt is recorded with its error).
 
@@ -28,6 +34,7 @@ import argparse
 import functools
 import importlib.util
 import json
+import os
 import statistics
 import time
 from collections.abc import Callable
@@ -125,6 +132,20 @@ def install_link_cap(bandwidth: float, node: int) -> Callable[[], None]:
     return undo
 
 
+def simulate_hosts(node: int) -> Callable[[], None]:
+    """qgZ's node groups as if every ``node`` consecutive ranks were one host (they follow the host names
+    otherwise: one node here); returns the undo."""
+    from ds_strategy.runtime.zero import zeropp
+
+    host_node_size = zeropp._host_node_size
+    zeropp._host_node_size = lambda coll: node  # type: ignore[assignment]
+
+    def undo() -> None:
+        zeropp._host_node_size = host_node_size  # type: ignore[assignment]
+
+    return undo
+
+
 def _bytes_per_step(engine: Any, steps: int) -> dict[str, float]:
     out: dict[str, float] = {}
     for row in engine.comms_logger.summary():
@@ -155,12 +176,14 @@ def _time_paired(rank: int, world: int, bandwidth: float | None, shape: dict[str
     """One engine per option in the same processes, stepped round-robin (``PAIRED_ROUNDS`` rounds after
     ``WARMUP``): load from other work hits every option alike, so the per-option medians compare."""
     undo = install_link_cap(bandwidth, world // 2) if bandwidth else None
+    hosts = simulate_hosts(world // 2) if world == 4 else None
     try:
         engines = {
             n: build_engine("ds_strategy", _model(shape), _config(OPTIONS[n], shape["micro"], 1e-4)) for n in names
         }
         batches = _batches(shape, WARMUP + PAIRED_ROUNDS, rank, world)
         times: dict[str, list[float]] = {n: [] for n in names}
+        losses: dict[str, list[torch.Tensor]] = {n: [] for n in names}
         for i, b in enumerate(batches):
             if i == WARMUP:
                 for engine in engines.values():
@@ -173,13 +196,23 @@ def _time_paired(rank: int, world: int, bandwidth: float | None, shape: dict[str
                 engine.step()
                 if i >= WARMUP:
                     times[n].append(time.perf_counter() - start)
-        out = {n: {"s_per_step": times[n], "bytes": _bytes_per_step(e, PAIRED_ROUNDS)} for n, e in engines.items()}
+                    losses[n].append(loss.detach().float())
+        out = {}
+        for n, e in engines.items():
+            mean = torch.stack(losses[n])
+            dist.all_reduce(mean)  # after the timed steps: no collective of its own inside them
+            out[n] = {
+                "s_per_step": times[n],
+                "bytes": _bytes_per_step(e, PAIRED_ROUNDS),
+                "losses": (mean / world).tolist(),
+            }
         for engine in engines.values():
             engine.destroy()
         return out
     finally:
-        if undo is not None:
-            undo()
+        for restore in (undo, hosts):
+            if restore is not None:
+                restore()
 
 
 def _time_deepspeed(rank: int, world: int, name: str, shape: dict[str, int]) -> Any:
@@ -242,6 +275,7 @@ def run(
     time_shape = QUICK_SHAPE if quick else TIME_SHAPE
     steps = 8 if quick else steps
     payload: dict[str, Any] = {"machine": machine(), "quick": quick, "conv_shape": conv_shape}
+    payload["load_average_at_start"] = list(os.getloadavg())  # 1, 5, 15 minutes: this machine is shared
     if convergence:
         curves: dict[str, Any] = {}
         options = {**OPTIONS, **{f"stage 3 (init seed {k})": {"_seed": k} for k in range(1, seeds + 1)}}
@@ -273,6 +307,7 @@ def run(
                 else:
                     rec["s_per_step"] = slowest_median(ranks, name)
                     rec["bytes"] = ranks[0][name]["bytes"]
+                    rec["losses"] = ranks[0][name]["losses"]
                 timings.append(rec)
                 print(f"{world} ranks {name} bw={bw}: {rec.get('s_per_step', rec.get('error'))}", flush=True)
         if has_ds and world == 2 and not quick:  # each in its own processes: a failure must not take the others
@@ -319,15 +354,29 @@ def table(payload: dict[str, Any]) -> str:
     for t in payload["timings"]:
         bw = "no cap" if t["bandwidth"] is None else f"{t['bandwidth'] / 1e6:.0f} MB/s"
         if "error" in t:
-            rows.append((t["world"], t["peer"], t["option"], bw, "failed", t["error"][:90]))
+            rows.append((t["world"], t["peer"], t["option"], bw, "failed", "", t["error"][:90]))
         else:
-            rows.append((t["world"], t["peer"], t["option"], bw, f"{t['s_per_step']:.3f}", _fmt_bytes(t.get("bytes"))))
+            loss = f"{t['losses'][-1]:.4f}" if t.get("losses") else ""
+            rows.append(
+                (t["world"], t["peer"], t["option"], bw, f"{t['s_per_step']:.3f}", loss, _fmt_bytes(t.get("bytes")))
+            )
     parts.append(
-        "Step time (median over interleaved rounds of the slowest rank's step, s) and MiB per step by op@group "
-        "size; the cross-node cap is simulated (a sleep per collective for its cross-node bytes)\n\n"
-        + markdown_table(("ranks", "peer", "option", "cross-node link", "s/step", "MiB/step"), rows)
+        "Step time (median over interleaved rounds of the slowest rank's step, s), the loss of the last timed "
+        "step (mean over the ranks) and MiB per step by op@group size; the cross-node cap is simulated (a "
+        "sleep per collective for its cross-node bytes); on 4 ranks qgZ's node groups are the simulated "
+        f"nodes{_load_note(payload)}\n\n"
+        + markdown_table(("ranks", "peer", "option", "cross-node link", "s/step", "last loss", "MiB/step"), rows)
     )
     return "\n\n".join(parts)
+
+
+def _load_note(payload: dict[str, Any]) -> str:
+    load = payload.get("load_average_at_start")
+    return (
+        ""
+        if not load
+        else f"; load average at the start {load[0]:.2f} / {load[1]:.2f} / {load[2]:.2f} (1 / 5 / 15 min)"
+    )
 
 
 def plot(payload: dict[str, Any]) -> None:
@@ -416,6 +465,7 @@ def main(argv: list[str] | None = None) -> None:
         payload["conv_shape"] = old.get("conv_shape", payload["conv_shape"])  # the model those curves are of
     if args.skip_timing and "timings" in old:
         payload["timings"], payload["time_shape"] = old["timings"], old.get("time_shape")
+        payload["load_average_at_start"] = old.get("load_average_at_start")  # the timings' run
     text = table(payload)
     write_results("zeropp", payload, text)
     plot(payload)

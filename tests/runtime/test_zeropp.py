@@ -10,6 +10,7 @@ checked element by element against the error bound its formats give (see _qgz_bo
 
 from __future__ import annotations
 
+import time
 from typing import Any
 
 import pytest
@@ -188,7 +189,7 @@ def _qgz_bound(inputs: torch.Tensor, node: int, block: int, intra_bits: int, int
 
 
 def _qgz_reduce_scatter(rank: int, world: int, node: int) -> None:
-    from ds_strategy.comm.quantized_all_to_all import quantized_reduce_scatter
+    from ds_strategy.comm.quantized_all_to_all import TwoStepHandle, quantized_reduce_scatter
     from ds_strategy.runtime.zero.collectives import Collectives
     from ds_strategy.runtime.zero.zeropp import node_groups
 
@@ -225,10 +226,14 @@ def _qgz_reduce_scatter(rank: int, world: int, node: int) -> None:
     for s in sources:
         s.fill_(float("nan"))
     two_steps = intra.world_size > 1 and inter.world_size > 1
-    assert all((h is None) == two_steps for h in handles)  # both steps: blocking (see the module note)
+    assert all(isinstance(h, TwoStepHandle) == two_steps for h in handles)  # both steps: asynchronous too
+    if two_steps:  # step 2 is issued by advance (or wait), never by polling ([Note: when step 2 is issued])
+        assert not any(h.is_completed() for h in handles)
+        handles[1].advance()  # out of launch order, as every rank does it
+        assert handles[1].advanced and not handles[0].advanced
     for h in reversed(handles):
-        if h is not None:
-            h.wait()
+        assert h is not None
+        h.wait()
     assert torch.equal(outs[0], out) and torch.equal(outs[1], twice)
     for c in (intra, inter, coll):
         c.close()
@@ -248,6 +253,98 @@ def test_qgz_trains_close_to_unquantized_with_fewer_gradient_bytes(world: int, e
     a2a = sum(v for (op, _), v in qgz[1].items() if op == "all_to_all")
     assert ("reduce_scatter", world) not in qgz[1]
     assert rs / a2a > 3.0, (rs, a2a)
+
+
+class _GPTLoss(torch.nn.Module):
+    """A 4-layer GPT (ds_strategy.demo) whose forward is the loss: its buckets complete one by one in backward
+    (the tied test net's shared block and embedding complete almost all of its at the end)."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from ds_strategy.demo.model import GPT, GPTConfig
+
+        torch.manual_seed(0)
+        self.gpt = GPT(GPTConfig(vocab_size=24, block_size=8, n_layer=4, n_head=4, n_embd=32))
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return self.gpt.loss(x, y)
+
+
+def _qgz_across_nodes(rank: int, world: int, extra: dict[str, Any], hosts_of: int) -> dict[str, Any]:
+    """qgZ over 2 (simulated) nodes of 2: the log of what each rank did in order (step 1 / step 2 all-to-alls,
+    the end of each backward, each bucket's landing) and the losses. ``hosts_of``: simulate hosts of that many
+    ranks (qgZ's node groups otherwise follow the host names: one node here). The ranks run backward at
+    different paces (a rank-dependent pause before each block's backward), so each reaches every bucket at
+    another time."""
+    import ds_strategy
+
+    if hosts_of:
+        from ds_strategy.runtime.zero import zeropp
+
+        zeropp._host_node_size = lambda coll: hosts_of  # type: ignore[assignment]
+    model = _GPTLoss()
+    for i, block in enumerate(model.gpt.blocks):
+        pause = 0.005 * ((rank + i) % 4)
+        block.register_full_backward_pre_hook(lambda *_, pause=pause: time.sleep(pause))
+    cfg = config(stage=3, micro=2, gas=1)
+    cfg["zero_optimization"].update({"stage3_param_persistence_threshold": 0, "zero_quantized_gradients": True})
+    cfg["zero_optimization"].update(extra)
+    engine, *_ = ds_strategy.initialize(model=model, model_parameters=model.parameters(), config=cfg)
+    stage = engine.stage
+    intra, inter = stage.zeropp.grad_intra, stage.zeropp.grad_inter
+    assert intra.world_size == 2 and inter.world_size == 2
+    log: list[Any] = []
+
+    def spy(obj: Any, name: str, event: Any) -> None:
+        original = getattr(obj, name)
+
+        def record(*args: Any, **kwargs: Any) -> Any:
+            log.append(event(*args) if callable(event) else event)
+            return original(*args, **kwargs)
+
+        setattr(obj, name, record)
+
+    spy(stage, "launch_reduction", "launch")
+    spy(intra, "all_to_all_single", "step 1")
+    spy(inter, "all_to_all_single", "step 2")
+    spy(stage, "end_backward", "backward ends")  # loss.backward() has returned
+    spy(stage, "land", lambda key, out: ("land", key))
+    losses = _train(engine, rank, world)
+    buckets = list(stage.bucket_order)
+    engine.destroy()
+    return {"losses": losses, "log": log, "buckets": buckets}
+
+
+@pytest.mark.parametrize(
+    ("extra", "hosts_of"), [({"zero_hpz_partition_size": 2}, 0), ({}, 2)], ids=["hpz-nodes", "simulated-hosts"]
+)
+def test_qgz_across_nodes_issues_step_two_during_backward_in_one_order_on_every_rank(
+    extra: dict[str, Any], hosts_of: int
+) -> None:
+    """Issue 47: the second all-to-all overlaps backward (counted in the order of events, not timed): a
+    bucket's launch returns with its step 2 pending, which is issued at the next launch, before backward
+    ends; every rank issues the collectives in one order and lands the buckets in the recorded order; the
+    losses are the blocking reduction's (overlap_comm off) bit for bit."""
+    ranks = run_distributed(_qgz_across_nodes, world_size=4, args=(extra, hosts_of))
+    blocking = run_distributed(_qgz_across_nodes, world_size=4, args=({**extra, "overlap_comm": False}, hosts_of))
+    buckets = ranks[0]["buckets"]
+    assert len(buckets) == 5  # 4 blocks, then the embeddings and the last LayerNorm
+    for run, overlapped in ((ranks, True), (blocking, False)):
+        issued = [[e for e in r["log"] if not isinstance(e, tuple)] for r in run]
+        assert all(i == issued[0] for i in issued)  # one order of collectives on every rank
+        for r in run:
+            landed = [e[1] for e in r["log"] if isinstance(e, tuple)]
+            assert landed == buckets * 4  # every step, in the recorded order
+            assert r["losses"] == blocking[0]["losses"]
+        steps = " ".join(issued[0]).split(" backward ends")  # what each backward issued, then the rest
+        n = len(buckets)
+        if overlapped:  # step 2 of bucket i at the launch of bucket i + 1, the last one's once backward ended
+            backward = "launch step 1" + " launch step 1 step 2" * (n - 1)
+            expected = [backward] + [" step 2 " + backward] * 3 + [" step 2"]
+        else:  # blocking: both steps inside each launch
+            backward = " ".join(["launch step 1 step 2"] * n)
+            expected = [backward] + [" " + backward] * 3 + [""]
+        assert steps == expected, steps
 
 
 # ---------------------------------------------------------------------- frozen weights stored quantized

@@ -20,13 +20,21 @@ one byte row (its int bytes, then its fp32 scales), so each step is one ``all_to
 The all-to-all itself is the communicator's ``all_to_all_single`` (the shared-memory kernel on one host,
 else the process group), logged in its comms logger as ``all_to_all`` with the bytes this rank sends.
 
-With ``async_op``, when only one step runs (one node, the common case, or one rank per node), its
-all-to-all is issued and the call returns: the chunks are quantized at once (so ``input`` may be reused),
-and the handle's ``wait`` sums what arrived into ``output``, so the exchange overlaps with whatever the
-caller does before waiting (the rest of backward, for ZeRO-3's gradient buckets). With both steps the call
-stays blocking: step 2 is a collective that could only be issued at ``wait``, and ranks wait at different
-points of their other groups' collectives (a stage lands whichever bucket completed first), so the ranks
-would issue collectives of different groups in different orders and deadlock (seen: 4 ranks in 2 nodes).
+With ``async_op`` the chunks are quantized at once (so ``input`` may be reused) and the first all-to-all
+is issued; the call returns a handle. When only one step runs (one node, the common case, or one rank per
+node), its ``wait`` sums what arrived into ``output``. With both steps the handle is a ``TwoStepHandle``:
+its ``advance`` waits for step 1, sums it and issues step 2 (also asynchronously), and its ``wait``
+advances if that has not happened yet, waits for step 2 and sums into ``output``. ``is_completed`` stays
+False until ``advance`` ran: polling never issues step 2.
+
+[Note: when step 2 is issued]
+Step 2 is a collective, so every rank must issue it at the same point of its sequence of collectives of
+every group (NCCL needs one order across communicators; on any backend, a rank blocked in one group's
+collective while its peer waits for it in another deadlocks: 4 ranks in 2 nodes did, when step 2 was
+issued wherever ``is_completed()`` first said step 1 had landed, a rank-dependent moment). So the caller
+calls ``advance`` at points every rank reaches in the same order: ZeRO-3's reducer advances the buckets in
+flight when it launches the next bucket, in the recorded bucket order (runtime/zero/reducer.py), and
+``wait`` advances whatever is left. Step 2 of a bucket then overlaps the rest of backward, like step 1.
 """
 
 from __future__ import annotations
@@ -113,11 +121,11 @@ def quantized_reduce_scatter(
     intra_bits: int = 4,
     inter_bits: int = 8,
     async_op: bool = False,
-) -> CommHandle | None:
+) -> CommHandle | TwoStepHandle | None:
     """``output`` = this rank's chunk of the sum of every rank's ``input`` (see the module note); ``intra``
     and ``inter`` are this rank's node group and cross-node group (either may have one rank). With
-    ``async_op``: a handle whose ``wait`` completes ``output`` (None when nothing is left to wait for);
-    without: None, ``output`` complete."""
+    ``async_op``: a handle whose ``wait`` completes ``output`` (a ``TwoStepHandle`` when both steps run;
+    None when nothing is left to wait for); without: None, ``output`` complete."""
     h, nodes = intra.world_size, inter.world_size
     n = output.numel()
     if input.numel() != h * nodes * n:
@@ -128,31 +136,81 @@ def quantized_reduce_scatter(
         return None
     chunks = input.reshape(nodes, h, n)
     if h > 1:  # to local peer l: chunks node' * h + l of every node'
-        rest = nodes > 1
-        handle, partial = _exchange_and_sum(
-            intra, chunks.transpose(0, 1), block_size, intra_bits, async_op=async_op and not rest
-        )
+        handle, partial = _exchange_and_sum(intra, chunks.transpose(0, 1), block_size, intra_bits, async_op=async_op)
+        if nodes > 1:  # then to node n': its partial sum of chunk n' * h + local
+            step2 = TwoStepHandle(
+                handle,
+                lambda: _exchange_and_sum(inter, partial().unsqueeze(1), block_size, inter_bits, async_op=async_op),
+                output,
+            )
+            if not async_op:
+                step2.wait()
+                return None
+            return step2
     elif nodes > 1:  # one rank per node: step 2 is the first
         partials = chunks[:, 0].float().unsqueeze(1)
         handle, partial = _exchange_and_sum(inter, partials, block_size, inter_bits, async_op=async_op)
-        rest = False
     else:  # a group of one: nothing travels, nothing is quantized
         output.copy_(chunks[0, 0])
         return None
 
     def land() -> None:
-        if rest:  # then to node n': its partial sum of chunk n' * h + local
-            _, total = _exchange_and_sum(inter, partial().unsqueeze(1), block_size, inter_bits)
-            output.copy_(total()[0])
-        else:
-            output.copy_(partial()[0])
+        output.copy_(partial()[0])
 
-    if async_op and handle is not None and not rest:
+    if async_op and handle is not None:
         return CommHandle(children=[handle], finish=land)  # wait: the exchange, then the sum lands
     if handle is not None:
         handle.wait()
     land()
     return None
+
+
+class TwoStepHandle:
+    """Both steps of a hierarchical quantized reduce-scatter: ``advance`` waits for step 1 and issues step
+    2 (``second``); ``wait`` advances if needed, waits for step 2 and writes the sum into ``output``. Where
+    to call ``advance``: [Note: when step 2 is issued]."""
+
+    __slots__ = ("_first", "_output", "_second", "_summed", "_work")
+
+    def __init__(
+        self,
+        first: CommHandle | None,
+        second: Callable[[], tuple[CommHandle | None, Callable[[], torch.Tensor]]],
+        output: torch.Tensor,
+    ) -> None:
+        self._first, self._output = first, output
+        self._second: Callable[[], tuple[CommHandle | None, Callable[[], torch.Tensor]]] | None = second
+        self._work: CommHandle | None = None
+        self._summed: Callable[[], torch.Tensor] | None = None
+
+    @property
+    def advanced(self) -> bool:
+        """Step 2 is issued."""
+        return self._second is None
+
+    def advance(self) -> None:
+        """Wait for step 1, sum it and issue step 2 (idempotent)."""
+        if self._second is None:
+            return
+        second, self._second = self._second, None
+        first, self._first = self._first, None
+        if first is not None:
+            first.wait()
+        self._work, self._summed = second()  # step 1's buffers go with ``second``
+
+    def is_completed(self) -> bool:
+        """Step 2 was issued and has finished (never issues it: see the class note)."""
+        return self._second is None and (self._work is None or self._work.is_completed())
+
+    def wait(self) -> None:
+        self.advance()
+        if self._summed is None:
+            return  # waited before
+        if self._work is not None:
+            self._work.wait()
+        summed, self._summed = self._summed, None
+        self._output.copy_(summed()[0])
+        self._output = None  # type: ignore[assignment]
 
 
 def wire_bytes(n: int, block_size: int, bits: int) -> int:

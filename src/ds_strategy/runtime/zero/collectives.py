@@ -35,6 +35,15 @@ class _Done:
 DONE: Handle = _Done()
 
 
+def advance(handle: Handle) -> None:
+    """Issue what ``handle``'s collective has left to issue (qgZ's second all-to-all: a ``TwoStepHandle``,
+    or a handle wrapping one); nothing for a one-step collective. A collective: call it where every rank
+    calls it, in the same order ([Note: when step 2 is issued] in comm/quantized_all_to_all.py)."""
+    step = getattr(handle, "advance", None)
+    if step is not None:
+        step()
+
+
 class Collectives(Communicator):
     """Collectives over one data-parallel process group (None: the default group)."""
 

@@ -7,6 +7,16 @@ arrival; once all the gradients a bucket expects are in, the bucket is complete 
 launched in ``bucket_order`` (the same on every rank) as far as complete ones reach, with at most
 ``max_inflight`` elements in flight. Late gradients ([Note: a hook that fires twice] in base.py) collect
 per bucket and are reduced at the end of the pass.
+
+[Note: one order of collectives on every rank]
+Every collective the reducer causes is issued at a point every rank reaches in the same order: a bucket's
+launch; the next step of a multi-step reduction (qgZ across nodes: its second all-to-all, see [Note: when
+step 2 is issued] in comm/quantized_all_to_all.py), issued for every reduction in flight when the next
+bucket is launched, and for the last ones at the end of the pass; and the waits that bound what is in
+flight. Reductions land oldest first, so in the recorded bucket order on every rank. Only *when* a finished
+reduction is folded in is left to ``is_completed()`` polling, which frees its buffers early: a handle that
+still has a step to issue never reports completion, so polling never issues a collective (it once did:
+qgZ's second all-to-all issued at a rank-dependent landing deadlocked 4 ranks in 2 nodes).
 """
 
 from __future__ import annotations
@@ -16,7 +26,7 @@ from typing import Protocol
 
 import torch
 
-from .collectives import Handle
+from .collectives import Handle, advance
 
 BucketKey = tuple[int, int]  # (group index, bucket index)
 
@@ -168,7 +178,13 @@ class GradientReducer:
         key = self.bucket_order[self._next]
         self._launched.add(key)
         numel = self.numel_of[key]
-        self._inflight.append((self.stage.launch_reduction(key), numel))
+        handle = self.stage.launch_reduction(key)
+        # The reductions launched before this one take their next step now (qgZ's second all-to-all), after
+        # this launch so that its first step is queued behind theirs ([Note: one order of collectives on
+        # every rank]).
+        for older, _ in self._inflight:
+            advance(older)
+        self._inflight.append((handle, numel))
         self._inflight_numel += numel
         self._next += 1
         # At most reduce_bucket_size elements in flight (their staging buffers with them), as DeepSpeed's
@@ -178,7 +194,8 @@ class GradientReducer:
             self._land_oldest()
         # Reductions that already finished land now, so their staging buffers go at once rather than at
         # the end of backward: with DeepSpeed's default bucket size (5e8) every bucket would otherwise stay
-        # until then, on top of the activations of the last blocks (a checkpointed backward's peak).
+        # until then, on top of the activations of the last blocks (a checkpointed backward's peak). A
+        # finished reduction has nothing left to issue: landing it is local.
         while self._inflight and self._inflight[0][0].is_completed():
             self._land_oldest()
 
@@ -190,6 +207,8 @@ class GradientReducer:
     def finish_pass(self) -> None:
         while self._next < len(self.bucket_order):
             self._launch_next()
+        for handle, _ in self._inflight:  # the last bucket's next step before any wait
+            advance(handle)
         for handle, _ in self._inflight:
             handle.wait()
         self._inflight.clear()

@@ -14,7 +14,7 @@ import torch
 
 from .base import BucketKey, ZeroStage
 from .buffers import GroupStorage
-from .collectives import Handle
+from .collectives import Handle, advance
 
 
 class Stage2(ZeroStage):
@@ -143,3 +143,6 @@ class _Land:
 
     def is_completed(self) -> bool:
         return self._handle.is_completed()
+
+    def advance(self) -> None:
+        advance(self._handle)

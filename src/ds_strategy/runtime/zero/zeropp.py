@@ -43,7 +43,7 @@ from ds_strategy.comm.quantized_all_to_all import quantized_reduce_scatter
 from ds_strategy.config.errors import ConfigError, ConfigProblem
 from ds_strategy.ops.quant import Quantized, dequantize_into, num_blocks, packed_numel, quantize
 
-from .collectives import Collectives, Handle
+from .collectives import Collectives, Handle, advance
 
 WEIGHT_BLOCK = 256  # elements per fp32 scale in weight gathers and quantized frozen partitions
 GRAD_BLOCK = 256  # ... and in gradient all-to-alls
@@ -109,8 +109,8 @@ class ZeroPP:
     # ------------------------------------------------------------------ qgZ
     def reduce_scatter(self, output: torch.Tensor, input: torch.Tensor, *, async_op: bool = False) -> Handle:
         """``output`` = this rank's shard of the group-wide sum of ``input`` through quantized all-to-alls;
-        with ``async_op`` the first all-to-all overlaps with what the caller does until ``wait`` (see
-        comm/quantized_all_to_all.py)."""
+        with ``async_op`` they overlap with what the caller does until ``wait``; across nodes the second is
+        issued by ``advance`` ([Note: when step 2 is issued] in comm/quantized_all_to_all.py)."""
         assert self.grad_intra is not None and self.grad_inter is not None
         one_node = self.grad_inter.world_size == 1
         handle = quantized_reduce_scatter(
@@ -221,6 +221,10 @@ class _Then:
 
     def is_completed(self) -> bool:
         return self._handle is None or self._handle.is_completed()
+
+    def advance(self) -> None:
+        if self._handle is not None:
+            advance(self._handle)
 
 
 def then(handle: Handle, action: Callable[[], None]) -> Handle:
