@@ -62,19 +62,28 @@ def _round_up(n: int, multiple: int) -> int:
     return (n + multiple - 1) // multiple * multiple
 
 
-def aligned_empty(numel: int, dtype: torch.dtype) -> torch.Tensor:
+def aligned_empty(numel: int, dtype: torch.dtype, *, pin: bool = False) -> torch.Tensor:
     """An uninitialised 1-D CPU tensor of ``numel`` elements whose data pointer is ALIGNMENT-aligned and
     whose storage extends to the next multiple of ALIGNMENT bytes, so O_DIRECT transfers need no staging.
+    ``pin``: page-locked (CUDA's pinned host memory; needs CUDA).
 
-    Over-allocates a uint8 tensor by ALIGNMENT bytes and views it from its first aligned byte.
+    Over-allocates a uint8 tensor by ALIGNMENT bytes and views it from its first aligned byte (pinned
+    allocations are not promised to be page-aligned either, so the same slicing serves both).
     """
     if numel < 0:
         raise ValueError(f"aligned_empty: numel must be >= 0, got {numel}")
     itemsize = torch.empty((), dtype=dtype).element_size()
     padded = max(_round_up(numel * itemsize, ALIGNMENT), ALIGNMENT)
-    raw = torch.empty(padded + ALIGNMENT, dtype=torch.uint8)
+    raw = torch.empty(padded + ALIGNMENT, dtype=torch.uint8, pin_memory=pin)
     start = (-raw.data_ptr()) % ALIGNMENT
     return raw[start : start + padded].view(dtype)[:numel]
+
+
+def io_buffer(numel: int, dtype: torch.dtype) -> torch.Tensor:
+    """A staging buffer between a swap file and the device: :func:`aligned_empty`, page-locked when CUDA is
+    available (copies to and from the device then run as DMA, and a host-to-device copy can be
+    asynchronous), ordinary pageable memory otherwise (pinning would only cost host memory)."""
+    return aligned_empty(numel, dtype, pin=torch.cuda.is_available())
 
 
 # -- options ---------------------------------------------------------------------------------------------
@@ -434,15 +443,18 @@ class AioRequest:
     """One read or write in flight. :meth:`wait` returns when every block is done and raises
     :class:`AioError` for the first block that failed; :meth:`done` says whether it is complete."""
 
-    def __init__(self, pending: _PyRequest | _KernelRequest, is_write: bool, path: str, owner: AsyncIO) -> None:
+    def __init__(
+        self, pending: _PyRequest | _KernelRequest, is_write: bool, path: str, offset: int, owner: AsyncIO
+    ) -> None:
         self._pending = pending
         self._is_write = is_write
         self._path = path
+        self._offset = offset
         self._owner = owner
 
     def wait(self) -> None:
         failure = self._pending.wait()
-        self._owner._forget(self)
+        self._owner._forget(self, self._is_write, self._path, self._offset)
         if failure is not None:
             raise _aio_error(self._is_write, self._path, failure)
 
@@ -484,6 +496,12 @@ class AsyncIO:
         self._outstanding: dict[int, AioRequest] = {}
         self._lock = threading.Lock()
         self._closed = False
+        # Counters (tests, benchmarks): requests issued, and requests waited for after they completed.
+        self.issued = {"read": 0, "write": 0}
+        self.completed = {"read": 0, "write": 0}
+        # Test hook: set to a list to record ("issue" | "done", "read" | "write", path, offset) in order, so a
+        # test proves overlap without timing (a read issued before the compute that needs it).
+        self.events: list[tuple[str, str, str, int]] | None = None
 
     # Test hooks: blocks queued or transferring now, and the most there have been.
     @property
@@ -524,16 +542,23 @@ class AsyncIO:
         if isinstance(offset, bool) or not isinstance(offset, int) or offset < 0:
             raise ValueError(f"aio {op}: offset must be a non-negative integer, got {offset!r}")
         pending = self._impl.submit(tensor, file, offset, is_write)
-        request = AioRequest(pending, is_write, file.path, self)
+        request = AioRequest(pending, is_write, file.path, offset, self)
         with self._lock:
             self._outstanding[id(request)] = request
+            self.issued[op] += 1
+            if self.events is not None:
+                self.events.append(("issue", op, file.path, offset))
         if not self.options.overlap_events:
             request.wait()
         return request
 
-    def _forget(self, request: AioRequest) -> None:
+    def _forget(self, request: AioRequest, is_write: bool, path: str, offset: int) -> None:
         with self._lock:
-            self._outstanding.pop(id(request), None)
+            if self._outstanding.pop(id(request), None) is not None:  # the first wait of the request
+                op = "write" if is_write else "read"
+                self.completed[op] += 1
+                if self.events is not None:
+                    self.events.append(("done", op, path, offset))
 
     def wait_all(self) -> None:
         """Wait for every request not yet waited for; raise the first :class:`AioError` among them."""

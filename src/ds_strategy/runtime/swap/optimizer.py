@@ -12,7 +12,9 @@ master's (``step`` counters stay in memory).
 [Note: the step pipeline]
 ``step`` walks the tiles in order with a pool of ``buffer_count`` host buffers, each holding a whole tile
 (masters, state and gradients, each at an aligned offset). With ``pipeline_read`` the next tile is read
-while the current one steps; with ``pipeline_write`` a stepped tile is written back while the next one
+while the current one steps (its read is issued before the step, after waiting for the oldest write if
+every other buffer is still being written: a pool full of landed-but-unreaped writes would otherwise
+stop the read-ahead); with ``pipeline_write`` a stepped tile is written back while the next one
 steps, its buffer returning to the pool when the write lands. Without them each transfer completes before
 the step goes on. Host memory is therefore ``buffer_count`` tiles at most, whatever the model's size.
 """
@@ -27,7 +29,7 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
-from ds_strategy.ops.aio import AioRequest, aligned_empty
+from ds_strategy.ops.aio import AioRequest, io_buffer
 
 from ..host_memory import trim_heap  # [Note: host memory under NVMe offload] in __init__.py
 from .files import SwapFile, _align
@@ -49,7 +51,7 @@ class _Entry:
 
 
 class _Pool:
-    """``count`` aligned byte buffers, grown (never shrunk) to the largest tile asked for."""
+    """``count`` aligned byte buffers (page-locked with CUDA), grown (never shrunk) to the largest tile asked for."""
 
     def __init__(self, count: int) -> None:
         self.count = max(1, count)
@@ -73,7 +75,7 @@ class _Pool:
             return self.free.pop()
         assert self.made < self.count, "the caller waits for a buffer before taking one"
         self.made += 1
-        return aligned_empty(self.capacity, torch.uint8)
+        return io_buffer(self.capacity, torch.uint8)  # pinned with CUDA: the masters feed the device from here
 
     def give(self, buf: torch.Tensor) -> None:
         if buf.numel() == self.capacity:  # a buffer from before the pool grew is dropped
@@ -85,6 +87,9 @@ class _Transfer:
 
     def __init__(self, requests: list[AioRequest], keep: list[Any], on_done: Callable[[], None] | None = None) -> None:
         self.requests, self.keep, self.on_done = requests, keep, on_done
+
+    def done(self) -> bool:
+        return all(r.done() for r in self.requests)
 
     def wait(self) -> None:
         for r in self.requests:
@@ -199,6 +204,11 @@ class OptimizerSwapper:
         while not self.pool.available() and self._writes:
             self._writes.pop(0).wait()
 
+    def _reap(self) -> None:
+        """Return the buffers of the writes that have landed (oldest first, while they have)."""
+        while self._writes and self._writes[0].done():
+            self._writes.pop(0).wait()
+
     def _write_out(self, entries: list[_Entry], buf: torch.Tensor | None) -> _Transfer:
         """Write the masters and state of a stepped tile back; every entry becomes a placeholder."""
         requests, keep = [], []
@@ -242,7 +252,10 @@ class OptimizerSwapper:
         for t in range(len(tiles)):
             if t not in reads:
                 start(t)
-            if self.pipeline_read and t + 1 < len(tiles) and self.pool.available():
+            if self.pipeline_read and t + 1 < len(tiles):
+                # The next tile's read goes out before this tile steps, whatever it takes: the buffers of
+                # landed writes first, else the oldest write's (it must land before that read anyway).
+                self._reap()
                 start(t + 1)
             buf, transfer, entries = reads.pop(t)
             transfer.wait()
