@@ -70,7 +70,7 @@ from .zero.access import FullStateAccess
 from .zero.grad_norm import grad_norm
 from .zero.leaf import apply_leaf_module_config
 from .zero.offload import Offload
-from .zero.per_tensor import check_whole_params
+from .zero.per_tensor import check_whole_params, optimizer_params
 
 log = get_logger("ds_strategy.runtime")
 
@@ -170,7 +170,7 @@ class ZeroEngine(nn.Module):
         self.optimizer: Optimizer | None = attach_optimizer(
             optimizer,
             groups,
-            self.stage.optimizer_params,
+            optimizer_params(self.stage.groups, self.stage.whole),
             config,
             master_device=self.offload.master_device(self.device),
             offload=self.offload.optimizer,

@@ -298,12 +298,6 @@ class ZeroStage:
         """Per param group, the fp32 tensors that hold the masters (one per bucket)."""
         return [gs.masters for gs in self.groups]
 
-    @property
-    def optimizer_params(self) -> list[list[nn.Parameter]]:
-        """Per param group, what the optimizer steps: the masters, or a per-tensor optimizer's whole shaped
-        tensors inside them ([Note: per-tensor optimizers under ZeRO] in per_tensor.py)."""
-        return self.masters if self.whole is None else self.whole.params
-
     @torch.no_grad()
     def publish(self, params_written: Collection[int] = ()) -> None:
         """Masters -> compute-dtype parameters (except groups whose optimizer pass already wrote them),

@@ -88,6 +88,12 @@ class WholeTensors:
             tensor.grad = None
 
 
+def optimizer_params(groups: Sequence[GroupStorage], whole: WholeTensors | None) -> list[list[nn.Parameter]]:
+    """Per param group, what the optimizer steps: the masters, or a per-tensor optimizer's whole shaped
+    tensors inside them (see the note above)."""
+    return [list(gs.masters) for gs in groups] if whole is None else whole.params
+
+
 PADDING_WARN = 1.5  # padded / parameter elements of a whole group above which rank 0 warns
 
 

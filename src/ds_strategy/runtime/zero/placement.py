@@ -153,7 +153,7 @@ class PartitionedParameters(WholeParameters):
             ref = getattr(p, ZERO3_ATTR, None)
             if ref is not None and ref[0] is self._owner:
                 _, g, i = ref
-                keys.add((g, self.storages[g].slot(i).bucket))
+                keys.add((g, self.storages[g].layout.params[i].bucket))
         return sorted(keys)
 
     def all_buckets(self) -> list[BucketKey]:

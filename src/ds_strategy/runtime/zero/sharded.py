@@ -27,7 +27,7 @@ import torch
 from torch import nn
 
 from .. import host_memory
-from ..layout import FlatLayout, ParamSlot
+from ..layout import FlatLayout
 from ..swap import OptimizerSwapper, PartitionSwapper
 from .buffers import GroupStorage
 from .collectives import DONE, Collectives, Handle
@@ -178,9 +178,6 @@ class ShardedGroup(GroupStorage):
         return self.rest.part
 
     # ------------------------------------------------------------------ views
-    def slot(self, index: int) -> ParamSlot:
-        return self.layout.params[index]
-
     def in_bucket(self, bucket_tensor: torch.Tensor, index: int) -> torch.Tensor:
         """Parameter ``index``'s place in a bucket-sized tensor, shaped like the parameter."""
         slot = self.layout.params[index]
@@ -270,11 +267,7 @@ class ShardedGroup(GroupStorage):
 
     def gathered_bytes(self) -> int:
         """Memory the partitioned buckets gathered now hold beside the partition (in-place ones hold none)."""
-        return self._full_bytes(skip=self.in_place | self.persistent)
-
-    def _full_bytes(self, skip: set[int]) -> int:
-        """Bytes behind the bucket-sized tensors, but those of ``skip`` (in-place ones share the partition's)."""
-        return sum(t.untyped_storage().nbytes() for b, t in enumerate(self.full) if b not in skip)
+        return _full_bytes(self.full, skip=self.in_place | self.persistent)
 
     def live_numel(self) -> int:
         """Elements of the partitioned (not persistent) buckets gathered now (kept by gather / free)."""
@@ -320,7 +313,12 @@ class ShardedGroup(GroupStorage):
 
     def numel_bytes(self) -> dict[str, int]:
         master = 0 if self.master_flat is None else self.master_flat.numel() * self.master_flat.element_size()
-        return {"params": self.rest.nbytes() + self._full_bytes(skip=self.in_place), "master": master}
+        return {"params": self.rest.nbytes() + _full_bytes(self.full, skip=self.in_place), "master": master}
+
+
+def _full_bytes(full: Sequence[torch.Tensor], skip: set[int]) -> int:
+    """Bytes behind the bucket-sized tensors, but those of ``skip`` (in-place ones share the partition's)."""
+    return sum(t.untyped_storage().nbytes() for b, t in enumerate(full) if b not in skip)
 
 
 def _compute_device(params: Sequence[nn.Parameter]) -> torch.device:

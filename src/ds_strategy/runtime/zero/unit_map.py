@@ -32,7 +32,7 @@ class UnitMap:
         self.bucket_of: dict[int, BucketKey] = {}
         for g, gs in enumerate(groups):
             for i, p in enumerate(gs.params):
-                b = gs.slot(i).bucket
+                b = gs.layout.params[i].bucket
                 if b not in gs.persistent:
                     self.bucket_of[id(p)] = (g, b)
         self.units: dict[int, list[BucketKey]] = {}
