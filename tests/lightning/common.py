@@ -245,6 +245,23 @@ def make_strategy(name: str) -> Any:
     return name
 
 
+def quiet_trainer(strategy: Any, world_size: int, max_steps: int, callbacks: list[Any], **kwargs: Any) -> pl.Trainer:
+    """A CPU Trainer on ``world_size`` processes for ``max_steps`` steps, without logger, checkpoints, progress
+    bar or summary (what the tests comparing weights with one process need)."""
+    return pl.Trainer(
+        strategy=strategy,
+        accelerator="cpu",
+        devices=world_size,
+        max_steps=max_steps,
+        callbacks=callbacks,
+        logger=False,
+        enable_checkpointing=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        **kwargs,
+    )
+
+
 def fit_run(
     rank: int,
     world_size: int,

@@ -13,7 +13,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset, DistributedSampler
 
 from tests.harness import run_distributed
-from tests.lightning.common import ELASTIC_ENV
+from tests.lightning.common import ELASTIC_ENV, quiet_trainer
 from tests.sequence.common import tiny_causal_lm
 
 STEPS, MICRO, SEQ = 3, 2, 12
@@ -81,17 +81,7 @@ def _trainer_body(rank: int, world: int) -> dict[str, Any]:
             pl_module.whole = trainer.strategy.engine.stage.whole is not None  # type: ignore[attr-defined]
 
     lit = Lit()
-    trainer = pl.Trainer(
-        strategy=ZeroStrategy(stage=3),
-        accelerator="cpu",
-        devices=world,
-        max_steps=STEPS,
-        callbacks=[Capture()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(ZeroStrategy(stage=3), world, STEPS, [Capture()])
     trainer.fit(lit)
     want = _reference(world)
     got = lit.full  # type: ignore[attr-defined]

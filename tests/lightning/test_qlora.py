@@ -15,7 +15,7 @@ import torch
 from torch.utils.data import DataLoader, Dataset
 
 from tests.harness import run_distributed
-from tests.lightning.common import ELASTIC_ENV
+from tests.lightning.common import ELASTIC_ENV, quiet_trainer
 from tests.runtime.test_qlora import STEPS, _adapters, _batch, _qlora_model, _reference, _save_base
 
 pytest.importorskip("bitsandbytes")
@@ -74,18 +74,7 @@ def _body(rank: int, world: int, path: str, strategy: str) -> dict[str, Any]:
 
     lit = Lit()
     lit.losses = []  # type: ignore[assignment]
-    trainer = pl.Trainer(
-        strategy=strategy,
-        accelerator="cpu",
-        devices=world,
-        max_steps=STEPS,
-        use_distributed_sampler=False,
-        callbacks=[Capture()],
-        logger=False,
-        enable_checkpointing=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-    )
+    trainer = quiet_trainer(strategy, world, STEPS, [Capture()], use_distributed_sampler=False)
     trainer.fit(lit)
     losses = torch.stack(lit.losses)  # type: ignore[arg-type]
     torch.distributed.all_reduce(losses)
