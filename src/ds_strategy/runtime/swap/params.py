@@ -16,8 +16,9 @@ copy of it, so nothing stale is ever gathered.
 
 [Note: parameter write-behind]
 ``store`` (the step's updated partitions, a ``GatheredParameters`` edit) copies the partition into a
-buffer of its own and issues the write without waiting for it: the step goes on while the disk writes.
-At most ``buffer_count`` writes are in flight (the oldest is waited for first). A partition is never read
+write buffer (a pool of them, reused: no heap churn) and issues the write without waiting for it: the
+step goes on while the disk writes. At most ``buffer_count`` writes are in flight (the oldest is waited
+for first). A partition is never read
 while its write is in flight: every read of a key (read-ahead, on demand, ``fetch``) first completes the
 key's write, and a second write of a key waits for the first (the engine may reorder requests in flight).
 ``flush`` / ``close`` complete them all.
@@ -65,6 +66,8 @@ class PartitionSwapper:
         self._made = 0
         self._ahead: dict[Key, _Ahead] = {}
         self._writes: dict[Key, tuple[AioRequest, torch.Tensor]] = {}  # in flight, oldest first
+        self._write_free: list[torch.Tensor] = []
+        self._write_capacity = 0  # elements of a pooled write buffer
         self._trace: list[Key] = []
         self._now: list[Key] = []
         self._cursor: int | None = 0  # position in ``_trace`` (None: this step left the recorded order)
@@ -81,16 +84,31 @@ class PartitionSwapper:
         while len(self._writes) >= self.buffer_count:
             self._wait_write(next(iter(self._writes)))
         flat = value.detach().reshape(-1)
-        host = io_buffer(flat.numel(), self.dtype)
-        host.copy_(flat)  # synchronous: the write must see every byte
-        self.numel[key] = host.numel()
-        self._writes[key] = (self.file.write(key, host), host)
+        n = flat.numel()
+        self.numel[key] = n
+        buf = self._write_buffer(n)
+        buf[:n].copy_(flat)  # synchronous: the write must see every byte
+        self._writes[key] = (self.file.write(key, buf[:n]), buf)
         self.writes_behind += 1
+
+    def _write_buffer(self, numel: int) -> torch.Tensor:
+        """A buffer for a write of ``numel`` elements: a pooled one (reused, so writes do not churn the heap;
+        the pool grows while the engine stores its first partitions) or, above ``buffer_size``, its own."""
+        if numel > self._write_capacity and self._write_capacity < self.buffer_numel:
+            self._write_capacity = min(self.buffer_numel, max(self.numel.values()))
+            self._write_free.clear()
+        if numel > self._write_capacity:
+            return io_buffer(numel, self.dtype)
+        if self._write_free:
+            return self._write_free.pop()
+        return io_buffer(self._write_capacity, self.dtype)
 
     def _wait_write(self, key: Key) -> None:
         pending = self._writes.pop(key, None)
         if pending is not None:
             pending[0].wait()
+            if pending[1].numel() == self._write_capacity:
+                self._write_free.append(pending[1])
 
     def _reap_writes(self) -> None:
         """Let go of the buffers of writes that have landed (oldest first, while they have)."""
@@ -216,3 +234,4 @@ class PartitionSwapper:
             self._drop(key)
         self.flush()
         self._free.clear()
+        self._write_free.clear()
