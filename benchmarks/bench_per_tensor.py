@@ -13,8 +13,8 @@ stage 0 every rank orthogonalises every matrix; at stages 1-3 each rank its own 
 Balance: [Note: whole parameters per rank] pads each bucket's shards to the most loaded rank. The
 imbalance (padded elements / parameter elements) and the most loaded rank's share of the optimizer work
 are reported for the benchmark model and, from shapes alone (no memory), for TinyLlama-1.1B's parameters
-at 2, 4 and 8 ranks: Muon's (the decoder layers' matrices; embeddings, norms and the head, marked
-``use_muon = False``, are AdamW's, laid out flat) and Adafactor's (all); stages 1-2 with DeepSpeed's
+at 2, 4 and 8 ranks: Muon's (the decoder layers' matrices; embeddings, norms and the output head are
+AdamW's, laid out flat) and Adafactor's (all); stages 1-2 with DeepSpeed's
 default ``reduce_bucket_size`` (5e8) and stage 3 with one fetch unit per decoder layer ("blocks", the
 default) and one per module ("modules").
 """

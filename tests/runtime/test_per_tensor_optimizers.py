@@ -418,3 +418,22 @@ def test_large_padding_of_the_whole_parameter_layout_is_warned_about() -> None:
     assert modules[1] == []  # rank 0 speaks
     blocks = run_distributed(_padding_log, world_size=2, args=("blocks",))
     assert not any("is padded to" in m for m in blocks[0]) and any("laid out whole" in m for m in blocks[0])
+
+
+def test_muon_split_gives_embeddings_norms_and_a_hugging_face_head_to_adamw() -> None:
+    from ds_strategy.runtime.muon import embedding_ids, split_for_muon
+    from tests.sequence.common import tiny_causal_lm
+
+    model = tiny_causal_lm("Llama", "sdpa")  # an untied lm_head: a 2-D matrix named by get_output_embeddings()
+    names = {id(p): n for n, p in model.named_parameters()}
+    groups = split_for_muon([{"params": list(model.parameters()), "lr": 0.02}], embedding_ids(model))
+    muon = {names[id(p)] for g in groups if g["use_muon"] for p in g["params"]}
+    adam = {names[id(p)] for g in groups if not g["use_muon"] for p in g["params"]}
+    assert "lm_head.weight" in adam and "model.embed_tokens.weight" in adam and "model.norm.weight" in adam
+    assert muon and all(n.endswith("_proj.weight") for n in muon), muon
+    assert all(g["lr"] == 0.02 for g in groups)  # the group's hyperparameters travel with both parts
+    model.model.layers[0].mlp.up_proj.weight.use_muon = False  # a parameter's own say wins
+    again = split_for_muon([{"params": list(model.parameters())}], embedding_ids(model))
+    assert "model.layers.0.mlp.up_proj.weight" in {
+        names[id(p)] for g in again if not g["use_muon"] for p in g["params"]
+    }
