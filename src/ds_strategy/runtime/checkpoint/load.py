@@ -162,7 +162,7 @@ def _plan(
                     index += 1
                 continue
             if g not in experts and any(
-                source.per_tensor(s) for s in {source.where[s.name].group for s in gs.layout.params}
+                source.per_tensor(saved) for saved in {source.where[slot.name].group for slot in gs.layout.params}
             ):
                 raise CheckpointError(
                     f"{tag_dir} holds a per-tensor optimizer's state (Muon, Adafactor ...), this optimizer is "

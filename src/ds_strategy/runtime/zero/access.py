@@ -45,6 +45,7 @@ from torch.optim import Optimizer
 
 from .base import ZeroStage
 from .buffers import GroupStorage
+from .buffers import param_fragment as _fragment
 from .intake import GradStatus
 from .sharded import ShardedGroup
 
@@ -90,17 +91,6 @@ def find(param: torch.Tensor) -> tuple[FullStateAccess, int, int] | None:
     if groups[link.group].params[link.index] is not param:
         return None
     return link.access, link.group, link.index
-
-
-def _fragment(gs: GroupStorage, index: int) -> tuple[int, int, int, int] | None:
-    """(bucket, offset in its master, offset in the flattened parameter, numel) of parameter ``index``'s
-    part on this rank, or None (see [Note: where a parameter's state lives])."""
-    slot = gs.layout.params[index]
-    lo, hi = gs.master_range(slot.bucket)
-    a, z = max(lo, slot.offset), min(hi, slot.end)
-    if a >= z:
-        return None
-    return slot.bucket, a - lo, a - slot.offset, z - a
 
 
 def _resident(method: Callable[..., _T]) -> Callable[..., _T]:

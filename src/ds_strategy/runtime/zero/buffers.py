@@ -190,3 +190,14 @@ class GroupState(GroupStorage):
     def numel_bytes(self) -> dict[str, int]:
         master = 0 if self.master_flat is None else self.master_flat.numel() * self.master_flat.element_size()
         return {"params": self.flat.numel() * self.flat.element_size(), "master": master}
+
+
+def param_fragment(gs: GroupStorage, index: int) -> tuple[int, int, int, int] | None:
+    """(bucket, offset in its master, offset in the flattened parameter, numel) of parameter ``index``'s
+    part on this rank, or None ([Note: where a parameter's state lives] in access.py)."""
+    slot = gs.layout.params[index]
+    lo, hi = gs.master_range(slot.bucket)
+    a, z = max(lo, slot.offset), min(hi, slot.end)
+    if a >= z:
+        return None
+    return slot.bucket, a - lo, a - slot.offset, z - a

@@ -26,7 +26,7 @@ from torch import nn
 
 from ds_strategy.log import get_logger
 
-from .buffers import GroupStorage
+from .buffers import GroupStorage, param_fragment
 from .offload import Offload
 
 log = get_logger(__name__)
@@ -48,26 +48,25 @@ class WholeTensors:
                 self.names.append([])
                 self._index.append({})
                 continue
-            tensors, names, indices = [], [], []
-            for b, master in enumerate(gs.masters):
-                lo_range, hi_range = gs.master_range(b)
-                bucket = gs.layout.buckets[b]
-                for i in bucket.params:
-                    slot = gs.layout.params[i]
-                    if not (lo_range <= slot.offset and slot.end <= hi_range):
-                        if slot.offset < hi_range and slot.end > lo_range:
-                            raise AssertionError(f"{slot.name} is split between shards: not a whole-parameter layout")
-                        continue
-                    lo, hi = slot.offset - lo_range, slot.end - lo_range
-                    tensor = nn.Parameter(master.detach()[lo:hi].view(slot.shape), requires_grad=True)
-                    self._links.append((tensor, master, lo, hi))
-                    tensors.append(tensor)
-                    names.append(slot.name)
-                    indices.append(i)
-            order = sorted(range(len(indices)), key=lambda k: indices[k])  # the model's order, not the shards'
-            self.params.append([tensors[k] for k in order])
-            self.names.append([names[k] for k in order])
-            self._index.append({indices[k]: at for at, k in enumerate(order)})
+            tensors: list[nn.Parameter] = []
+            names: list[str] = []
+            index: dict[int, int] = {}
+            for i, slot in enumerate(gs.layout.params):  # the layout's order, not the shards'
+                frag = param_fragment(gs, i)
+                if frag is None:
+                    continue
+                b, lo, start, n = frag
+                if start != 0 or n != slot.numel:
+                    raise AssertionError(f"{slot.name} is split between shards: not a whole-parameter layout")
+                master = gs.masters[b]
+                tensor = nn.Parameter(master.detach()[lo : lo + n].view(slot.shape), requires_grad=True)
+                self._links.append((tensor, master, lo, lo + n))
+                index[i] = len(tensors)
+                tensors.append(tensor)
+                names.append(slot.name)
+            self.params.append(tensors)
+            self.names.append(names)
+            self._index.append(index)
 
     def tensor_of(self, group: int, index: int) -> nn.Parameter | None:
         """The tensor of parameter ``index`` of a whole ``group`` if this rank steps it."""
