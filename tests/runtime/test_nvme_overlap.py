@@ -34,7 +34,7 @@ def _config(path: str) -> dict[str, Any]:
     zero["offload_optimizer"] = {
         "device": "nvme",
         "nvme_path": path,
-        "buffer_count": 3,
+        "buffer_count": 12,  # tensors, as in DeepSpeed: three tiles of master, gradient and two Adam moments
         "pipeline_read": True,
         "pipeline_write": True,
     }

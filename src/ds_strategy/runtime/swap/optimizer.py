@@ -10,13 +10,20 @@ swap (a checkpoint load replaces them): the tensors of at least one dimension wh
 master's (``step`` counters stay in memory).
 
 [Note: the step pipeline]
-``step`` walks the tiles in order with a pool of ``buffer_count`` host buffers, each holding a whole tile
-(masters, state and gradients, each at an aligned offset). With ``pipeline_read`` the next tile is read
-while the current one steps (its read is issued before the step, after waiting for the oldest write if
-every other buffer is still being written: a pool full of landed-but-unreaped writes would otherwise
-stop the read-ahead); with ``pipeline_write`` a stepped tile is written back while the next one
-steps, its buffer returning to the pool when the write lands. Without them each transfer completes before
-the step goes on. Host memory is therefore ``buffer_count`` tiles at most, whatever the model's size.
+``step`` walks the tiles in order with a pool of host buffers, each holding a whole tile (masters, state
+and gradients, each at an aligned offset). ``buffer_count`` counts tensors, as in DeepSpeed ("at least the
+number of states maintained per parameter by the optimizer": Adam at stage 3 keeps four per sub-group:
+master, gradient, two moments), so the pool holds ``buffer_count // tensors per tile`` tiles, at least one,
+and a DeepSpeed config sizes host memory the same here. With two tiles or more and ``pipeline_read`` the
+next tile is read while the current one steps (its read is issued before the step, after waiting for the
+oldest write if every other buffer is still being written: a pool full of landed-but-unreaped writes
+would otherwise stop the read-ahead); with ``pipeline_write`` a stepped tile is written back while the
+next one steps, its buffer returning to the pool when the write lands. With one tile (Adam and
+``buffer_count`` < 8) each transfer completes before the step goes on, and a pipeline asked for is
+reported once. Host memory is therefore the pool's tiles, whatever the model's size. Before the first tile
+the heap is trimmed (the backward's freed blocks would otherwise sit under the pool), and after the last
+an unpinned pool goes back to the OS (page faults are cheap, and forward and backward do not need it);
+a pinned pool (CUDA) is kept, since pinning costs more than the memory.
 """
 
 from __future__ import annotations
@@ -29,12 +36,14 @@ import torch
 from torch import nn
 from torch.optim import Optimizer
 
+from ds_strategy.log import get_logger
 from ds_strategy.ops.aio import AioRequest, io_buffer
 
 from ..host_memory import trim_heap  # [Note: host memory under NVMe offload] in __init__.py
 from .files import SwapFile, _align
 
 Key = tuple[int, int]  # (group, bucket)
+log = get_logger("ds_strategy.runtime")
 
 
 def placeholder(dtype: torch.dtype) -> torch.Tensor:
@@ -58,6 +67,20 @@ class _Pool:
         self.capacity = 0
         self.free: list[torch.Tensor] = []
         self.made = 0
+
+    def resize(self, count: int) -> None:
+        """Hold at most ``count`` buffers from now on (the free ones beyond it go)."""
+        self.count = max(1, count)
+        while self.free and self.made > self.count:
+            self.free.pop()
+            self.made -= 1
+
+    def release(self) -> None:
+        """Give the free buffers back unless they are page-locked (see [Note: the step pipeline])."""
+        if any(b.is_pinned() for b in self.free):
+            return
+        self.made -= len(self.free)
+        self.free.clear()
 
     def available(self) -> bool:
         return bool(self.free) or self.made < self.count
@@ -103,11 +126,16 @@ class _Transfer:
 class OptimizerSwapper:
     """Masters, optimizer state and gradient partitions of this rank in one swap file (see the notes)."""
 
-    def __init__(self, file: SwapFile, *, buffer_count: int, pipeline_read: bool, pipeline_write: bool) -> None:
+    def __init__(
+        self, file: SwapFile, *, buffer_count: int, pipeline_read: bool, pipeline_write: bool, report: bool = True
+    ) -> None:
         self.file = file
-        self.pool = _Pool(buffer_count)
-        self.pipeline_read = pipeline_read and buffer_count > 1
-        self.pipeline_write = pipeline_write and buffer_count > 1
+        self.buffer_count = max(1, buffer_count)  # tensors, as in DeepSpeed: see [Note: the step pipeline]
+        self.pool = _Pool(1)
+        self.pipeline_asked = pipeline_read or pipeline_write
+        self.pipeline_read = self.pipeline_write = False  # set per step, from the tiles the pool holds
+        self._pipeline = (pipeline_read, pipeline_write)
+        self._reported = not report  # one rank says it
         self.key_of: dict[nn.Parameter, Key] = {}
         self.numel: dict[nn.Parameter, int] = {}
         self.grad_of: dict[nn.Parameter, torch.Tensor] = {}  # stage 3: gradient holders, swapped like masters
@@ -238,6 +266,8 @@ class OptimizerSwapper:
         """Bring each tile in (its masters, state and gradients), ``run(t)``, write it back behind (see
         [Note: the step pipeline])."""
         self.flush()
+        trim_heap()  # the backward's freed blocks, before the pool's buffers come (see the note)
+        self._size_pool(tiles)
         reads: dict[int, tuple[torch.Tensor, _Transfer, list[_Entry]]] = {}
 
         def start(t: int) -> None:
@@ -245,10 +275,6 @@ class OptimizerSwapper:
             buf, transfer = self._read(entries)
             reads[t] = (buf, transfer, entries)
 
-        # Every buffer at the largest tile's size from the start (the pool would otherwise grow tile by tile).
-        self.pool.reserve(
-            max((self._nbytes(self._entries(tile, states=True, grads=True)) for tile in tiles), default=0)
-        )
         for t in range(len(tiles)):
             if t not in reads:
                 start(t)
@@ -275,6 +301,29 @@ class OptimizerSwapper:
                 if created:  # the first step: its state blocks were malloc'd one tile at a time
                     trim_heap()
         self.flush()
+        self.pool.release()
+
+    def _size_pool(self, tiles: Sequence[Sequence[nn.Parameter]]) -> None:
+        """Every buffer at the largest tile's size from the start (the pool would otherwise grow tile by tile),
+        as many as ``buffer_count`` tensors allow (see [Note: the step pipeline])."""
+        entries = [self._entries(tile, states=True, grads=True) for tile in tiles]
+        self.pool.reserve(max((self._nbytes(e) for e in entries), default=0))
+        per_tile = max((len(e) / max(1, len(tile)) for e, tile in zip(entries, tiles, strict=True)), default=1.0)
+        held = max(1, int(self.buffer_count // max(1.0, per_tile)))
+        self.pool.resize(held)
+        self.pipeline_read, self.pipeline_write = (held > 1 and self._pipeline[0], held > 1 and self._pipeline[1])
+        if held == 1 and self.pipeline_asked and not self._reported and self.state_dtypes:
+            self._reported = True
+            need = 2 * round(per_tile)
+            log.warning(
+                "zero_optimization.offload_optimizer.buffer_count: %d buffers hold one sub-group of %d tensors "
+                "(master, gradient and optimizer states), so pipeline_read / pipeline_write cannot overlap; "
+                "buffer_count >= %d overlaps the step with its reads and writes (each buffer is one tensor "
+                "of a sub-group in host memory)",
+                self.buffer_count,
+                round(per_tile),
+                need,
+            )
 
     def stream_grads(self, tiles: Sequence[Sequence[nn.Parameter]]) -> Iterator[list[torch.Tensor]]:
         """Each tile's gradient partitions in turn (read-only: the norm before the step)."""

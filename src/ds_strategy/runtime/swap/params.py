@@ -4,15 +4,16 @@ written back behind the step.
 [Note: parameter read-ahead]
 Which bucket a gather wants next is not known in advance, but training repeats itself: every step gathers
 the buckets in the order of the step before. The swapper records the keys it was asked for during a step
-(``load``) and, while the next step follows the same sequence, keeps the reads of the next ``buffer_count``
-partitions in flight, each into a host buffer, so a gather finds its partition in memory or waits for the
-read already in flight; it never starts a read of its own. Buffers hold ``buffer_size`` elements (fewer
-when the largest partition is smaller); a larger partition is read ahead all the same, into a buffer of
-its own that goes when it is used. Only the first step (nothing recorded yet) and a gather the recorded
-order did not predict read on demand (``reads_on_demand``). A step that skips keys of the recorded order
-(the step that recorded it gathered the last block again for its backward; later steps keep it gathered)
-picks the order up again at the key it asked for. Writing a partition first drops a read-ahead
-copy of it, so nothing stale is ever gathered.
+(``load``) and, while the next step follows the same sequence, keeps the reads of the next partitions in
+flight, each into a host buffer, so a gather finds its partition in memory or waits for the read already in
+flight; it never starts a read of its own. As in DeepSpeed, ``buffer_count`` x ``buffer_size`` elements
+is the host memory for them: reads go ahead while they fit in it, at most ``buffer_count`` and always the
+next one. Buffers hold ``buffer_size`` elements (fewer when the largest partition is smaller); a larger
+partition is read ahead all the same, into a buffer of its own that goes when it is used. Only the first
+step (nothing recorded yet) and a gather the recorded order did not predict read on demand
+(``reads_on_demand``). A step that skips keys of the recorded order (the step that recorded it gathered
+the last block again for its backward; later steps keep it gathered) picks the order up again at the key
+it asked for. Writing a partition first drops a read-ahead copy of it, so nothing stale is ever gathered.
 
 [Note: parameter write-behind]
 ``store`` (the step's updated partitions, a ``GatheredParameters`` edit) copies the partition into a
@@ -184,16 +185,24 @@ class PartitionSwapper:
             self._free.append((hit.buf, event))
 
     def _read_ahead(self, start: int) -> None:
-        """Keep the reads of the next ``buffer_count`` recorded keys in flight."""
+        """Keep the reads of the next recorded keys in flight, as many as the budget allows (see the note)."""
         for key in self._trace[start : start + self.buffer_count]:
             if key in self._ahead or key not in self.numel:
                 continue
-            if len(self._ahead) >= self.buffer_count:
-                return
             n = self.numel[key]
+            if len(self._ahead) >= self.buffer_count or (self._ahead and self._ahead_numel() + n > self._budget):
+                return
             buf, pooled = self._take(n)
             self._wait_write(key)  # [Note: parameter write-behind]
             self._ahead[key] = _Ahead(self.file.read(key, buf[:n]), buf, pooled)
+
+    @property
+    def _budget(self) -> int:
+        """Elements read ahead at most (beyond the next partition): ``buffer_count`` x ``buffer_size``."""
+        return self.buffer_count * self.buffer_numel if self.buffer_numel else 1 << 62
+
+    def _ahead_numel(self) -> int:
+        return sum(self.numel[k] for k in self._ahead)
 
     def _take(self, numel: int) -> tuple[torch.Tensor, bool]:
         """A buffer for ``numel`` elements: a pooled one when it fits, else one of its own."""

@@ -356,6 +356,8 @@ class Stage3(Stage2):
     def _landed(self, key: BucketKey, out: torch.Tensor) -> None:
         if self.swapper is not None:
             self.swapper.put_grad(self.groups[key[0]].masters[key[1]], out)
+            if self._host_compute:
+                trim_heap()  # [Note: host memory under NVMe offload] in runtime/swap/__init__.py
 
     def reduced_grads_of(self, group: int) -> list[torch.Tensor]:
         if self.swapper is not None:
