@@ -145,7 +145,9 @@ SUPPORT: dict[str, Support] = {
     ),
     "zero_optimization.offload_optimizer.nvme_path": _acted("the directory of this rank's optimizer swap files"),
     "zero_optimization.offload_optimizer.pin_memory": _acted(),
-    "zero_optimization.offload_optimizer.buffer_count": _acted("host buffers of whole sub-groups (nvme)"),
+    "zero_optimization.offload_optimizer.buffer_count": _acted(
+        "host buffers, one tensor of a sub-group each: Adam holds a sub-group per 4, pipelines from 8 (nvme)"
+    ),
     "zero_optimization.offload_optimizer.fast_init": _warned(
         "the swap files are always written straight from the partitions at start-up (nothing slow to skip)",
         when=_truthy,
@@ -167,8 +169,10 @@ SUPPORT: dict[str, Support] = {
     ),
     "zero_optimization.offload_param.nvme_path": _acted("the directory of this rank's parameter swap files"),
     "zero_optimization.offload_param.pin_memory": _acted(),
-    "zero_optimization.offload_param.buffer_count": _acted("read-ahead buffers of parameter partitions (nvme)"),
-    "zero_optimization.offload_param.buffer_size": _acted("elements per read-ahead buffer (nvme)"),
+    "zero_optimization.offload_param.buffer_count": _acted("parameter partitions read ahead (at most; nvme)"),
+    "zero_optimization.offload_param.buffer_size": _acted(
+        "elements per read-ahead buffer; buffer_count x buffer_size bounds the read-ahead (nvme)"
+    ),
     "zero_optimization.offload_param.max_in_cpu": _acted("partition elements kept in host memory, not swapped (nvme)"),
     "zero_optimization.sub_group_size": _acted(
         "the optimizer steps the masters in tiles of at most this many elements"

@@ -33,10 +33,10 @@ from collections.abc import Callable, Iterable, Mapping
 from typing import Any
 
 import torch
-from torch.optim import Optimizer
 
 from ds_strategy.ops.norm import multi_tensor_l2norm
 from ds_strategy.ops.optim_step import fused_adagrad_step, fused_adam_step, fused_lion_step
+from ds_strategy.ops.optimizer_base import OptimizerBase
 
 ParamsT = Iterable[torch.Tensor] | Iterable[dict[str, Any]]
 _HOST = torch.device("cpu")
@@ -78,7 +78,7 @@ class _Bucket:
             original.copy_(buffer)
 
 
-class _KernelOptimizer(Optimizer):
+class _KernelOptimizer(OptimizerBase):
     """Shared plumbing: state creation, bucketing by step count, fused-pass extras, strided params."""
 
     _state_keys: tuple[str, ...] = ()

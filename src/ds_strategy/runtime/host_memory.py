@@ -42,8 +42,6 @@ _M_MMAP_THRESHOLD = -3
 _M_PERTURB = -6  # what MALLOC_PERTURB_ sets
 _PERTURB_BYTE = 0xA5
 THRESHOLD_BYTES = 8 << 20
-NVME_THRESHOLD_BYTES = 4 << 20  # [Note: host memory under NVMe offload] in runtime/swap/__init__.py
-_threshold: int | None = None  # what this process's thresholds were pinned at
 
 
 def pooled(device: torch.device) -> bool:
@@ -81,20 +79,16 @@ def pool_stats() -> tuple[int, int]:
     return int(in_use), int(cached)
 
 
-def return_freed_memory_to_os(threshold: int = THRESHOLD_BYTES) -> bool:
-    """Without the pool: pin glibc's mmap/trim thresholds at ``threshold`` bytes (8 MiB; NVMe offload asks
-    for 4) for this process; a later, lower one wins. False where that does not apply (not glibc, or the user
-    chose them through MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_)."""
-    global _threshold
+@cache
+def return_freed_memory_to_os() -> bool:
+    """Without the pool: pin glibc's mmap/trim thresholds at 8 MiB for this process, once; False where that
+    does not apply (not glibc, or the user chose them through MALLOC_MMAP_THRESHOLD_ / MALLOC_TRIM_THRESHOLD_)."""
     if any(k in os.environ for k in ("MALLOC_MMAP_THRESHOLD_", "MALLOC_TRIM_THRESHOLD_")):
         return False
-    if _threshold is not None and _threshold <= threshold:
-        return True
     mallopt = _glibc("mallopt")
     if mallopt is None:
         return False  # not glibc (musl, macOS): their allocators return large blocks by themselves
-    _threshold = threshold
-    return bool(mallopt(_M_MMAP_THRESHOLD, threshold)) and bool(mallopt(_M_TRIM_THRESHOLD, threshold))
+    return bool(mallopt(_M_MMAP_THRESHOLD, THRESHOLD_BYTES)) and bool(mallopt(_M_TRIM_THRESHOLD, THRESHOLD_BYTES))
 
 
 @contextmanager

@@ -15,7 +15,8 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.optim import Optimizer
+
+from ds_strategy.ops.optimizer_base import OptimizerBase
 
 from .zero.init import init_shard
 
@@ -62,7 +63,7 @@ def split_for_muon(groups: Iterable[dict[str, Any]], embeddings: frozenset[int] 
     return out
 
 
-class MuonWithAuxAdam(Optimizer):
+class MuonWithAuxAdam(OptimizerBase):  # its inner torch optimizers import torch._dynamo all the same
     """Muon on the groups with ``use_muon=True`` (2-D matrices), AdamW on the others.
 
     Groups without ``use_muon`` are split by ``uses_muon``. Muon groups take ``lr``, ``momentum``,

@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 
 import ds_strategy.ops as ops
 from ds_strategy.config import OptimizerConfig
+from ds_strategy.ops.optimizer_base import OptimizerBase
 from ds_strategy.ops.optimizers import is_kernel_optimizer
 
 from .muon import MuonWithAuxAdam
@@ -23,7 +24,7 @@ from .muon import MuonWithAuxAdam
 ParamGroups = list[dict[str, Any]]
 
 
-class Lion(Optimizer):
+class Lion(OptimizerBase):
     """Lion (Chen et al. 2023, "Symbolic Discovery of Optimization Algorithms"), decoupled weight decay.
 
     update = sign(beta1 * m + (1 - beta1) * g);  p -= lr * (update + wd * p);  m = beta2 * m + (1 - beta2) * g

@@ -13,7 +13,7 @@ import torch
 
 from ds_strategy.ops.aio import AsyncIO
 
-from ..host_memory import NVME_THRESHOLD_BYTES, return_freed_memory_to_os
+from ..host_memory import return_freed_memory_to_os
 from .files import NvmePathError, SwapDir, SwapFile
 from .optimizer import OptimizerSwapper
 from .params import PartitionSwapper
@@ -37,14 +37,13 @@ class Offload(Protocol):
 # by itself: freed multi-MiB blocks (a whole parameter under construction, a gradient shard written out)
 # stay in its heap, and the heap's high-water mark grows with the model (measured: a 4x deeper GPT's
 # peak RSS 1.6x the base model's, from construction on; malloc_trim gave back 200 MB of it). So an engine
-# or zero.Init with NVMe offload pins glibc's mmap/trim thresholds at 4 MiB for the process
+# or zero.Init with NVMe offload pins glibc's mmap/trim thresholds at 8 MiB for the process
 # (``host_memory.return_freed_memory_to_os``, unless the user set MALLOC_MMAP_THRESHOLD_ /
-# MALLOC_TRIM_THRESHOLD_: 4 rather than 8 takes a layer's weight gradients of a few MiB off the heap too)
-# and trims the heap (``host_memory.trim_heap``) after each zero.Init partition event, after the engine is
-# built, before and after each optimizer step and, when the model computes on the host, after each bucket's
-# gradient shard lands in backward (the backward frees activations and gradients in an order that leaves
-# the heap's free pages scattered: measured on bench_nvme's 8-layer GPT, the backward's peak RSS 25 MiB
-# lower per rank): a few milliseconds each, small beside the disk transfers.
+# MALLOC_TRIM_THRESHOLD_) and trims the heap (``host_memory.trim_heap``) after each zero.Init partition
+# event, after the engine is built, before and after each optimizer step and, when the model computes on
+# the host, after each bucket's gradient shard lands in backward (the backward frees activations and
+# gradients in an order that leaves the heap's free pages scattered: measured on bench_nvme's 8-layer GPT,
+# the backward's peak RSS ~20 MiB lower per rank): a few milliseconds each, small beside the disk transfers.
 
 
 __all__ = ["NvmePathError", "OptimizerSwapper", "PartitionSwapper", "Swap", "make_swap"]
@@ -94,7 +93,7 @@ def make_swap(
     share of the trainable elements, to check the disk has room before anything is written."""
     if offload.optimizer_nvme is None and offload.params_nvme is None:
         return None
-    return_freed_memory_to_os(NVME_THRESHOLD_BYTES)  # see [Note: host memory under NVMe offload]
+    return_freed_memory_to_os()  # see [Note: host memory under NVMe offload]
     swap = Swap()
     opt = offload.optimizer_nvme
     if opt is not None:

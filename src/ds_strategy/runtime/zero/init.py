@@ -99,11 +99,11 @@ class InitStore:
     def __init__(self, nvme_path: str, aio: Any, rank: int) -> None:
         from ds_strategy.ops.aio import AsyncIO
 
-        from ..host_memory import NVME_THRESHOLD_BYTES, return_freed_memory_to_os
+        from ..host_memory import return_freed_memory_to_os
         from ..swap.files import SwapDir, SwapFile
         from .offload import AioOptions, _aio_block
 
-        return_freed_memory_to_os(NVME_THRESHOLD_BYTES)  # [Note: host memory under NVMe offload] (runtime/swap)
+        return_freed_memory_to_os()  # [Note: host memory under NVMe offload] in runtime/swap/__init__.py
         self.dir = SwapDir(nvme_path, rank, key="offload_param", need_bytes=0)
         self.aio = AsyncIO(AioOptions.from_config(_aio_block(aio)))
         self.file = SwapFile(self.aio, self.dir.path / "init.swp")
