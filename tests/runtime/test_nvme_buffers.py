@@ -20,32 +20,16 @@ import torch
 from torch import nn
 
 from tests.harness import run_distributed
-from tests.runtime.common import config
+from tests.runtime.test_nvme_overlap import _config as overlap_config
 
-LAYERS, WIDTH, STEPS = 5, 32, 3
+LAYERS, WIDTH, STEPS = 5, 32, 3  # the overlap test's width: its partition sizes
 
 
 def _config(path: str, opt_buffers: int) -> dict[str, Any]:
-    cfg = config(stage=3, offload=True, micro=2, gas=1)
-    zero = cfg["zero_optimization"]
-    zero["stage3_param_persistence_threshold"] = 10
-    zero["sub_group_size"] = 1200  # several tiles
-    zero["offload_optimizer"] = {
-        "device": "nvme",
-        "nvme_path": path,
-        "buffer_count": opt_buffers,
-        "pipeline_read": True,
-        "pipeline_write": True,
-    }
-    # 1056-element partitions (one rank), 600-element buffers: a budget of 2 x 600 elements reads one ahead.
-    zero["offload_param"] = {
-        "device": "nvme",
-        "nvme_path": path,
-        "buffer_count": 2,
-        "buffer_size": 600,
-        "max_in_cpu": 0,
-    }
-    cfg["aio"] = {"block_size": 4096, "queue_depth": 4, "thread_count": 1}
+    """The overlap test's config (several tiles; 1056-element parameter partitions on one rank, 2 x 600-element
+    read-ahead buffers: a budget of one partition ahead) with ``opt_buffers`` optimizer buffers."""
+    cfg = overlap_config(path)
+    cfg["zero_optimization"]["offload_optimizer"]["buffer_count"] = opt_buffers
     return cfg
 
 
