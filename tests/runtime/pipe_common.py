@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -76,10 +77,12 @@ def reference_run(
     lr: float,
     clip: float,
     lrs: list[float] | None = None,
+    optimizer: Callable[[list[nn.Parameter]], torch.optim.Optimizer] | None = None,
 ) -> tuple[list[float], dict[str, torch.Tensor]]:
-    """``lrs``: the learning rate of each step (a scheduler's), else ``lr`` throughout."""
+    """``lrs``: the learning rate of each step (a scheduler's), else ``lr`` throughout. ``optimizer``: builds the
+    optimizer from the parameters (default: AdamW, ``lr``, no weight decay, as ``pipe_config``)."""
     model = Reference()
-    opt = torch.optim.AdamW(model.parameters(), lr=lr, weight_decay=0.0)
+    opt = (optimizer or (lambda ps: torch.optim.AdamW(ps, lr=lr, weight_decay=0.0)))(list(model.parameters()))
     losses = []
     for i, step in enumerate(batches):
         if lrs is not None:
