@@ -312,7 +312,7 @@ class OptimizerSwapper:
         held = max(1, int(self.buffer_count // max(1.0, per_tile)))
         self.pool.resize(held)
         self.pipeline_read, self.pipeline_write = (held > 1 and self._pipeline[0], held > 1 and self._pipeline[1])
-        if held == 1 and self.pipeline_asked and not self._reported and self.state_dtypes:
+        if held == 1 and len(tiles) > 1 and self.pipeline_asked and not self._reported and self.state_dtypes:
             self._reported = True
             need = 2 * round(per_tile)
             log.warning(
