@@ -200,6 +200,7 @@ def test_nvme_offload_trains_like_torch_on_the_gpu(stage: int, params: bool, pre
     zero["offload_optimizer"] = {
         "device": "nvme",
         "nvme_path": str(tmp_path),
+        "buffer_count": 8,  # two Adam sub-groups: the pipeline overlaps (pinned buffers, kept between steps)
         "pipeline_read": True,
         "pipeline_write": True,
     }
