@@ -36,6 +36,8 @@ BENCHMARKS = (
     "moe",
     "zeropp",
     "sequence_parallel",
+    "per_tensor",
+    "qlora",
 )
 ALIASES = {"engine": "e2e", "zero3": "e2e"}
 PEERS = {
@@ -53,6 +55,8 @@ PEERS = {
     "moe": "gloo all-to-all; DeepSpeed's MoE layer and engine (ZeRO-2, ep_size 1 and 2)",
     "zeropp": "ds_strategy stage 3 without ZeRO++, DeepSpeed's ZeRO++ (where it runs on CPU)",
     "sequence_parallel": "sp 1 (no sequence parallelism), DeepSpeed's Ulysses DistributedAttention in our engine",
+    "per_tensor": "stage 2 with AdamW (Muon at stages 0-3, Adafactor at stage 2; the whole-parameter balance)",
+    "qlora": "ZeRO stage 2 on the same 4-bit (nf4) base, the theory of partitioning the frozen base",
 }
 
 
