@@ -17,6 +17,7 @@ from __future__ import annotations
 from collections.abc import Callable
 from typing import Any
 
+import torch
 from torch.optim import Optimizer
 
 
@@ -26,6 +27,14 @@ def _undecorated(method: Callable[..., Any]) -> Callable[..., Any]:
 
 class OptimizerBase(Optimizer):
     """``torch.optim.Optimizer`` whose construction and checkpoint methods leave torch._dynamo unimported."""
+
+    @staticmethod
+    def _closure_loss(closure: Callable[[], float] | None) -> float | None:
+        """``step(closure)``'s loss: the closure re-evaluated with grad enabled (steps run under no_grad)."""
+        if closure is None:
+            return None
+        with torch.enable_grad():
+            return closure()
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         _undecorated(Optimizer.add_param_group)(self, param_group)

@@ -135,10 +135,7 @@ class _KernelOptimizer(OptimizerBase):
         skip_if_nonfinite: bool = False,
         skip_on_device: bool = False,
     ) -> float | None:
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         with_grad = [(g, [p for p in g["params"] if p.grad is not None]) for g in self.param_groups]
         if skip_if_nonfinite:
             grads = [p.grad for _, ps in with_grad for p in ps if p.grad is not None]

@@ -127,10 +127,7 @@ class MuonWithAuxAdam(OptimizerBase):  # its inner torch optimizers import torch
 
     @torch.no_grad()
     def step(self, closure: Callable[[], float] | None = None) -> float | None:  # type: ignore[override]
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
+        loss = self._closure_loss(closure)
         for group in self.param_groups:
             if not any(p.grad is not None for p in group["params"]):
                 continue

@@ -132,7 +132,6 @@ class OptimizerSwapper:
         self.file = file
         self.buffer_count = max(1, buffer_count)  # tensors, as in DeepSpeed: see [Note: the step pipeline]
         self.pool = _Pool(1)
-        self.pipeline_asked = pipeline_read or pipeline_write
         self.pipeline_read = self.pipeline_write = False  # set per step, from the tiles the pool holds
         self._pipeline = (pipeline_read, pipeline_write)
         self._reported = not report  # one rank says it
@@ -312,7 +311,7 @@ class OptimizerSwapper:
         held = max(1, int(self.buffer_count // max(1.0, per_tile)))
         self.pool.resize(held)
         self.pipeline_read, self.pipeline_write = (held > 1 and self._pipeline[0], held > 1 and self._pipeline[1])
-        if held == 1 and len(tiles) > 1 and self.pipeline_asked and not self._reported and self.state_dtypes:
+        if held == 1 and len(tiles) > 1 and any(self._pipeline) and not self._reported and self.state_dtypes:
             self._reported = True
             need = 2 * round(per_tile)
             log.warning(
