@@ -132,6 +132,8 @@ class ZeroConfig:
     stage3_max_reuse_distance: int = 1_000_000_000
     # Stage 3 fetch units (runtime/zero/units.py): "blocks", "modules" or class names.
     stage3_fetch_units: str | tuple[str, ...] = "blocks"
+    # Large frozen Linear / Embedding weights computed tile by tile (runtime/zero/tiled.py).
+    stage3_tile_frozen: bool = True
     stage3_gather_16bit_weights_on_model_save: bool = False
     load_from_fp32_weights: bool = True
     ignore_unused_parameters: bool = True

@@ -183,6 +183,7 @@ SUPPORT: dict[str, Support] = {
     "zero_optimization.stage3_max_live_parameters": _acted(),
     "zero_optimization.stage3_max_reuse_distance": _acted(),
     "zero_optimization.stage3_fetch_units": _acted("ds_strategy's own key: the fetch units of stage 3 (zero3.md)"),
+    "zero_optimization.stage3_tile_frozen": _acted("ds_strategy's own key: large frozen weights tiled (zero3.md)"),
     "zero_optimization.stage3_gather_16bit_weights_on_model_save": _acted(),
     "zero_optimization.load_from_fp32_weights": _refused(
         "loading the fp32 masters from the checkpoint's 16-bit weights is not built; checkpoints always "

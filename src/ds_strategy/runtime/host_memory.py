@@ -58,6 +58,13 @@ def allocate(tensor: torch.Tensor) -> None:
         tensor.untyped_storage().resize_(nbytes)
 
 
+def unallocated(numel: int, dtype: torch.dtype, device: torch.device) -> torch.Tensor:
+    """A tensor of ``numel`` elements whose storage holds no bytes yet (``allocate`` gives it room)."""
+    tensor = torch.empty(numel, dtype=dtype, device=device)
+    release(tensor)
+    return tensor
+
+
 def release(tensor: torch.Tensor) -> None:
     """Drop ``tensor``'s storage bytes (the tensor and its views survive, with no data behind them)."""
     if pooled(tensor.device):

@@ -45,6 +45,10 @@ class HookTarget(Protocol):
 
     def release_keys(self, keys: Sequence[BucketKey]) -> None: ...
 
+    def enter_tiled(self, module: nn.Module) -> None: ...
+
+    def exit_tiled(self, module: nn.Module) -> None: ...
+
 
 class ModuleHooks:
     """The root's hooks and those of the modules with a unit: attached, detached, suspended during a hold
@@ -57,16 +61,20 @@ class ModuleHooks:
         units: Mapping[int, list[BucketKey]],
         frozen_units: Mapping[int, list[BucketKey]],
         target: HookTarget,
+        tiled: Mapping[int, Any] | None = None,
     ) -> None:
         self.root = root
         self.units = units
         self.frozen_units = frozen_units
+        self.tiled = tiled if tiled is not None else {}  # [Note: tiled frozen weights] in tiled.py
         # the target's calls, bound once: a hook costs what it cost as the target's own method
         self._begin_forward = target.begin_forward
         self._check_agreement = target.check_agreement
         self._fetch = target.fetch
         self._release = target.release
         self._release_keys = target.release_keys
+        self._enter_tiled = target.enter_tiled
+        self._exit_tiled = target.exit_tiled
         self._hooks: list[RemovableHandle] = []  # the root's
         self._module_hooks: list[RemovableHandle] = []  # the other unit modules'
         self.unhooked: set[int] = set()  # modules inside compiled regions: see [Note: compiled regions]
@@ -124,7 +132,13 @@ class ModuleHooks:
     def _hook_modules(self) -> None:
         """Hooks on the modules with a unit only: the modules inside a unit take torch's fast call path."""
         for m in self.root.modules():
-            if m is self.root or id(m) in self.unhooked or not self.units.get(id(m)):
+            if m is self.root or id(m) in self.unhooked:
+                continue
+            if id(m) in self.tiled:  # computed from tiles inside its forward: nothing gathered around it
+                self._module_hooks.append(m.register_forward_pre_hook(self._pre_tiled))
+                self._module_hooks.append(m.register_forward_hook(self._post_tiled, always_call=True))
+                continue
+            if not self.units.get(id(m)):
                 continue
             self._module_hooks.append(m.register_forward_pre_hook(self._pre_forward))
             self._module_hooks.append(m.register_forward_hook(self._post_forward, with_kwargs=True))
@@ -150,6 +164,14 @@ class ModuleHooks:
         if self.suspended:  # see [Note: held buckets]
             return
         self._fetch(module)
+
+    def _pre_tiled(self, module: nn.Module, args: Any) -> None:
+        if not self.suspended:
+            self._enter_tiled(module)
+
+    def _post_tiled(self, module: nn.Module, args: Any, output: Any) -> None:
+        if not self.suspended:
+            self._exit_tiled(module)
 
     def _post_forward(self, module: nn.Module, args: Any, kwargs: Any, output: Any) -> None:
         if self.suspended:  # see [Note: held buckets]

@@ -48,6 +48,7 @@ from .module_hooks import ModuleHooks
 from .prefetch import PrefetchPlanner
 from .sharded import ShardedGroup
 from .streams import GatherStream
+from .tiled import TiledCalls
 from .unit_map import EXTERNAL_ATTR, BucketKey, UnitMap
 from .units import MODULES, FetchUnitPolicy
 
@@ -71,6 +72,7 @@ class ParamGatherer:
         reuse_distance: int | None,
         timeout_s: float | None = None,
         policy: FetchUnitPolicy = MODULES,
+        tile_frozen: bool = False,
     ) -> None:
         self.groups = groups
         self.root = root
@@ -85,8 +87,9 @@ class ParamGatherer:
         for n, (name, m) in enumerate(root.named_modules()):
             self.names[id(m)] = name or "<root>"
             self.index[id(m)] = n
-        self.unit_map = UnitMap(groups, root, policy)
+        self.unit_map = UnitMap(groups, root, policy, tile_frozen=tile_frozen)
         self.units = self.unit_map.units  # the same dict, updated in place
+        self.tiles = TiledCalls(self)  # [Note: tiled frozen weights] in tiled.py
         probe = next((gs.full[0] for gs in groups if gs.full), None)  # what a bucket gather looks like
         self.divergence = DivergenceCheck(coll, self.device, probe, self.names, self.index, self.timeout_s)
         self.users: dict[BucketKey, int] = defaultdict(int)
@@ -99,7 +102,7 @@ class ParamGatherer:
             max_live_numel=max_live_numel,
             reuse_distance=reuse_distance,
         )
-        self.hooks = ModuleHooks(root, self.units, self.unit_map.frozen_units, self)
+        self.hooks = ModuleHooks(root, self.units, self.unit_map.frozen_units, self, self.unit_map.tiled)
         self.gathers = 0  # bucket all-gathers issued (for tests and reports) ...
         self.misses = 0  # ... fetches that found a bucket neither gathered nor prefetched ...
         self.peak_live = 0  # ... and the most partitioned-bucket elements gathered at once
@@ -177,6 +180,18 @@ class ParamGatherer:
             self.users[k] = max(0, self.users[k] - 1)
             if self.users[k] == 0 and not self.planner.reused_soon(k):
                 self.free(k)
+
+    def enter_tiled(self, module: nn.Module) -> None:
+        """A tiled module's forward starts: its weight's calls are computed from tiles until ``exit_tiled``."""
+        self.tiles.enter(self.unit_map.tiled[id(module)])
+
+    def exit_tiled(self, module: nn.Module) -> None:
+        self.tiles.exit()
+
+    def tile_label(self, module: nn.Module) -> int:
+        """Label the tile gathers of one call of a tiled module (the divergence check counts it as a fetch)."""
+        self.gathers += 1
+        return self.divergence.label(id(module), blocking=True)
 
     def acquire(self, keys: Sequence[BucketKey], label: str) -> None:
         """Gather ``keys`` for temporary full access (GatheredParameters); every rank must call it."""

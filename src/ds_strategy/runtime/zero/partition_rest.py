@@ -147,6 +147,15 @@ class PartitionRest:
         self.secondary.clear()
 
     # ------------------------------------------------------------------ partitions, wherever they rest
+    def resident(self, bucket: int) -> torch.Tensor | None:
+        """This rank's partition of ``bucket`` as the compute-dtype tensor itself, where it rests in memory and
+        a gather reads it as it is (not from the swap file, int8 shards, qwZ or hpZ copies); else None."""
+        if self._qrest is not None or self.hpz is not None or self.quantized_gather:
+            return None
+        if bucket in self.swapped and not self._materialized:
+            return None
+        return self.views[bucket]
+
     def read(self, bucket: int, out: torch.Tensor, *, trace: bool = False) -> None:
         """Copy this rank's compute-dtype partition of ``bucket`` into ``out`` (from the swap file when it
         rests there; ``trace``: a gather, whose order the read-ahead learns)."""

@@ -126,8 +126,7 @@ class ShardBuild:
         del scratch32, shard32, gather_buf
         for b, bucket in enumerate(self.layout.buckets):
             if b not in self.persistent:  # a bucket-sized tensor without storage, filled by gather()
-                full[b] = torch.empty(bucket.padded, dtype=self.compute_dtype, device=self.device)
-                host_memory.release(full[b])
+                full[b] = host_memory.unallocated(bucket.padded, self.compute_dtype, self.device)
         return full, live
 
     @torch.no_grad()

@@ -77,6 +77,7 @@ class Stage3Options:
     zero_hpz_partition_size: int = 1
     zero_quantized_gradients: bool = False
     fetch_units: Any = None  # stage3_fetch_units (see [Note: fetch units] in units.py); None: "blocks"
+    tile_frozen: bool = True  # stage3_tile_frozen ([Note: tiled frozen weights] in tiled.py)
 
     @classmethod
     def from_config(cls, config: Any, offload: Offload) -> Stage3Options:
@@ -97,6 +98,7 @@ class Stage3Options:
             zero_hpz_partition_size=int(zero.zero_hpz_partition_size),
             zero_quantized_gradients=bool(zero.zero_quantized_gradients),
             fetch_units=_config_policy(zero.stage3_fetch_units),
+            tile_frozen=bool(zero.stage3_tile_frozen),
         )
 
 
@@ -195,6 +197,7 @@ class Stage3(Stage2):
             max_live_numel=s3.max_live_numel,
             reuse_distance=s3.reuse_distance,
             policy=self.fetch_policy,
+            tile_frozen=s3.tile_frozen,
         )
         self.placement = PartitionedParameters(
             self,

@@ -12,6 +12,7 @@ from torch import nn
 
 from .leaf import leaf_generation
 from .sharded import ShardedGroup
+from .tiled import TiledWeight, tiled_weights
 from .units import FetchUnitPolicy, unit_owners
 
 BucketKey = tuple[int, int]  # (group index, bucket index)
@@ -22,13 +23,17 @@ READS_CHILD_PARAMETERS: tuple[type[nn.Module], ...] = (nn.MultiheadAttention,)
 
 
 class UnitMap:
-    """Every module's unit, ``units[id(module)]``, and its frozen buckets, ``frozen_units``. Both dicts are
-    updated in place, never replaced: the gatherer, its hooks and its prefetch planner read the same two."""
+    """Every module's unit, ``units[id(module)]``, its frozen buckets, ``frozen_units``, and the tiled
+    modules, ``tiled`` (which have no unit: [Note: tiled frozen weights] in tiled.py). The dicts are updated
+    in place, never replaced: the gatherer, its hooks and its prefetch planner read the same ones."""
 
-    def __init__(self, groups: Sequence[ShardedGroup], root: nn.Module, policy: FetchUnitPolicy) -> None:
+    def __init__(
+        self, groups: Sequence[ShardedGroup], root: nn.Module, policy: FetchUnitPolicy, *, tile_frozen: bool = False
+    ) -> None:
         self.groups = groups
         self.root = root
         self.policy = policy
+        self.tile_frozen = tile_frozen
         self.bucket_of: dict[int, BucketKey] = {}
         for g, gs in enumerate(groups):
             for i, p in enumerate(gs.params):
@@ -37,6 +42,7 @@ class UnitMap:
                     self.bucket_of[id(p)] = (g, b)
         self.units: dict[int, list[BucketKey]] = {}
         self.frozen_units: dict[int, list[BucketKey]] = {}
+        self.tiled: dict[int, TiledWeight] = {}
         self._generation = -1
         self.compute()
 
@@ -64,6 +70,12 @@ class UnitMap:
         units = {id(m): self.keys_of(params.get(id(m), [])) for m in self.root.modules()}
         for m in holders:
             units[id(m)] = units[id(self.root)]
+        self.tiled.clear()
+        if self.tile_frozen:
+            padded = {mid: sum(self.groups[g].layout.buckets[b].padded for g, b in keys) for mid, keys in units.items()}
+            self.tiled.update(tiled_weights(self.root, units, self.groups, padded))
+            for mid in self.tiled:
+                units[mid] = []
         self.units.clear()
         self.units.update(units)
         self.frozen_units.clear()
