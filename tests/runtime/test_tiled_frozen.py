@@ -209,10 +209,16 @@ def _other_reads(rank: int, world: int) -> dict[str, Any]:
     with torch.no_grad():
         tiled_logits = engine(input_ids=ids).logits
     hook.remove()
+    with torch.no_grad(), torch.autocast("cpu", dtype=torch.bfloat16):
+        tiled_autocast = engine(input_ids=ids).logits
     with torch.no_grad(), GatheredParameters([model.lm_head.weight, model.model.embed_tokens.weight]):
         held_logits = engine(input_ids=ids).logits  # the gathered bucket is used as it is
         head = model.lm_head.weight.detach().clone()
+        with torch.autocast("cpu", dtype=torch.bfloat16):
+            held_autocast = engine(input_ids=ids).logits
     out = {
+        "autocast_dtypes": [str(tiled_autocast.dtype), str(held_autocast.dtype)],
+        "autocast_diff": (tiled_autocast.float() - held_autocast.float()).abs().max().item(),
         "sum": sums,
         "true_sum": full.sum().item(),
         "tiled_vs_held": (tiled_logits - held_logits).abs().max().item(),
@@ -228,6 +234,8 @@ def test_other_reads_of_a_tiled_weight_gather_it_whole_and_held_buckets_are_used
     for r in run_distributed(_other_reads, world_size=WORLD, timeout=240):
         assert len(r["sum"]) == 1 and r["sum"][0] == pytest.approx(r["true_sum"], rel=1e-6), r
         assert r["tiled_vs_held"] < 1e-5, r
+        assert r["autocast_dtypes"] == ["torch.bfloat16"] * 2, r  # computed as autocast computes F.linear
+        assert r["autocast_diff"] < 2e-2, r
         assert r["head"]
         assert r["live_after"] == 0, r  # the whole gather was given back when the forward ended
 
