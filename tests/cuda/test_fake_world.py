@@ -107,3 +107,50 @@ def test_rank_of_eight_is_sync_free_and_saves_zero3_memory(peak_at_world_one: in
         f"world 8 peak {peak8 / 2**20:.0f} MiB, world 1 {peak_at_world_one / 2**20:.0f} MiB: saved "
         f"{saved / 2**20:.0f} MiB, < 80% of the {theory / 2**20:.0f} MiB of model states a rank of 8 stops holding"
     )
+
+
+def test_rank_of_eight_tiles_a_frozen_head_without_synchronising(rank_of_eight: None) -> None:
+    """A LoRA-style fine-tune (everything but the MLPs frozen) of a vocabulary-heavy Llama: the frozen
+    embedding and head are tiled ([Note: tiled frozen weights] in runtime/zero/tiled.py), steps after the
+    first make no host synchronisation, and the most gathered at once stays below the head."""
+    from transformers import LlamaConfig, LlamaForCausalLM
+
+    import ds_strategy
+
+    torch.manual_seed(0)
+    shape = {**SHAPE, "num_hidden_layers": 4, "vocab_size": 32000}
+    cfg = LlamaConfig(num_attention_heads=8, num_key_value_heads=8, max_position_embeddings=SEQ, **shape)
+    cfg._attn_implementation = "sdpa"
+    model = LlamaForCausalLM(cfg)
+    for name, p in model.named_parameters():
+        p.requires_grad_(".mlp." in name)
+    config = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "bf16": {"enabled": True},
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-4}},
+        "zero_optimization": {"stage": 3},
+    }
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = ds_strategy.initialize(model=model, model_parameters=params, config=config)
+    gatherer = engine.stage.gatherer
+    x = torch.randint(0, 32000, (MICRO, SEQ), generator=torch.Generator().manual_seed(0)).cuda()
+    try:
+        assert sorted(type(tw.module).__name__ for tw in gatherer.unit_map.tiled.values()) == ["Embedding", "Linear"]
+
+        def step() -> None:
+            loss = engine(input_ids=x, labels=x).loss
+            engine.backward(loss)
+            engine.step()
+
+        step()  # records the order
+        torch.cuda.synchronize()
+        torch.cuda.set_sync_debug_mode("error")
+        try:
+            for _ in range(STEPS - 1):
+                step()
+        finally:
+            torch.cuda.set_sync_debug_mode(0)
+        torch.cuda.synchronize()
+        assert gatherer.peak_live < 32000 * shape["hidden_size"], gatherer.peak_live
+    finally:
+        engine.destroy()

@@ -259,3 +259,36 @@ def _strict(rank: int, world: int) -> dict[str, Any]:
 def test_tiles_issue_no_host_collective_under_the_strict_mode() -> None:
     for r in run_distributed(_strict, world_size=WORLD, env=NO_SHM, process_env=STRICT, timeout=300):
         torch.testing.assert_close(torch.tensor(r["losses"]), torch.tensor(r["reference"]), rtol=2e-5, atol=2e-6)
+
+
+# ---------------------------------------------------------------------- a rank of 4 under the fake group
+def test_a_rank_of_four_runs_tiled_and_never_gathers_the_head_whole(monkeypatch: pytest.MonkeyPatch) -> None:
+    """torch's fake process group (no data moves: values are not checked): the tiled path of a rank of a
+    larger group runs, one tile label per tiled call (embedding, head forward, head backward), and the most
+    gathered at once stays below the head."""
+    import ds_strategy
+    from tests.fake_pg import fake_group
+
+    with fake_group(monkeypatch, world_size=4, rank=1):
+        model = _llama()
+        params = [p for p in model.parameters() if p.requires_grad]
+        engine, *_ = ds_strategy.initialize(model=model, model_parameters=params, config=_config())
+        try:
+            gatherer = engine.stage.gatherer
+            assert sorted(type(tw.module).__name__ for tw in gatherer.unit_map.tiled.values()) == [
+                "Embedding",
+                "Linear",
+            ]
+            ids = torch.randint(0, 1001, (MICRO, SEQ), generator=torch.Generator().manual_seed(0))
+            labels: list[int] = []
+            original = gatherer.tile_label
+            monkeypatch.setattr(gatherer, "tile_label", lambda m: labels.append(id(m)) or original(m))
+            for _ in range(2):
+                loss = engine(input_ids=ids, labels=ids).loss
+                engine.backward(loss)
+                engine.step()
+            head, embed = id(model.lm_head), id(model.model.embed_tokens)
+            assert labels == [embed, head, head] * 2, labels
+            assert gatherer.peak_live < 32 * 1001
+        finally:
+            engine.destroy()
