@@ -42,6 +42,21 @@ def rank_of_eight(monkeypatch: pytest.MonkeyPatch) -> Iterator[None]:
         yield
 
 
+def _steps(step: Any, sync_free: bool) -> None:
+    """STEPS steps: the first records the order, the others under ``set_sync_debug_mode("error")`` if
+    ``sync_free`` (a host synchronisation raises)."""
+    step()
+    torch.cuda.synchronize()
+    if sync_free:
+        torch.cuda.set_sync_debug_mode("error")
+    try:
+        for _ in range(STEPS - 1):
+            step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+
+
 def _peak_of_steps(sync_free: bool) -> tuple[int, int]:
     """(peak allocated bytes over engine build and STEPS steps, parameter count) in the current group."""
     import ds_strategy
@@ -66,16 +81,7 @@ def _peak_of_steps(sync_free: bool) -> tuple[int, int]:
         engine.backward(loss)
         engine.step()
 
-    step()  # records the order
-    torch.cuda.synchronize()
-    if sync_free:
-        torch.cuda.set_sync_debug_mode("error")
-    try:
-        for _ in range(STEPS - 1):
-            step()
-    finally:
-        torch.cuda.set_sync_debug_mode(0)
-    torch.cuda.synchronize()
+    _steps(step, sync_free)
     peak = torch.cuda.max_memory_allocated()
     engine.destroy()
     return peak, params
@@ -142,15 +148,7 @@ def test_rank_of_eight_tiles_a_frozen_head_without_synchronising(rank_of_eight: 
             engine.backward(loss)
             engine.step()
 
-        step()  # records the order
-        torch.cuda.synchronize()
-        torch.cuda.set_sync_debug_mode("error")
-        try:
-            for _ in range(STEPS - 1):
-                step()
-        finally:
-            torch.cuda.set_sync_debug_mode(0)
-        torch.cuda.synchronize()
+        _steps(step, sync_free=True)
         assert gatherer.peak_live < 32000 * shape["hidden_size"], gatherer.peak_live
     finally:
         engine.destroy()

@@ -287,6 +287,20 @@ def tiny_llama() -> Any:
     return model
 
 
+def causal_lm_reference(model: nn.Module, data: list[torch.Tensor], lr: float = 1e-2) -> list[float]:
+    """The single-process losses of a Hugging Face causal LM trained on ``data`` (labels = inputs) by
+    torch's AdamW over its trainable parameters (no weight decay)."""
+    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=lr, weight_decay=0.0)
+    losses = []
+    for batch in data:
+        loss = model(input_ids=batch, labels=batch).loss
+        loss.backward()
+        opt.step()
+        opt.zero_grad()
+        losses.append(loss.item())
+    return losses
+
+
 def llama_prompt(rank: int) -> torch.Tensor:
     """Rank ``rank``'s prompt for ``tiny_llama``: 5 + rank tokens."""
     return torch.randint(1, 64, (1, 5 + rank), generator=torch.Generator().manual_seed(rank))

@@ -12,6 +12,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from tests.harness import run_distributed
+from tests.runtime.common import causal_lm_reference
 
 WORLD, STEPS, MICRO, LAYERS, VOCAB, SEQ = 2, 3, 2, 4, 64, 8
 
@@ -273,14 +274,7 @@ def _train_frozen_rest(rank: int, world: int) -> dict[str, Any]:
     data = [torch.randint(0, vocab, (MICRO * world, SEQ), generator=gen) for _ in range(STEPS)]
     ref = _wide_llama(vocab)
     _freeze_all_but_mlps(ref)
-    opt = torch.optim.AdamW([p for p in ref.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
-    reference = []
-    for batch in data:
-        loss = ref(input_ids=batch, labels=batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        reference.append(loss.item())
+    reference = causal_lm_reference(ref, data)
     model = _wide_llama(vocab)
     _freeze_all_but_mlps(model)
     cfg = {

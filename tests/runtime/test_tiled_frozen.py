@@ -11,6 +11,7 @@ import torch
 from torch import nn
 
 from tests.harness import run_distributed
+from tests.runtime.common import causal_lm_reference
 
 WORLD, STEPS, MICRO, LAYERS, SEQ = 2, 3, 2, 3, 8
 TILES = (True, False)
@@ -50,16 +51,7 @@ def _data(world: int, vocab: int = 1001) -> list[torch.Tensor]:
 
 
 def _reference(data: list[torch.Tensor]) -> list[float]:
-    model = _llama()
-    opt = torch.optim.AdamW([p for p in model.parameters() if p.requires_grad], lr=1e-2, weight_decay=0.0)
-    out = []
-    for batch in data:
-        loss = model(input_ids=batch, labels=batch).loss
-        loss.backward()
-        opt.step()
-        opt.zero_grad()
-        out.append(loss.item())
-    return out
+    return causal_lm_reference(_llama(), data)
 
 
 def _train(engine: Any, model: nn.Module, data: list[torch.Tensor], rank: int, world: int) -> list[float]:
