@@ -228,11 +228,12 @@ class TiledCalls(TorchFunctionMode):
             weight = args[1] if len(args) > 1 else kwargs.get("weight")
             tw = self.active.get(id(weight))
             if tw is not None and not tw.live:
+                x = args[0] if args else kwargs["input"]
                 if func in _LINEAR and (args[2] if len(args) > 2 else kwargs.get("bias")) is None:
-                    return _TiledLinear.apply(args[0], tw, self.source)
+                    return _TiledLinear.apply(x, tw, self.source)
                 rest = {k: v for k, v in kwargs.items() if k not in ("input", "weight")}
                 if func in _EMBEDDING and len(args) <= 2 and rest.get("max_norm") is None:
-                    return tiled_embedding(args[0] if args else kwargs["input"], tw, self.source)
+                    return tiled_embedding(x, tw, self.source)
         for tw in self._read_by(args, kwargs):
             self.source.acquire([tw.key], f"{type(tw.module).__name__} weight, gathered whole")
             self.whole.append(tw.key)
