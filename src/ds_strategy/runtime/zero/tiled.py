@@ -40,6 +40,7 @@ from torch.overrides import TorchFunctionMode
 from .. import host_memory
 from .collectives import Collectives
 from .sharded import ShardedGroup
+from .units import REST_SPLIT
 
 BucketKey = tuple[int, int]
 
@@ -256,8 +257,6 @@ def tiled_weights(
     unit_numel: Mapping[int, int],
 ) -> dict[int, TiledWeight]:
     """``id(module)`` -> its tiling, for the unit modules that qualify (see [Note: tiled frozen weights])."""
-    from .units import REST_SPLIT
-
     uses: dict[int, int] = {}
     for m in root.modules():
         for p in m._parameters.values():
