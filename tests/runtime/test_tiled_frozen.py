@@ -152,10 +152,14 @@ def _selection(rank: int, world: int) -> dict[str, Any]:
     import ds_strategy
 
     out = {}
-    for case in ("tied", "trained head", "small head"):
+    from ds_strategy.zero import register_external_parameter
+
+    for case in ("tied", "trained head", "small head", "head read elsewhere"):
         model = _llama(vocab=64) if case == "small head" else _llama(tie=case == "tied")
         if case == "trained head":
             model.lm_head.weight.requires_grad_(True)
+        if case == "head read elsewhere":  # another module's forward reads the head's weight
+            register_external_parameter(model.model.norm, model.lm_head.weight)
         params = [p for p in model.parameters() if p.requires_grad]
         engine, *_ = ds_strategy.initialize(model=model, model_parameters=params, config=_config())
         out[case] = sorted(type(tw.module).__name__ for tw in engine.stage.gatherer.unit_map.tiled.values())
@@ -169,6 +173,9 @@ def test_tied_trained_or_small_weights_are_not_tiled() -> None:
         assert r["tied"] == [], r  # the weight is read by two modules
         assert r["trained head"] == [], r  # a trained rest stays one unit (one reduce-scatter), gathered whole
         assert r["small head"] == [], r  # not over twice the largest unit
+        # the head's weight, an external parameter of the norm: not tiled (the norm's unit gathers it whole,
+        # which also makes the embedding no larger than twice that unit)
+        assert r["head read elsewhere"] == [], r
 
 
 def test_a_group_of_one_tiles_nothing() -> None:  # its gathered bucket is the partition: nothing to save

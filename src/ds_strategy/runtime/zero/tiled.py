@@ -254,14 +254,10 @@ def tiled_weights(
     root: nn.Module,
     units: Mapping[int, list[BucketKey]],
     groups: Sequence[ShardedGroup],
-    unit_numel: Mapping[int, int],
+    readers: Mapping[int, int],
 ) -> dict[int, TiledWeight]:
-    """``id(module)`` -> its tiling, for the unit modules that qualify (see [Note: tiled frozen weights])."""
-    uses: dict[int, int] = {}
-    for m in root.modules():
-        for p in m._parameters.values():
-            if p is not None:
-                uses[id(p)] = uses.get(id(p), 0) + 1
+    """``id(module)`` -> its tiling, for the unit modules that qualify (see [Note: tiled frozen weights]);
+    ``readers``: ``id(parameter)`` -> the modules reading it, its owners and those holding it as external."""
     candidates: dict[int, TiledWeight] = {}
     for m in root.modules():
         keys = units.get(id(m))
@@ -284,9 +280,8 @@ def tiled_weights(
             or not gs.frozen
             or gs.coll.world_size == 1
             or b in gs.in_place
-            or uses.get(id(weight), 0) != 1
-            or getattr(m, "_ds_external_params", None)
-            or len(bucket.params) != 1
+            or readers.get(id(weight), 0) != 1
+            or len(bucket.params) != 1  # an external parameter of the module would be a second one
             or gs.params[bucket.params[0]] is not weight
             or gs.rest.resident(b) is None
         ):
@@ -297,11 +292,11 @@ def tiled_weights(
         candidates[id(m)] = tw
     if not candidates:
         return {}
-    others = [(n, k) for mid, n in unit_numel.items() if mid not in candidates for k in units[mid]]
-    largest = max((n for n, _ in others), default=0)
+    others = [[groups[g].layout.buckets[b] for g, b in keys] for mid, keys in units.items() if mid not in candidates]
+    largest = max((sum(b.padded for b in unit) for unit in others), default=0)
     # A tile is the largest other bucket's shard on each rank: its buffer has that bucket's bytes, which the
     # host pool (exact sizes) then reuses for both (two tiles in flight cost what a unit and its prefetch do).
-    shard = max((groups[g].layout.buckets[b].shard for _, (g, b) in others), default=0)
+    shard = max((b.shard for unit in others for b in unit), default=0)
     out = {}
     for mid, tw in candidates.items():
         if largest and tw.rows * tw.cols > REST_SPLIT * largest:

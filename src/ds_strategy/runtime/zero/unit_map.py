@@ -59,9 +59,12 @@ class UnitMap:
         owners = unit_owners(self.root, self.policy, lambda p: sizes.get(id(p), p.numel()))
         params: dict[int, list[torch.Tensor | None]] = defaultdict(list)
         holders: list[nn.Module] = []
+        readers: dict[int, int] = defaultdict(int)  # id(parameter) -> modules reading it (own or external)
         for m in self.root.modules():
             owner = owners[id(m)]
             direct = list(m.parameters(recurse=False)) + list(getattr(m, EXTERNAL_ATTR, []))
+            for p in direct:
+                readers[id(p)] += 1
             params[id(owner)] += direct
             if owner is m and isinstance(m, READS_CHILD_PARAMETERS):
                 params[id(m)] += list(m.parameters())
@@ -72,8 +75,7 @@ class UnitMap:
             units[id(m)] = units[id(self.root)]
         self.tiled.clear()
         if self.tile_frozen:
-            padded = {mid: sum(self.groups[g].layout.buckets[b].padded for g, b in keys) for mid, keys in units.items()}
-            self.tiled.update(tiled_weights(self.root, units, self.groups, padded))
+            self.tiled.update(tiled_weights(self.root, units, self.groups, readers))
             for mid in self.tiled:
                 units[mid] = []
         self.units.clear()
