@@ -264,8 +264,10 @@ def test_tiles_issue_no_host_collective_under_the_strict_mode() -> None:
 def test_a_rank_of_four_runs_tiled_and_never_gathers_the_head_whole(monkeypatch: pytest.MonkeyPatch) -> None:
     """torch's fake process group (no data moves: values are not checked): the tiled path of a rank of a
     larger group runs, one tile label per tiled call (embedding, head forward, head backward), and the most
-    gathered at once stays below the head."""
+    gathered at once stays below the head. A tiled call takes one buffer, of a gathered block's size (its
+    two tiles in flight are its halves), so the host pool serves tiles and blocks from the same buffers."""
     import ds_strategy
+    from ds_strategy.runtime import host_memory
     from tests.fake_pg import fake_group
 
     with fake_group(monkeypatch, world_size=4, rank=1):
@@ -282,6 +284,13 @@ def test_a_rank_of_four_runs_tiled_and_never_gathers_the_head_whole(monkeypatch:
             labels: list[int] = []
             original = gatherer.tile_label
             monkeypatch.setattr(gatherer, "tile_label", lambda m: labels.append(id(m)) or original(m))
+            sizes: list[int] = []  # every gathered buffer's elements, in order
+            allocate = host_memory.allocate
+            monkeypatch.setattr(host_memory, "allocate", lambda t: sizes.append(t.numel()) or allocate(t))
+            per_call: list[int] = []  # buffers taken by each tiled forward
+            for m in (model.lm_head, model.model.embed_tokens):
+                m.register_forward_pre_hook(lambda *_: per_call.append(-len(sizes)))
+                m.register_forward_hook(lambda *_: per_call.append(per_call.pop() + len(sizes)))
             for _ in range(2):
                 loss = engine(input_ids=ids, labels=ids).loss
                 engine.backward(loss)
@@ -289,5 +298,8 @@ def test_a_rank_of_four_runs_tiled_and_never_gathers_the_head_whole(monkeypatch:
             head, embed = id(model.lm_head), id(model.model.embed_tokens)
             assert labels == [embed, head, head] * 2, labels
             assert gatherer.peak_live < 32 * 1001
+            assert per_call == [1, 1] * 2, per_call
+            blocks = {gatherer.numel(k) for mid, keys in gatherer.units.items() for k in keys}
+            assert set(sizes) <= blocks, (sorted(set(sizes)), sorted(blocks))
         finally:
             engine.destroy()

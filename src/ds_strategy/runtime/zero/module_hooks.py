@@ -10,6 +10,18 @@ by a multi-grad hook on the module's *inputs*: once the gradients w.r.t. every i
 are computed, the module's backward is over. A module whose inputs need no gradient (the first layer)
 keeps its frozen buckets until ``end_backward``, which frees everything.
 
+[Note: prefetch after release]
+In backward a module's unit is gathered by a hook on its output's gradient, and the frozen buckets of the
+module after it are freed by a hook on that module's inputs' gradients: for sequential blocks the same
+tensor, whose hooks run in the order they were registered, the fetch first (registered by the earlier
+block's forward). Prefetching the next block there would hold three blocks for a moment: the one whose
+backward just ended, the one starting, the one ahead; the host pool then keeps a third block-sized
+buffer for the rest of the run (on the LoRA rank of benchmarks/bench_lora_lightning.py, 14.5 MiB of the
+121 partitioning saves). So the backward fetch gathers what the module needs at once, and its prefetch
+waits for a pre-hook on the node(s) that produced the output: node pre-hooks run after all of a node's
+tensor hooks, the release included, and just before the module's backward computes, which the prefetch
+then overlaps.
+
 [Note: compiled regions]
 Under ``compile`` (runtime/compile.py) stage 3 compiles each repeated block's forward and marks the block
 a leaf: its unit is its whole subtree, gathered by the block's own hooks, which run eagerly around the
@@ -39,7 +51,9 @@ class HookTarget(Protocol):
 
     def check_agreement(self) -> None: ...
 
-    def fetch(self, module: nn.Module) -> None: ...
+    def fetch(self, module: nn.Module, *, prefetch: bool = True) -> None: ...
+
+    def prefetch_after(self, module: nn.Module) -> None: ...
 
     def release(self, module: nn.Module) -> None: ...
 
@@ -71,6 +85,7 @@ class ModuleHooks:
         self._begin_forward = target.begin_forward
         self._check_agreement = target.check_agreement
         self._fetch = target.fetch
+        self._prefetch_after = target.prefetch_after
         self._release = target.release
         self._release_keys = target.release_keys
         self._enter_tiled = target.enter_tiled
@@ -181,12 +196,30 @@ class ModuleHooks:
         if torch.is_grad_enabled():
             outs = [t for t in _tensors(output) if t.requires_grad]
             if outs:
-                register_multi_grad_hook(outs, lambda grads, m=module: self._fetch(m), mode="any")
+                nodes = list({id(t.grad_fn): t.grad_fn for t in outs if t.grad_fn is not None}.values())
+                register_multi_grad_hook(outs, lambda grads, m=module, n=nodes: self._backward_fetch(m, n), mode="any")
                 frozen = self.frozen_units.get(id(module))
                 ins = [t for t in _tensors((args, kwargs)) if t.requires_grad] if frozen else []
                 if ins:  # see [Note: frozen buckets in backward]
                     register_multi_grad_hook(ins, lambda grads, k=frozen: self._release_keys(k), mode="all")
         self._release(module)
+
+    def _backward_fetch(self, module: nn.Module, nodes: list[Any]) -> None:
+        """The gradient w.r.t. ``module``'s output is ready: gather its unit now, prefetch once the nodes
+        that produced the output start (see [Note: prefetch after release])."""
+        if not nodes:
+            self._fetch(module)
+            return
+        self._fetch(module, prefetch=False)
+        once = [False]
+
+        def prefetch(grad_outputs: Any) -> None:
+            if not once[0]:
+                once[0] = True
+                self._prefetch_after(module)
+
+        for node in nodes:
+            node.register_prehook(prefetch)
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

@@ -94,6 +94,9 @@ class ParamGatherer:
         self.divergence = DivergenceCheck(coll, self.device, probe, self.names, self.index, self.timeout_s)
         self.users: dict[BucketKey, int] = defaultdict(int)
         self.inflight: dict[BucketKey, _Gather] = {}
+        self.deferred: dict[
+            int, int
+        ] = {}  # module id -> its fetch's label, prefetch to come ([Note: prefetch after release])
         self.held: set[BucketKey] = set()  # see [Note: held buckets]
         self.planner = PrefetchPlanner(
             self.units,
@@ -150,8 +153,9 @@ class ParamGatherer:
         for key in [k for k, n in self.users.items() if n <= 0]:
             self.free(key)
 
-    def fetch(self, module: nn.Module) -> None:
-        """Gather ``module``'s unit (and prefetch the next ones); count a user of each of its buckets."""
+    def fetch(self, module: nn.Module, *, prefetch: bool = True) -> None:
+        """Gather ``module``'s unit (and prefetch the next ones, unless ``prefetch`` is False: then
+        ``prefetch_after`` does, see [Note: prefetch after release]); count a user of each of its buckets."""
         keys = self.units.get(id(module))
         if not keys:
             return
@@ -159,10 +163,12 @@ class ParamGatherer:
             planner = self.planner
             planner.advance(id(module))
             need = [k for k in keys if not self.live(k) and k not in self.inflight]
-            plan = planner.plan(set(keys), sum(self.numel(k) for k in need))
+            plan = planner.plan(set(keys), sum(self.numel(k) for k in need)) if prefetch else []
             if need or plan:
                 planner.make_room(sum(self.numel(k) for k in need + plan), protect=set(keys))
             tag = self.divergence.label(id(module), blocking=bool(need))
+            if not prefetch:
+                self.deferred[id(module)] = tag
             for k in need + plan:
                 self.inflight[k] = self._gather(k, tag, id(module))
                 self.gathers += 1
@@ -173,6 +179,20 @@ class ParamGatherer:
                 if handle is not None:
                     handle.wait()
                 self.users[k] += 1
+
+    def prefetch_after(self, module: nn.Module) -> None:
+        """The prefetch of a backward fetch of ``module`` made with ``prefetch=False``, issued now."""
+        tag = self.deferred.pop(id(module), None)
+        keys = self.units.get(id(module))
+        if tag is None or not keys:
+            return
+        plan = self.planner.plan(set(keys), 0)
+        if plan:
+            self.planner.make_room(sum(self.numel(k) for k in plan), protect=set(keys))
+        for k in plan:
+            self.inflight[k] = self._gather(k, tag, id(module))
+            self.gathers += 1
+        self.peak_live = max(self.peak_live, self.live_numel())
 
     def release(self, module: nn.Module) -> None:
         """A forward of ``module`` ended: free its buckets unless in use or reused soon."""
@@ -245,6 +265,7 @@ class ParamGatherer:
             for b in range(len(gs.full)):
                 self.free((g, b))
         self.users.clear()
+        self.deferred.clear()
         self.planner.finish()
 
     def free(self, key: BucketKey) -> None:

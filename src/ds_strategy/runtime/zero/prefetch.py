@@ -16,7 +16,7 @@ DeepSpeed's defaults (``stage3_max_reuse_distance`` = ``stage3_max_live_paramete
 of a model below 1e9 parameters gathered from its forward to its backward, and its prefetch default
 (``stage3_prefetch_bucket_size`` = 5e7) gathers up to 50M elements ahead: stage 3 then holds most of a
 small model, as stage 2 does. So when the config does not state ``stage3_max_reuse_distance``, a unit is
-freed after use unless one of the next ``REUSE_UNITS`` distinct units of the recorded order uses it again
+freed after use unless one of the next ``REUSE_UNITS`` unit fetches of the recorded order uses it again
 (the last block of the forward, whose backward comes next; the rest unit between the root's forward and
 its backward), and when it does not state ``stage3_prefetch_bucket_size`` only the next unit is prefetched:
 FSDP2's reshard-after-forward and its one-block prefetch. A config that states the keys keeps DeepSpeed's
@@ -143,11 +143,12 @@ class PrefetchPlanner:
 
     def _next_unit(self, exclude: set[BucketKey], budget: int) -> list[BucketKey]:
         """What the next distinct unit of the recorded order still needs gathered (nothing when it does not
-        fit ``budget``): one unit ahead, as FSDP2 prefetches, whether or not it is gathered already."""
+        fit ``budget``): one unit ahead, as FSDP2 prefetches, whether or not it is gathered already. When the
+        next unit is the one being fetched (the last block of the forward, whose backward comes next), nothing
+        is gathered now: the unit after it is prefetched when that backward starts, not across the head and
+        the loss, where it would only add a unit to the step's peak."""
         buckets = self.buckets
         for keys in self._upcoming_units():
-            if set(keys) <= exclude:
-                continue
             plan = [k for k in keys if k not in exclude and not buckets.live(k) and k not in buckets.inflight]
             return plan if sum(buckets.numel(k) for k in plan) <= budget else []
         return []
@@ -177,8 +178,11 @@ class PrefetchPlanner:
         return False
 
     def _in_next_units(self, key: BucketKey, count: int) -> bool:
-        """Whether ``key`` belongs to one of the next ``count`` distinct units of the recorded order."""
-        return any(key in keys for keys in islice(self._upcoming_units(), count))
+        """Whether one of the next ``count`` unit fetches of the recorded order (modules with no unit skipped)
+        uses ``key``: fetches, not distinct units, so a block whose backward follows the last block's is
+        not kept across the head and the loss (the last block's own backward counts as one fetch)."""
+        fetches = (keys for keys in (self.units.get(mid, []) for mid in self._upcoming()) if keys)
+        return any(key in keys for keys in islice(fetches, count))
 
     def make_room(self, extra: int, protect: set[BucketKey]) -> None:
         """Free unused live buckets (oldest key first) until ``extra`` more elements fit the live limit."""

@@ -17,7 +17,10 @@ forward pre-hook enters ``TiledCalls``, a torch function mode that catches the m
 ``F.linear`` / ``F.embedding`` call on that weight and computes it from tiles: tile ``j`` is one
 all-gather of the elements ``[j*t, (j+1)*t)`` of every rank's shard, i.e. ``W`` flat segments of the
 weight, each split into whole rows (a matmul or a row lookup) and at most two partial rows (a partial dot
-product, the two parts of a row summed in fp32). The next tile is gathered while the current one is used.
+product, the two parts of a row summed in fp32). The next tile is gathered while the current one is used,
+the two in the halves of one buffer with a gathered block's bytes (``t`` is half the largest other
+bucket's shard): the host pool, keyed by size, serves it from the blocks' buffers, and a tiled call holds
+what one gathered block does.
 The Linear's backward (the gradient w.r.t. its input; the weight takes none) gathers the tiles again.
 Any other call that reads the weight inside the module's forward gathers it whole for the rest of that
 forward (correct, just not tiled). Held or otherwise gathered buckets (the hybrid engine, a
@@ -61,6 +64,7 @@ class TiledWeight:
     start: int  # the weight's first element in the bucket's flat buffer
     shard: int  # the bucket's elements on each rank
     tile: int  # elements of each rank's shard per tile
+    span: int = 0  # elements per rank of the call's one buffer (>= 2 tiles): the largest other bucket's shard
 
     @property
     def live(self) -> bool:
@@ -69,31 +73,37 @@ class TiledWeight:
 
     def tiles(self, coll: Collectives, tag: int) -> Iterator[list[tuple[int, torch.Tensor]]]:
         """Each tile as its segments ``(first flat index in the weight, values)``; tile ``j+1``'s all-gather
-        is in flight while tile ``j`` is used, and a tile's buffer goes back once the next one is asked for."""
+        is in flight while tile ``j`` is used. Both live in the two halves of one buffer taken for the call
+        (tile ``j+2`` overwrites tile ``j`` only once tile ``j+1`` is asked for; on CUDA the collective is
+        ordered after the compute stream's reads of it)."""
         part = self.group.rest.resident(self.key[1])
         assert part is not None, "a tiled weight's partition rests in memory (see tiled_weights)"
         world, numel = coll.world_size, self.rows * self.cols
         starts = list(range(0, self.shard, self.tile))
+        buf = host_memory.unallocated(world * max(self.span, 2 * self.tile), part.dtype, part.device)
+        host_memory.allocate(buf)
 
-        def issue(lo: int) -> tuple[int, int, torch.Tensor, Any]:
+        def issue(j: int) -> tuple[int, int, torch.Tensor, Any]:
+            lo = starts[j]
             n = min(self.tile, self.shard - lo)
-            buf = host_memory.unallocated(world * n, part.dtype, part.device)
-            host_memory.allocate(buf)
-            return lo, n, buf, coll.all_gather(buf, part[lo : lo + n], async_op=True, tag=tag)
+            half = buf[(j % 2) * world * self.tile :][: world * n]
+            return lo, n, half, coll.all_gather(half, part[lo : lo + n], async_op=True, tag=tag)
 
-        pending = issue(starts[0])
-        for j in range(len(starts)):
-            lo, n, buf, handle = pending
-            if j + 1 < len(starts):
-                pending = issue(starts[j + 1])
-            handle.wait()
-            segments = []
-            for r in range(world):
-                a = r * self.shard + lo - self.start  # the segment's first element in the weight
-                a0, z0 = max(a, 0), min(a + n, numel)
-                if a0 < z0:
-                    segments.append((a0, buf[r * n + a0 - a : r * n + z0 - a]))
-            yield segments
+        try:
+            pending = issue(0)
+            for j in range(len(starts)):
+                lo, n, tile, handle = pending
+                if j + 1 < len(starts):
+                    pending = issue(j + 1)
+                handle.wait()
+                segments = []
+                for r in range(world):
+                    a = r * self.shard + lo - self.start  # the segment's first element in the weight
+                    a0, z0 = max(a, 0), min(a + n, numel)
+                    if a0 < z0:
+                        segments.append((a0, tile[r * n + a0 - a : r * n + z0 - a]))
+                yield segments
+        finally:
             host_memory.release(buf)
 
 
@@ -294,12 +304,14 @@ def tiled_weights(
         return {}
     others = [[groups[g].layout.buckets[b] for g, b in keys] for mid, keys in units.items() if mid not in candidates]
     largest = max((sum(b.padded for b in unit) for unit in others), default=0)
-    # A tile is the largest other bucket's shard on each rank: its buffer has that bucket's bytes, which the
-    # host pool (exact sizes) then reuses for both (two tiles in flight cost what a unit and its prefetch do).
+    # A call's two tiles in flight share one buffer with the largest other bucket's bytes, which the host pool
+    # (exact sizes) then reuses for both: the tiled call holds what one gathered unit does, and the last
+    # block kept for its backward plus the head's tiles fit in what a unit and its prefetch take.
     shard = max((b.shard for unit in others for b in unit), default=0)
     out = {}
     for mid, tw in candidates.items():
         if largest and tw.rows * tw.cols > REST_SPLIT * largest:
-            tw.tile = max(1, min(shard, tw.shard))
+            tw.tile = max(1, min(shard // 2, tw.shard))
+            tw.span = max(shard, 2 * tw.tile)
             out[mid] = tw
     return out
