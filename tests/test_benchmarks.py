@@ -107,20 +107,9 @@ def test_run_all_quick_writes_every_result(tmp_path: Path, cpu_kernels: bool) ->
     assert compiled["backend"] == "aot_eager" and compiled["derived"]["stage2_compiled_over_ddp_compiled"] > 0
     assert all("compile_s" in r for r in compiled["cases"] if r["case"].endswith("compiled"))
 
-    after = {p: p.stat().st_mtime_ns for p in (ROOT / "benchmarks" / "results").glob("*")}
-    assert after == committed, "the smoke run touched the committed results"
-    print(f"run_all --quick: {wall:.0f} s")
-
-
-@pytest.mark.kernels
-def test_aio_quick_writes_its_results(tmp_path: Path, cpu_kernels: bool) -> None:
-    """bench_aio alone at a tiny size (the run_all smoke test above runs it too, among the slow ones)."""
-    proc = subprocess.run(
-        [sys.executable, "-m", "benchmarks.bench_aio", "--quick", "--size-mib", "4", "--dir", str(tmp_path)],
-        cwd=ROOT, env=_bench_env(tmp_path / "results"), capture_output=True, text=True, timeout=300, check=False,
-    )  # fmt: skip
-    assert proc.returncode == 0, proc.stdout[-4000:] + proc.stderr[-4000:]
-    payload = json.loads((tmp_path / "results" / "aio.json").read_text())
+    # bench_aio (16 MiB in --quick): every compiled backend, fio and DeepSpeed's handle where installed, the queue
+    # depth kept in flight
+    payload = json.loads((tmp_path / "aio.json").read_text())
     engines = {(r["engine"], r["io"]) for r in payload["cases"]}
     from ds_strategy.ops.aio import compiled_backends
 
@@ -136,12 +125,15 @@ def test_aio_quick_writes_its_results(tmp_path: Path, cpu_kernels: bool) -> None
     blocks = payload["bytes"] // payload["block_size"]
     depth = {(r["io"], r["depth"]): r["device_max_in_flight"] for r in payload["cases"] if r["engine"] == "ours"}
     assert all(n == (min(d, blocks) if io != "blocking" else 1) for (io, d), n in depth.items()), depth
-    assert "| plain sequential" in (tmp_path / "results" / "aio.md").read_text()
-    assert (tmp_path / "results" / "aio.png").read_bytes()[:8] == PNG
+    assert "| plain sequential" in (tmp_path / "aio.md").read_text()
+    assert (tmp_path / "aio.png").read_bytes()[:8] == PNG
     from benchmarks.bench_aio import headlines
 
     assert any("qd 8" in figure for figure, _ in headlines(payload))
-    assert [p.name for p in tmp_path.iterdir()] == ["results"]  # the test file's folder was removed
+
+    after = {p: p.stat().st_mtime_ns for p in (ROOT / "benchmarks" / "results").glob("*")}
+    assert after == committed, "the smoke run touched the committed results"
+    print(f"run_all --quick: {wall:.0f} s")
 
 
 def _bench_env(results: Path) -> dict[str, str]:
