@@ -94,9 +94,8 @@ class ParamGatherer:
         self.divergence = DivergenceCheck(coll, self.device, probe, self.names, self.index, self.timeout_s)
         self.users: dict[BucketKey, int] = defaultdict(int)
         self.inflight: dict[BucketKey, _Gather] = {}
-        self.deferred: dict[
-            int, int
-        ] = {}  # module id -> its fetch's label, prefetch to come ([Note: prefetch after release])
+        # module id -> the label of its backward fetch whose prefetch is to come ([Note: prefetch after release])
+        self.deferred: dict[int, int] = {}
         self.held: set[BucketKey] = set()  # see [Note: held buckets]
         self.planner = PrefetchPlanner(
             self.units,
