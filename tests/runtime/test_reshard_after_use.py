@@ -5,6 +5,8 @@ freed by a hook that used to run after the next block's prefetch."""
 
 from __future__ import annotations
 
+import gc
+import weakref
 from collections.abc import Container, Mapping, Sequence
 from typing import Any
 
@@ -142,8 +144,15 @@ def _adapter_run(rank: int, world: int) -> dict[str, Any]:
         peaks.append(gatherer.peak_live)
     block = sum(gatherer.numel(k) for k in gatherer.units[id(model.blocks[1])])
     rest = sum(gatherer.numel(k) for k in gatherer.units[id(model)])  # the embedding and the head
+    partition = weakref.ref(gatherer.groups[0].rest)
+    # The caller keeps the last loss (its graph backpropagated) and one more, never backpropagated.
+    kept = [loss, engine(torch.randint(0, 64, (2, 8), generator=gen))]
     engine.destroy()
-    return {"losses": losses, "peaks": peaks, "at_head": at_head, "block": block, "rest": rest}
+    del engine, gatherer
+    gc.collect()
+    freed = partition() is None  # [Note: the graph holds the hooks weakly]
+    del kept
+    return {"losses": losses, "peaks": peaks, "at_head": at_head, "block": block, "rest": rest, "freed": freed}
 
 
 @pytest.mark.multiprocess
@@ -162,4 +171,6 @@ def test_an_adapter_fine_tune_holds_a_block_and_its_prefetch_at_most() -> None:
         # forward, so it is freed like the others (FSDP2's reshard after forward) and prefetched when the
         # head's backward starts; where the last block's backward is the very next fetch (a tiled head, the
         # planner test above) it stays.
-        assert r["at_head"][1:] == [rest] * (STEPS - 1), r
+        assert r["at_head"][1:STEPS] == [rest] * (STEPS - 1), r
+        # Graphs kept past the engine (a loss held by the caller) do not keep its partitions alive.
+        assert r["freed"], r

@@ -22,6 +22,15 @@ waits for a pre-hook on the node(s) that produced the output: node pre-hooks run
 tensor hooks, the release included, and just before the module's backward computes, which the prefetch
 then overlaps.
 
+[Note: the graph holds the hooks weakly]
+The gradient hooks live as long as the autograd graph they sit on, and a graph can outlive its step: a
+caller keeps the last loss with its ``grad_fn`` (Lightning's closure result), or torch's own multi-grad
+hook (its "all" mode keeps the nodes it waits on inside the hooks those nodes hold) leaves a cycle that
+passes through C++. Holding the hooks object strongly, such a graph kept the gatherer, its groups and
+every partition alive after the engine was destroyed (the LoRA rank of benchmarks/bench_lora_lightning.py:
+120 MiB of frozen partition still resident after ``fit``). So the hooks reach this object through a weak
+reference and do nothing once it is gone.
+
 [Note: compiled regions]
 Under ``compile`` (runtime/compile.py) stage 3 compiles each repeated block's forward and marks the block
 a leaf: its unit is its whole subtree, gathered by the block's own hooks, which run eagerly around the
@@ -33,6 +42,7 @@ releases or communicates, and one graph serves every block.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sequence
 from typing import Any, Protocol
 
@@ -196,30 +206,52 @@ class ModuleHooks:
         if torch.is_grad_enabled():
             outs = [t for t in _tensors(output) if t.requires_grad]
             if outs:
+                me = weakref.ref(self)  # see [Note: the graph holds the hooks weakly]
                 nodes = list({id(t.grad_fn): t.grad_fn for t in outs if t.grad_fn is not None}.values())
-                register_multi_grad_hook(outs, lambda grads, m=module, n=nodes: self._backward_fetch(m, n), mode="any")
+                register_multi_grad_hook(
+                    outs, lambda grads, m=module, n=nodes: _fetch_for_backward(me, m, n), mode="any"
+                )
                 frozen = self.frozen_units.get(id(module))
                 ins = [t for t in _tensors((args, kwargs)) if t.requires_grad] if frozen else []
                 if ins:  # see [Note: frozen buckets in backward]
-                    register_multi_grad_hook(ins, lambda grads, k=frozen: self._release_keys(k), mode="all")
+                    register_multi_grad_hook(ins, lambda grads, k=frozen: _release_frozen(me, k), mode="all")
         self._release(module)
 
-    def _backward_fetch(self, module: nn.Module, nodes: list[Any]) -> None:
+    def backward_fetch(self, module: nn.Module, nodes: list[Any]) -> None:
         """The gradient w.r.t. ``module``'s output is ready: gather its unit now, prefetch once the nodes
         that produced the output start (see [Note: prefetch after release])."""
         if not nodes:
             self._fetch(module)
             return
         self._fetch(module, prefetch=False)
-        once = [False]
+        me, once = weakref.ref(self), [False]
 
         def prefetch(grad_outputs: Any) -> None:
-            if not once[0]:
+            hooks = me()
+            if hooks is not None and not once[0]:
                 once[0] = True
-                self._prefetch_after(module)
+                hooks.prefetch_after(module)
 
         for node in nodes:
             node.register_prehook(prefetch)
+
+    def prefetch_after(self, module: nn.Module) -> None:
+        self._prefetch_after(module)
+
+    def release_frozen(self, keys: Sequence[BucketKey]) -> None:
+        self._release_keys(keys)
+
+
+def _fetch_for_backward(me: weakref.ref[ModuleHooks], module: nn.Module, nodes: list[Any]) -> None:
+    hooks = me()
+    if hooks is not None:
+        hooks.backward_fetch(module, nodes)
+
+
+def _release_frozen(me: weakref.ref[ModuleHooks], keys: Sequence[BucketKey]) -> None:
+    hooks = me()
+    if hooks is not None:
+        hooks.release_frozen(keys)
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:

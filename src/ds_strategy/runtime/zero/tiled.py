@@ -31,6 +31,7 @@ masks select with ``torch.where``.
 
 from __future__ import annotations
 
+import weakref
 from collections.abc import Iterator, Mapping, Sequence
 from dataclasses import dataclass
 from typing import Any, Protocol
@@ -149,7 +150,9 @@ class _TiledLinear(torch.autograd.Function):
     @staticmethod
     def forward(ctx: Any, x: torch.Tensor, tw: TiledWeight, source: TileSource) -> torch.Tensor:
         dtype = _compute_dtype(x)
-        ctx.tw, ctx.source, ctx.dtype, ctx.x_dtype = tw, source, dtype, x.dtype
+        # weakly: a graph kept past its step must not keep the engine's groups alive ([Note: the graph holds
+        # the hooks weakly] in module_hooks.py)
+        ctx.tw, ctx.source, ctx.dtype, ctx.x_dtype = weakref.ref(tw), weakref.ref(source), dtype, x.dtype
         xc = x.to(dtype)
         out = xc.new_zeros(*x.shape[:-1], tw.rows)
         split: dict[int, torch.Tensor] = {}  # rows split over two segments: summed in fp32, rounded once
@@ -170,10 +173,15 @@ class _TiledLinear(torch.autograd.Function):
     def backward(ctx: Any, grad: torch.Tensor) -> tuple[torch.Tensor | None, None, None]:
         if not ctx.needs_input_grad[0]:
             return None, None, None
-        tw, dtype = ctx.tw, ctx.dtype
+        tw, source, dtype = ctx.tw(), ctx.source(), ctx.dtype
+        if tw is None or source is None:
+            raise RuntimeError(
+                "ZeRO stage 3: backward through a tiled frozen weight after its engine was destroyed; run "
+                "backward before engine.destroy() (or the end of Trainer.fit)"
+            )
         g = grad.to(dtype)
         gx = g.new_zeros(*g.shape[:-1], tw.cols, dtype=torch.float32)  # one rounding, as one matmul's
-        for segments in tw.tiles(ctx.source.coll, ctx.source.tile_label(tw.module)):
+        for segments in tw.tiles(source.coll, source.tile_label(tw.module)):
             for first, values in segments:
                 for row, col, w in pieces(first, values.to(dtype), tw.cols):
                     if w.dim() == 2:
