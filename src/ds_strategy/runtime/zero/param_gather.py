@@ -159,19 +159,18 @@ class ParamGatherer:
         if not keys:
             return
         with span(lambda: f"ds::gather[{self.names.get(id(module), '?')}]"):
-            planner = self.planner
-            planner.advance(id(module))
+            self.planner.advance(id(module))
             need = [k for k in keys if not self.live(k) and k not in self.inflight]
-            plan = planner.plan(set(keys), sum(self.numel(k) for k in need)) if prefetch else []
-            if need or plan:
-                planner.make_room(sum(self.numel(k) for k in need + plan), protect=set(keys))
+            if need:
+                self.planner.make_room(sum(self.numel(k) for k in need), protect=set(keys))
             tag = self.divergence.label(id(module), blocking=bool(need))
-            if not prefetch:
-                self.deferred[id(module)] = tag
-            for k in need + plan:
+            for k in need:
                 self.inflight[k] = self._gather(k, tag, id(module))
                 self.gathers += 1
             self.misses += bool(need)
+            self.deferred[id(module)] = tag
+            if prefetch:  # issued before waiting for the unit: the next one's gather overlaps this compute
+                self.prefetch_after(module)
             self.peak_live = max(self.peak_live, self.live_numel())
             for k in keys:
                 handle = self.inflight.pop(k, None)
@@ -180,12 +179,13 @@ class ParamGatherer:
                 self.users[k] += 1
 
     def prefetch_after(self, module: nn.Module) -> None:
-        """The prefetch of a backward fetch of ``module`` made with ``prefetch=False``, issued now."""
+        """Gather ahead what the recorded order needs next (see [Note: prefetch order]), for the last fetch of
+        ``module``: at once, or from the hook that ``fetch(prefetch=False)`` left for it."""
         tag = self.deferred.pop(id(module), None)
         keys = self.units.get(id(module))
         if tag is None or not keys:
             return
-        plan = self.planner.plan(set(keys), 0)
+        plan = self.planner.plan(set(keys), 0)  # the unit's own buckets are live (gathered or in flight)
         if plan:
             self.planner.make_room(sum(self.numel(k) for k in plan), protect=set(keys))
         for k in plan:

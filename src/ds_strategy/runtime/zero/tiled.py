@@ -65,7 +65,7 @@ class TiledWeight:
     start: int  # the weight's first element in the bucket's flat buffer
     shard: int  # the bucket's elements on each rank
     tile: int  # elements of each rank's shard per tile
-    span: int = 0  # elements per rank of the call's one buffer (>= 2 tiles): the largest other bucket's shard
+    span: int = 0  # elements per rank of the call's one buffer (2 tiles or more): the largest other bucket's shard
 
     @property
     def live(self) -> bool:
@@ -81,7 +81,7 @@ class TiledWeight:
         assert part is not None, "a tiled weight's partition rests in memory (see tiled_weights)"
         world, numel = coll.world_size, self.rows * self.cols
         starts = list(range(0, self.shard, self.tile))
-        buf = host_memory.unallocated(world * max(self.span, 2 * self.tile), part.dtype, part.device)
+        buf = host_memory.unallocated(world * self.span, part.dtype, part.device)
         host_memory.allocate(buf)
 
         def issue(j: int) -> tuple[int, int, torch.Tensor, Any]:
