@@ -87,6 +87,23 @@ def test_the_last_block_prefetches_nothing_and_only_it_stays_for_its_backward() 
     assert _planner_at([1, 1, 2, 2, 1], 0).reused_soon((0, 1))
 
 
+def test_the_forward_ends_where_the_next_fetch_repeats_the_last_one() -> None:
+    """``at_forward_end`` ([Note: the loss's peak] in runtime/host_memory.py): after the last block's forward
+    (its backward is the next fetch), not inside the forward or the backward, and not before a record."""
+    trace = [1, 2, 3, 4, 4, 3, 2, 1]
+    assert [_planner_at(trace, at).at_forward_end() for at in range(len(trace))] == [
+        False, False, False, True, False, False, False, False,
+    ]  # fmt: skip
+    from ds_strategy.runtime.zero.prefetch import PrefetchPlanner
+
+    recording = PrefetchPlanner(
+        {1: [(0, 1)]}, _Buckets({(0, 1): 10}), prefetch_numel=None, max_live_numel=10**9, reuse_distance=None
+    )
+    recording.begin()
+    recording.advance(1)
+    assert not recording.at_forward_end()
+
+
 class _Block(nn.Module):
     """A frozen MLP block with a trained low-rank adapter beside it, as peft's LoRA puts one."""
 
@@ -131,7 +148,8 @@ def _adapter_run(rank: int, world: int) -> dict[str, Any]:
     engine, *_ = ds_strategy.initialize(model=model, model_parameters=params, config=cfg)
     gatherer = engine.stage.gatherer
     at_head: list[int] = []
-    model.head.register_forward_pre_hook(lambda *_: at_head.append(gatherer.live_numel()))
+    held = weakref.ref(gatherer)  # the hook must not keep the gatherer alive past destroy (checked below)
+    model.head.register_forward_pre_hook(lambda *_: at_head.append(held().live_numel()))  # type: ignore[union-attr]
     gen = torch.Generator().manual_seed(rank)
     losses, peaks = [], []
     for _ in range(STEPS):

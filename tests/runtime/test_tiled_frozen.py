@@ -303,3 +303,53 @@ def test_a_rank_of_four_runs_tiled_and_never_gathers_the_head_whole(monkeypatch:
             assert set(sizes) <= blocks, (sorted(set(sizes)), sorted(blocks))
         finally:
             engine.destroy()
+
+
+def test_idle_host_memory_is_given_back_before_the_loss_and_the_heap_trimmed_after_it(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """[Note: the loss's peak] in runtime/host_memory.py: on the CPU, the pool's idle buffers and the heap's
+    free pages go back before the loss (at the tiled head's exit once the order is recorded, at the start of
+    the backward before that), and the heap is trimmed again when the backward takes its first gathered
+    buffer; then the step's own trim. Nothing of it in a forward without gradients."""
+    import ds_strategy
+    from ds_strategy.runtime import host_memory
+    from tests.fake_pg import fake_group
+
+    with fake_group(monkeypatch, world_size=4, rank=1):
+        model = _llama()
+        params = [p for p in model.parameters() if p.requires_grad]
+        engine, *_ = ds_strategy.initialize(model=model, model_parameters=params, config=_config())
+        try:
+            events: list[str] = []
+            give_back, trim_heap = host_memory.give_back_idle, host_memory.trim_heap
+
+            def gave_back() -> None:
+                give_back()
+                events.append(f"give back (pool caches {host_memory.pool_stats()[1]})")
+
+            monkeypatch.setattr(host_memory, "give_back_idle", gave_back)
+            monkeypatch.setattr(host_memory, "trim_heap", lambda: events.append("trim heap") or trim_heap())
+            model.lm_head.register_forward_hook(lambda *_: events.append("head"))
+            ids = torch.randint(0, 1001, (MICRO, SEQ), generator=torch.Generator().manual_seed(0))
+            per_step = []
+            for _ in range(2):
+                loss = engine(input_ids=ids, labels=ids).loss
+                events.append("backward")
+                engine.backward(loss)
+                events.append("step")
+                engine.step()
+                per_step.append(events[:])
+                events.clear()
+            with torch.no_grad():
+                engine(input_ids=ids, labels=ids)
+            no_grad = events[:]
+        finally:
+            engine.destroy()
+    # Step 1 records the order: the backward's start gives back.
+    first = ["head", "backward", "trim heap", "give back (pool caches 0)", "trim heap", "step", "trim heap"]
+    assert per_step[0] == first, per_step[0]
+    # From step 2 the tiled head knows that the forward's stage-3 work is over: before the loss.
+    second = ["trim heap", "give back (pool caches 0)", "head", "backward", "trim heap", "step", "trim heap"]
+    assert per_step[1] == second, per_step[1]
+    assert no_grad == ["head"], no_grad

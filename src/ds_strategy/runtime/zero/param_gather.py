@@ -42,6 +42,7 @@ from torch import nn
 from ds_strategy import env
 from ds_strategy.accelerator.spans import span
 
+from .. import host_memory
 from .collectives import Collectives, Handle
 from .divergence import DivergenceCheck
 from .module_hooks import ModuleHooks
@@ -108,6 +109,7 @@ class ParamGatherer:
         self.gathers = 0  # bucket all-gathers issued (for tests and reports) ...
         self.misses = 0  # ... fetches that found a bucket neither gathered nor prefetched ...
         self.peak_live = 0  # ... and the most partitioned-bucket elements gathered at once
+        self.gave_back = False  # the forward's end gave back the idle host memory ([Note: the loss's peak])
 
     # ------------------------------------------------------------------ set-up (the hooks: module_hooks.py)
     def add_external(self, module: nn.Module, param: torch.Tensor) -> None:
@@ -149,6 +151,7 @@ class ParamGatherer:
             self.planner.forget()
             self.hooks.rehook()  # other modules may be units now (the root's own hooks are running: kept)
         self.planner.begin()
+        self.gave_back = False
         for key in [k for k, n in self.users.items() if n <= 0]:
             self.free(key)
 
@@ -206,6 +209,9 @@ class ParamGatherer:
 
     def exit_tiled(self, module: nn.Module) -> None:
         self.tiles.exit()
+        if self.device.type == "cpu" and torch.is_grad_enabled() and self.planner.at_forward_end():
+            host_memory.give_back_idle()  # before the loss: [Note: the loss's peak] in host_memory.py
+            self.gave_back = True
 
     def tile_label(self, module: nn.Module) -> int:
         """Label the tile gathers of one call of a tiled module (the divergence check counts it as a fetch)."""

@@ -106,6 +106,17 @@ class PrefetchPlanner:
         else:
             self._cursor = None  # off the recorded path (see [Note: prefetch order])
 
+    def at_forward_end(self) -> bool:
+        """Whether the record's next fetch is the one made last: the last block's forward is done and its
+        backward comes next, so no stage-3 work remains in this forward."""
+        at = self._cursor
+        return (
+            self.trace is not None
+            and at is not None
+            and 0 < at < len(self.trace)
+            and self.trace[at] == self.trace[at - 1]
+        )
+
     def _upcoming(self) -> Iterator[int]:
         if self.trace is None or self._cursor is None:
             return iter(())

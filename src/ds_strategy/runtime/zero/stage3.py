@@ -372,6 +372,14 @@ class Stage3(Stage2):
         super()._reset_window()
         self.partition_grads = [self._partition_grad(gs) for gs in self.groups]
 
+    def begin_backward(self, *, reduce: bool) -> None:
+        super().begin_backward(reduce=reduce)
+        if self._host_compute:  # see [Note: the loss's peak] in host_memory.py
+            if not self.gatherer.gave_back:
+                host_memory.give_back_idle()
+            self.gatherer.gave_back = False
+            host_memory.trim_heap_at_next_allocation()
+
     def end_backward(self) -> None:
         super().end_backward()
         self.gatherer.end_backward()
