@@ -33,7 +33,7 @@ transients. So when the forward's stage-3 work is over (``give_back_idle``: at t
 next fetch is the last block's backward, else when the backward starts) the pool gives back its idle
 buffers and the heap its free pages, and the heap is trimmed once more when the backward first takes a
 gathered buffer (``trim_heap_at_next_allocation``: the loss's backward is done by then). Measured on the LoRA Llama of
-benchmarks/bench_lora_lightning.py (63M, 2 ranks): the training steps' peak 772-777 MiB -> 719-728, two
+benchmarks/bench_lora_lightning.py (63M, 2 ranks): the training steps' peak 772-777 MiB -> 717-726, two
 trims of ~5 ms a step more.
 """
 
