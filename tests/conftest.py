@@ -15,6 +15,7 @@ The checks live in tests/leak_police.py (``LEAKABLE_ENV`` lists the variables th
 
 from __future__ import annotations
 
+import os
 import shutil
 from collections.abc import Iterator
 
@@ -24,6 +25,13 @@ from tests import leak_police
 from tests.harness import shutdown_pools
 
 pytest_plugins = ["pytester"]  # tests/test_leak_police.py runs a small suite through the fixtures below
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    """On pytest-xdist workers (``nox -s tests``), the ``slow`` tests go first, so that the longest ones start
+    while the quick ones are still there to fill the other worker's time. Every worker sorts alike."""
+    if os.environ.get("PYTEST_XDIST_WORKER"):
+        items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order otherwise
 
 
 @pytest.fixture(scope="session", autouse=True)

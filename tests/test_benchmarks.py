@@ -231,6 +231,7 @@ def test_hybrid_one_rank_pipeline_on_the_cpu(tmp_path: Path) -> None:
         assert not list(tmp_path.glob("hybrid_cuda*"))
 
 
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_zero3_gpu_and_fetch_cost_plumbing_on_the_cpu(tmp_path: Path) -> None:
     """bench_zero3_gpu (through Lightning, world 1 and a fake group of 8) and bench_fetch_cost, tiny runs on the

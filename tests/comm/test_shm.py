@@ -285,6 +285,7 @@ def _late_body(rank: int, world: int) -> tuple[str, float]:
     return message, seconds
 
 
+@pytest.mark.serial
 def test_missing_rank_times_out_named(cpu_kernels: bool) -> None:
     (message, seconds), _ = run_distributed(_late_body, world_size=2)
     assert "all_reduce: rank 1 did not arrive within the 1 s timeout" in message, message
@@ -306,6 +307,7 @@ def _killed_body(rank: int, world: int) -> None:
         raise AssertionError(f"SURVIVOR after {time.monotonic() - start:.2f}s: {err}") from None
 
 
+@pytest.mark.serial
 def test_killed_peer_is_named_within_the_timeout(cpu_kernels: bool) -> None:
     before = _our_segments()
     with pytest.raises(DistributedTestError) as info:
@@ -334,6 +336,7 @@ def _gil_body(rank: int, world: int) -> tuple[int, float, float]:
         comm.close()
 
 
+@pytest.mark.serial
 def test_collective_releases_the_gil(cpu_kernels: bool) -> None:
     # With the GIL held inside the op the spinner would stop for the whole call. Two ranks and two spinners
     # share 2 cores here, so the bar is a tenth of the free-running rate, far above zero.

@@ -67,6 +67,7 @@ def test_size_mismatch_and_oversized_messages_raise() -> None:
         rx.recv(torch.empty(8))
 
 
+@pytest.mark.serial
 def test_poll_stops_a_wait_and_the_timeout_names_the_channel() -> None:
     tx, rx = _pair(slots=1, slot_bytes=8, timeout=0.3)
     calls = []

@@ -358,6 +358,7 @@ def test_overlap_events_false_completes_before_returning(backend: str, tmp_path:
     assert torch.equal(x, y)
 
 
+@pytest.mark.serial
 def test_waiting_releases_the_gil(backend: str, tmp_path: Path) -> None:
     x = aligned_empty(BIG, torch.uint8).fill_(1)
     options = AioOptions(queue_depth=BIG // AioOptions().block_size)

@@ -58,6 +58,7 @@ def test_forced_isa_and_bad_isa(monkeypatch: pytest.MonkeyPatch) -> None:
         detect_isa()
 
 
+@pytest.mark.serial
 def test_build_then_warm_hit(tmp_path: Path) -> None:
     spec = _tiny_spec(tmp_path)
     first = build_library(spec, root=tmp_path / "cache")

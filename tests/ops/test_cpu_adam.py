@@ -233,6 +233,7 @@ def test_step_extras_on_the_optimizer(cpu_kernels: bool) -> None:
     assert opt.state[a]["step"].item() == 1.0 and torch.equal(half, a.detach().bfloat16())
 
 
+@pytest.mark.serial
 def test_kernel_releases_the_gil(cpu_kernels: bool) -> None:
     # One long call (a 4M-element step listed 8 times) while a pure-Python thread counts.
     n = 4_000_000

@@ -79,6 +79,7 @@ def test_wrapper_handles_views_empties_and_other_dtypes(cpu_kernels: bool) -> No
     torch.testing.assert_close(multi_tensor_l2norm(doubles)[0], doubles[0].norm().float())
 
 
+@pytest.mark.serial
 def test_kernel_releases_the_gil(cpu_kernels: bool) -> None:
     # One long call (the same 32 MB tensor listed 40 times) while a pure-Python thread counts.
     big = torch.randn(8_000_000)
