@@ -28,10 +28,16 @@ pytest_plugins = ["pytester"]  # tests/test_leak_police.py runs a small suite th
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
-    """On pytest-xdist workers (``nox -s tests``), the ``slow`` tests go first, so that the longest ones start
-    while the quick ones are still there to fill the other worker's time. Every worker sorts alike."""
+    """On pytest-xdist workers (``nox -s tests``), the ``slow`` tests go first, the longest of them (those that
+    give ``slow(seconds=N)``) first of all, so that they start while the quick ones are still there to fill
+    the other worker's time. Every worker sorts alike (a stable sort: file order otherwise)."""
     if os.environ.get("PYTEST_XDIST_WORKER"):
-        items.sort(key=lambda item: item.get_closest_marker("slow") is None)  # stable: file order otherwise
+        items.sort(key=_longest_first)
+
+
+def _longest_first(item: pytest.Item) -> tuple[bool, float]:
+    slow = item.get_closest_marker("slow")
+    return slow is None, -float(slow.kwargs.get("seconds", 0)) if slow is not None else 0.0
 
 
 @pytest.fixture(scope="session", autouse=True)

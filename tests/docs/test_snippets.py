@@ -7,7 +7,8 @@ The rules (also stated at the top of docs/index.md, "How the docs are tested"):
   ``<!-- snippet: file=NAME -->`` writes the block to NAME (not run), ``<!-- snippet: ranks=N -->`` runs a
   python block on N CPU processes under ``ds-launch``, ``<!-- snippet: parse -->`` checks a shell block's
   commands without running them, ``<!-- snippet: skip REASON -->`` is for hardware this machine lacks.
-- ``python``: run as a standalone script (``DS_ACCELERATOR=cpu``, the repository's src importable).
+- ``python``: run as a standalone script (``DS_ACCELERATOR=cpu``, the repository's src importable), in a
+  child forked from a process that imported torch and lightning once (tests/docs/block_host.py).
 - ``bash`` / ``sh`` / ``console``: every command runs with bash (``$ `` prompts stripped; in ``console``
   blocks lines without a prompt are output), the interpreter's bin directory first on PATH.
 - ``json``: must parse; a DeepSpeed config (it has one of the ``DS_CONFIG_KEYS``) must pass ``load_config``.
@@ -18,6 +19,7 @@ Failures name the page and line of the block and show its output.
 
 from __future__ import annotations
 
+import atexit
 import json
 import os
 import re
@@ -35,6 +37,8 @@ from pathlib import Path
 
 import pytest
 import yaml
+
+from tests.docs.block_host import BlockHost, HostTimeout
 
 ROOT = Path(__file__).resolve().parents[2]
 DOCS = ROOT / "docs"
@@ -184,8 +188,23 @@ def _free_port() -> int:
         return int(s.getsockname()[1])
 
 
+_HOST = BlockHost()
+atexit.register(_HOST.close)
+
+
 def _run(argv: list[str], cwd: Path, block: Block, what: str) -> str:
+    """Run one command of a block; its output (stdout and stderr) on success, DocsError otherwise. Python
+    commands run in a child of the block host (block_host.py: torch and lightning imported once)."""
     start = time.monotonic()
+    if BlockHost.usable and BlockHost.command(argv) is not None:
+        try:
+            code, out = _HOST.run(argv, cwd, _env(), BLOCK_TIMEOUT_S)
+        except HostTimeout as exc:
+            raise DocsError(f"{what}: still running after {BLOCK_TIMEOUT_S} s\n{exc.output[-4000:]}") from None
+        if code != 0:
+            raise DocsError(f"{what}: exit code {code}\n{out[-6000:]}")
+        print(f"----- {what}: ok in {time.monotonic() - start:.1f} s\n{out[-3000:]}")  # shown with pytest -s
+        return out
     try:
         proc = subprocess.run(
             argv,
