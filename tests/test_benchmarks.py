@@ -21,7 +21,7 @@ ROOT = Path(__file__).resolve().parents[1]
 PNG = b"\x89PNG\r\n\x1a\n"
 
 
-@pytest.mark.slow(seconds=200)
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.kernels
 def test_run_all_quick_writes_every_result(tmp_path: Path, cpu_kernels: bool) -> None:
@@ -231,7 +231,7 @@ def test_hybrid_one_rank_pipeline_on_the_cpu(tmp_path: Path) -> None:
         assert not list(tmp_path.glob("hybrid_cuda*"))
 
 
-@pytest.mark.slow(seconds=85)
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_zero3_gpu_and_fetch_cost_plumbing_on_the_cpu(tmp_path: Path) -> None:
     """bench_zero3_gpu (through Lightning, world 1 and a fake group of 8) and bench_fetch_cost, tiny runs on the
@@ -295,7 +295,7 @@ def test_stack_sampler_sees_every_thread() -> None:
     assert "test_benchmarks.py:outer_caller" in section.split("-- inclusive")[1], report
 
 
-@pytest.mark.slow(seconds=30)
+@pytest.mark.slow
 @pytest.mark.multiprocess
 def test_autotune_quick_writes_its_results(tmp_path: Path) -> None:
     """bench_autotune at smoke size (issue 44, criterion 6): the tune and the exhaustive search of the Hugging

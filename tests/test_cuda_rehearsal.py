@@ -17,7 +17,7 @@ import torch
 ROOT = Path(__file__).resolve().parents[1]
 
 
-@pytest.mark.slow(seconds=70)
+@pytest.mark.slow
 @pytest.mark.multiprocess
 @pytest.mark.skipif(torch.cuda.is_available(), reason="a GPU is here: nox -s cuda runs the suite itself")
 def test_the_cuda_suite_passes_its_cpu_rehearsal(cpu_kernels: bool) -> None:
