@@ -196,15 +196,24 @@ def _run(argv: list[str], cwd: Path, block: Block, what: str) -> str:
     """Run one command of a block; its output (stdout and stderr) on success, DocsError otherwise. Python
     commands run in a child of the block host (block_host.py: torch and lightning imported once)."""
     start = time.monotonic()
-    if BlockHost.usable and BlockHost.command(argv) is not None:
-        try:
-            code, out = _HOST.run(argv, cwd, _env(), BLOCK_TIMEOUT_S)
-        except HostTimeout as exc:
-            raise DocsError(f"{what}: still running after {BLOCK_TIMEOUT_S} s\n{exc.output[-4000:]}") from None
-        if code != 0:
-            raise DocsError(f"{what}: exit code {code}\n{out[-6000:]}")
-        print(f"----- {what}: ok in {time.monotonic() - start:.1f} s\n{out[-3000:]}")  # shown with pytest -s
-        return out
+    code, out = _host_run(argv, cwd) if BlockHost.usable and BlockHost.command(argv) else _process_run(argv, cwd)
+    if code is None:
+        raise DocsError(f"{what}: still running after {BLOCK_TIMEOUT_S} s\n{out[-4000:]}")
+    if code != 0:
+        raise DocsError(f"{what}: exit code {code}\n{out[-6000:]}")
+    print(f"----- {what}: ok in {time.monotonic() - start:.1f} s\n{out[-3000:]}")  # shown with pytest -s
+    return out
+
+
+def _host_run(argv: list[str], cwd: Path) -> tuple[int | None, str]:
+    """(exit code, output); the code is None when the command ran past BLOCK_TIMEOUT_S."""
+    try:
+        return _HOST.run(argv, cwd, _env(), BLOCK_TIMEOUT_S)
+    except HostTimeout as exc:
+        return None, exc.output
+
+
+def _process_run(argv: list[str], cwd: Path) -> tuple[int | None, str]:
     try:
         proc = subprocess.run(
             argv,
@@ -217,12 +226,8 @@ def _run(argv: list[str], cwd: Path, block: Block, what: str) -> str:
             timeout=BLOCK_TIMEOUT_S,
         )
     except subprocess.TimeoutExpired as exc:
-        out = exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(errors="replace")
-        raise DocsError(f"{what}: still running after {BLOCK_TIMEOUT_S} s\n{out[-4000:]}") from None
-    if proc.returncode != 0:
-        raise DocsError(f"{what}: exit code {proc.returncode}\n{proc.stdout[-6000:]}")
-    print(f"----- {what}: ok in {time.monotonic() - start:.1f} s\n{proc.stdout[-3000:]}")  # shown with pytest -s
-    return proc.stdout
+        return None, exc.stdout if isinstance(exc.stdout, str) else (exc.stdout or b"").decode(errors="replace")
+    return proc.returncode, proc.stdout
 
 
 def run_python(block: Block, cwd: Path) -> None:
