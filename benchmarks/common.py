@@ -5,6 +5,7 @@ from __future__ import annotations
 import json
 import os
 import platform
+import random
 import resource
 import socket
 import tempfile
@@ -20,11 +21,31 @@ RESULTS = Path(__file__).resolve().parent / "results"
 RESULTS_ENV = "DS_STRATEGY_BENCH_RESULTS"  # another results folder (smoke tests: never the committed results)
 
 
+# "LO-HI": take rendezvous ports from this range, not from the kernel's ephemeral ones. A port picked with
+# bind(0) and released can be handed to another process (a gloo listener, another job's pick) before the
+# ranks bind it; the test suite gives each pytest-xdist worker its own range below the ephemeral ports
+# (tests/conftest.py), where neither the kernel nor another worker picks.
+PORT_RANGE_ENV = "DS_STRATEGY_PORT_RANGE"
+
+
 def free_port() -> int:
     """A TCP port free on the loopback interface now (a rendezvous for a group of one or N ranks)."""
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
+    span = os.environ.get(PORT_RANGE_ENV)
+    if not span:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            return int(s.getsockname()[1])
+    lo, hi = (int(x) for x in span.split("-"))
+    start = random.randrange(lo, hi)  # processes of one worker pick apart from each other
+    for i in range(hi - lo):
+        port = lo + (start - lo + i) % (hi - lo)
+        with socket.socket() as s:  # no SO_REUSEADDR: a port bound or in use by anyone is refused
+            try:
+                s.bind(("127.0.0.1", port))
+            except OSError:
+                continue
+        return port
+    raise RuntimeError(f"no free port in {PORT_RANGE_ENV}={span}")
 
 
 def _status_bytes(field: str) -> int | None:

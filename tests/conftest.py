@@ -18,13 +18,37 @@ from __future__ import annotations
 import os
 import shutil
 from collections.abc import Iterator
+from pathlib import Path
 
 import pytest
+from benchmarks.common import PORT_RANGE_ENV
 
 from tests import leak_police
 from tests.harness import shutdown_pools
 
 pytest_plugins = ["pytester"]  # tests/test_leak_police.py runs a small suite through the fixtures below
+
+
+def _worker_port_range() -> str | None:
+    """This process's own rendezvous ports, "LO-HI": 1000 ports per pytest-xdist worker from 10000 up, below
+    the kernel's ephemeral range (ip_local_port_range) and below the launchers' default 29500, so two tests
+    running side by side never pick the same port (benchmarks/common.py ``free_port``). None where that
+    does not fit: ports then come from ``bind(0)``."""
+    worker = os.environ.get("PYTEST_XDIST_WORKER", "gw0")
+    index = int(worker[2:]) if worker[2:].isdigit() else 0
+    lo, hi = 10000 + 1000 * index, 11000 + 1000 * index
+    try:
+        ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        return None
+    return f"{lo}-{hi}" if hi <= min(ephemeral_low, 29000) else None
+
+
+def pytest_configure(config: pytest.Config) -> None:
+    """Before any test (and so before any worker, rank or benchmark it starts, which inherit it)."""
+    span = _worker_port_range()
+    if span and PORT_RANGE_ENV not in os.environ:
+        os.environ[PORT_RANGE_ENV] = span
 
 
 def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:

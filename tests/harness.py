@@ -51,6 +51,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from benchmarks.common import free_port
 
 DEFAULT_TIMEOUT = float(os.environ.get("DS_TEST_TIMEOUT", "120"))
 FAILURE_GRACE = 5.0  # seconds the other ranks get to finish once one rank has failed
@@ -63,11 +64,12 @@ class DistributedTestError(AssertionError):
 @contextlib.contextmanager
 def held_port() -> Iterator[int]:
     """A loopback port that stays reserved while the block runs: the socket is bound (SO_REUSEADDR, not
-    listening), so the kernel gives the port to no other ``bind(0)``, yet a TCPStore that binds it with
-    SO_REUSEADDR (as c10d does) and listens still can."""
+    listening), so neither the kernel's ``bind(0)`` nor ``free_port`` hands it out, yet a TCPStore that
+    binds it with SO_REUSEADDR (as c10d does) and listens still can. Under the suite the port comes from
+    this worker's range (``DS_STRATEGY_PORT_RANGE``, tests/conftest.py)."""
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
         s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
-        s.bind(("127.0.0.1", 0))
+        s.bind(("127.0.0.1", free_port()))
         yield int(s.getsockname()[1])
 
 

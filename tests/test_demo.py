@@ -15,6 +15,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from benchmarks.common import free_port
 
 import ds_strategy
 from ds_strategy.demo.__main__ import (
@@ -65,6 +66,7 @@ def test_demo_quick_end_to_end(tmp_path: Path) -> None:
     out, trained_path = tmp_path / "demo-out", tmp_path / "trained.pt"
     src = str(Path(ds_strategy.__file__).parents[1])  # this tree's package, in the demo's ranks too
     env = {**os.environ, "PYTHONPATH": os.pathsep.join([src, os.environ.get("PYTHONPATH", "")])}
+    env["STANDALONE_PORT"] = str(free_port())  # Lightning's launcher takes it: not a port a neighbour picks too
     started = time.monotonic()
     proc = subprocess.run(
         [

@@ -3,7 +3,9 @@ a skipping rank skips, the default group rendezvouses through a FileStore and MA
 
 from __future__ import annotations
 
+import os
 import time
+from pathlib import Path
 
 import pytest
 import torch
@@ -128,3 +130,19 @@ def _fail_rank0_skip_rank1(rank: int, world_size: int) -> None:
 def test_a_failure_outweighs_a_skip() -> None:
     with pytest.raises(DistributedTestError, match=r"(?s)rank 0 raised.*planted failure on rank zero"):
         run_distributed(_fail_rank0_skip_rank1, world_size=2, timeout=30)
+
+
+def test_ports_come_from_this_workers_range_and_a_held_one_is_never_handed_out() -> None:
+    """Rendezvous ports come from DS_STRATEGY_PORT_RANGE (tests/conftest.py: one range per xdist worker,
+    below the kernel's ephemeral ports), so a test beside this one cannot be handed the same port."""
+    from benchmarks.common import PORT_RANGE_ENV, free_port
+
+    from tests.harness import held_port
+
+    lo, hi = (int(x) for x in os.environ[PORT_RANGE_ENV].split("-"))
+    ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
+    assert hi <= min(ephemeral_low, 29000)
+    with held_port() as port:
+        assert lo <= port < hi
+        others = {free_port() for _ in range(200)}
+        assert port not in others and all(lo <= p < hi for p in others)

@@ -25,7 +25,6 @@ import os
 import re
 import shlex
 import shutil
-import socket
 import subprocess
 import sys
 import tempfile
@@ -37,6 +36,7 @@ from pathlib import Path
 
 import pytest
 import yaml
+from benchmarks.common import free_port
 
 from tests.docs.block_host import BlockHost, HostTimeout
 
@@ -176,20 +176,19 @@ def _env() -> dict[str, str]:
     env["PYTHONUNBUFFERED"] = "1"
     env["MPLBACKEND"] = "Agg"
     # A page that runs a benchmark must never overwrite the committed results (benchmarks/common.py).
-    env["DS_STRATEGY_BENCH_RESULTS"] = tempfile.mkdtemp(prefix="ds-docs-bench-")
+    env["DS_STRATEGY_BENCH_RESULTS"] = _BENCH_RESULTS
+    # The port Lightning's own launcher (Trainer(devices=2) in a plain `python x.py`) gives its ranks: from
+    # this worker's range (benchmarks/common.py free_port), not a bind(0) pick another test could take too.
+    env["STANDALONE_PORT"] = str(free_port())
     for key in ("LOCAL_RANK", "RANK", "WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT", "TORCHELASTIC_RUN_ID"):
         env.pop(key, None)  # a page runs as a user's fresh shell would
     return env
 
 
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
-
-
 _HOST = BlockHost()
 atexit.register(_HOST.close)
+_BENCH_RESULTS = tempfile.mkdtemp(prefix="ds-docs-bench-")
+atexit.register(shutil.rmtree, _BENCH_RESULTS, ignore_errors=True)
 
 
 def _run(argv: list[str], cwd: Path, block: Block, what: str) -> str:
@@ -235,7 +234,7 @@ def run_python(block: Block, cwd: Path) -> None:
     script.write_text(block.text, encoding="utf-8")
     if block.ranks:
         argv = [sys.executable, "-m", "ds_strategy.launcher", "--num_procs", str(block.ranks)]
-        argv += ["--master_port", str(_free_port()), "--no_local_rank", script.name]
+        argv += ["--master_port", str(free_port()), "--no_local_rank", script.name]
         what = f"{block.where} (python block on {block.ranks} ranks)"
     else:
         argv = [sys.executable, script.name]
@@ -248,7 +247,14 @@ def run_shell(block: Block, cwd: Path) -> None:
 
     bash/sh blocks run as written (heredocs, loops and continuations work; `$ ` prompts are stripped);
     console blocks run only their prompted commands."""
-    lines = ["set -eo pipefail"]
+    # A launcher the page starts without --master_port would take the default 29500, which another test
+    # running beside this one may hold: it gets a free port first (a --master_port the page sets wins).
+    # On the first line with `set`, so the block's lines keep their numbers in the script.
+    port = free_port()
+    launchers = " ".join(
+        f'{prog}() {{ command {prog} --master_port {port} "$@"; }};' for prog in ("ds-launch", "torchrun")
+    )
+    lines = [f"set -eo pipefail; {launchers}"]
     if block.lang == "console":
         lines.append("trap 'echo \"<docs> failed: $__DOC_CMD\" >&2' ERR")
         for line, command in shell_commands(block):
@@ -519,3 +525,16 @@ def test_index_lists_every_page() -> None:
     index = (DOCS / "index.md").read_text(encoding="utf-8")
     missing = [p.name for p in PAGES if p.name != "index.md" and f"({p.name})" not in index]
     assert not missing, f"docs/index.md does not link these pages: {missing}"
+
+
+def test_a_shell_launcher_gets_a_free_port_unless_the_page_sets_one(tmp_path: Path) -> None:
+    """Two pages (or a page and a test) running at once must not both take ds-launch's / torchrun's default
+    29500: in shell blocks both start with --master_port from this worker's range; the page's own, after
+    it, wins (argparse keeps the last)."""
+    from ds_strategy.launcher.cli import parse_args
+
+    run_page(_page(tmp_path, "```bash\ndeclare -f ds-launch torchrun > launchers.txt\n```\n"), tmp_path)
+    found = re.findall(r'command (\S+) --master_port (\d+) "\$@"', (tmp_path / "launchers.txt").read_text())
+    assert [prog for prog, _ in found] == ["ds-launch", "torchrun"]
+    assert 10000 <= int(found[0][1]) < 29000
+    assert parse_args(["--master_port", found[0][1], "--master_port", "29612", "x.py"]).master_port == 29612

@@ -3,19 +3,16 @@
 from __future__ import annotations
 
 import os
-import socket
 import sys
 import time
 from pathlib import Path
 
+from benchmarks.common import free_port
+
+__all__ = ["LAUNCH", "SCRIPTS", "alive", "free_port", "wait_files", "wait_gone"]
+
 SCRIPTS = Path(__file__).parent / "scripts"
 LAUNCH = (sys.executable, "-m", "ds_strategy.launcher")
-
-
-def free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return int(s.getsockname()[1])
 
 
 def alive(pid: int) -> bool:

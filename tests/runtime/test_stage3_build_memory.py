@@ -19,6 +19,7 @@ import sys
 from pathlib import Path
 
 import pytest
+from benchmarks.common import free_port
 
 SCRIPT = Path(__file__).parent / "scripts" / "stage3_build_memory.py"
 
@@ -31,8 +32,8 @@ def test_stage3_engine_build_adds_less_than_the_model(tmp_path: Path) -> None:
         sys.executable,
         "-m",
         "torch.distributed.run",
-        "--nproc_per_node",
-        "2",
+        f"--master_port={free_port()}",
+        "--nproc_per_node=2",
         str(SCRIPT),
         "16",
         "2048",
