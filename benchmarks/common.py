@@ -9,6 +9,7 @@ import random
 import resource
 import socket
 import tempfile
+import threading
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
@@ -26,6 +27,8 @@ RESULTS_ENV = "DS_STRATEGY_BENCH_RESULTS"  # another results folder (smoke tests
 # ranks bind it; the test suite gives each pytest-xdist worker its own range below the ephemeral ports
 # (tests/conftest.py), where neither the kernel nor another worker picks.
 PORT_RANGE_ENV = "DS_STRATEGY_PORT_RANGE"
+_port_cursor: int | None = None
+_port_lock = threading.Lock()
 
 
 def free_port() -> int:
@@ -36,9 +39,14 @@ def free_port() -> int:
             s.bind(("127.0.0.1", 0))
             return int(s.getsockname()[1])
     lo, hi = (int(x) for x in span.split("-"))
-    start = random.randrange(lo, hi)  # processes of one worker pick apart from each other
-    for i in range(hi - lo):
-        port = lo + (start - lo + i) % (hi - lo)
+    global _port_cursor
+    for _ in range(hi - lo):
+        # A cursor, not a fresh pick: two calls of one process (launches side by side) never get the same port.
+        with _port_lock:
+            if _port_cursor is None:
+                _port_cursor = random.randrange(hi - lo)  # processes of one worker start apart from each other
+            port = lo + _port_cursor % (hi - lo)
+            _port_cursor += 1
         with socket.socket() as s:  # no SO_REUSEADDR: a port bound or in use by anyone is refused
             try:
                 s.bind(("127.0.0.1", port))
