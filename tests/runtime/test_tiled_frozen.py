@@ -239,6 +239,30 @@ def test_other_reads_of_a_tiled_weight_gather_it_whole_and_held_buckets_are_used
         assert r["live_after"] == 0, r  # the whole gather was given back when the forward ended
 
 
+def _out_of_range(rank: int, world: int) -> str:
+    import ds_strategy
+
+    model = _llama()
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = ds_strategy.initialize(model=model, model_parameters=params, config=_config())
+    assert "Embedding" in {type(tw.module).__name__ for tw in engine.stage.gatherer.unit_map.tiled.values()}
+    ids = torch.tensor([[3, 1001, 5]])  # one past the last row, as torch's embedding refuses
+    try:
+        engine(input_ids=ids)
+    except RuntimeError as exc:
+        return str(exc)
+    finally:
+        engine.destroy()
+    return "no error"
+
+
+@pytest.mark.multiprocess
+def test_an_id_outside_a_tiled_embedding_raises_as_torch_does() -> None:
+    """Not a zero row: the tiles would match no row for it."""
+    for message in run_distributed(_out_of_range, world_size=WORLD):
+        assert "index out of range in self: Embedding has 1001 rows" in message, message
+
+
 def _strict(rank: int, world: int) -> dict[str, Any]:
     import ds_strategy
     from ds_strategy.accelerator import strict

@@ -194,6 +194,12 @@ class _TiledLinear(torch.autograd.Function):
 @torch.no_grad()
 def tiled_embedding(ids: torch.Tensor, tw: TiledWeight, source: TileSource) -> torch.Tensor:
     """``weight[ids]`` from the tiles: each tile's rows are selected where ``ids`` fall in them."""
+    # An id outside [0, rows) would match no tile and read as a zero row; torch's embedding refuses it. Checked
+    # on the device (raised at once on the CPU, a device assert on a GPU): no host read inside the step.
+    torch._assert_async(
+        ((ids >= 0) & (ids < tw.rows)).all(),
+        f"index out of range in self: {type(tw.module).__name__} has {tw.rows} rows (ids must be in [0, {tw.rows}))",
+    )
     out: torch.Tensor | None = None
     for segments in tw.tiles(source.coll, source.tile_label(tw.module)):
         for first, values in segments:
