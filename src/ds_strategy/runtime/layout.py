@@ -34,6 +34,9 @@ from typing import Any
 
 import torch
 
+# A bucket of the engine: (index of its param group / storage, index of the bucket in that group's FlatLayout).
+BucketKey = tuple[int, int]
+
 DEFAULT_ALIGNMENT = 16  # elements: shard boundaries fall on 64-byte lines for fp32 (SIMD-friendly)
 
 

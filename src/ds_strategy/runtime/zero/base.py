@@ -32,6 +32,7 @@ import torch
 from torch import nn
 
 from ..host_memory import trim_heap
+from ..layout import BucketKey
 from ..precision import Precision
 from ..swap import OptimizerSwapper, Swap, make_swap
 from .buffers import GroupState, GroupStorage
@@ -44,8 +45,6 @@ from .per_tensor import WholeTensors, log_padding
 from .placement import WholeParameters
 from .reducer import GradientReducer
 from .step import OptimizerStep
-
-BucketKey = tuple[int, int]  # (group index, bucket index)
 
 __all__ = ["BucketKey", "GradStatus", "StageOptions", "ZeroStage", "averaging"]
 

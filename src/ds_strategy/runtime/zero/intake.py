@@ -18,10 +18,9 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..layout import BucketKey
 from .buffers import GroupStorage
 from .reducer import GradientReducer
-
-BucketKey = tuple[int, int]  # (group index, bucket index)
 
 
 class GradStatus(enum.Enum):

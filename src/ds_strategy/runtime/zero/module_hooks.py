@@ -51,7 +51,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils.hooks import RemovableHandle
 
-from .unit_map import BucketKey
+from ..layout import BucketKey
 
 
 class HookTarget(Protocol):

@@ -43,6 +43,7 @@ from ds_strategy import env
 from ds_strategy.accelerator.spans import span
 
 from .. import host_memory
+from ..layout import BucketKey
 from .collectives import Collectives, Handle
 from .divergence import DivergenceCheck
 from .module_hooks import ModuleHooks
@@ -50,7 +51,7 @@ from .prefetch import PrefetchPlanner
 from .sharded import ShardedGroup
 from .streams import GatherStream
 from .tiled import TiledCalls
-from .unit_map import EXTERNAL_ATTR, BucketKey, UnitMap
+from .unit_map import EXTERNAL_ATTR, UnitMap
 from .units import MODULES, FetchUnitPolicy
 
 __all__ = ["EXTERNAL_ATTR", "TIMEOUT_ENV", "ParamGatherer"]

@@ -18,10 +18,9 @@ import torch
 from torch import nn
 
 from .. import host_memory
+from ..layout import BucketKey
 from .collectives import Collectives
 from .init import keep_shard
-
-BucketKey = tuple[int, int]  # (storage index, bucket index)
 
 ZERO3_ATTR = "_ds_zero3"  # on each partitioned parameter: (its Stage3, storage index, index in the storage)
 

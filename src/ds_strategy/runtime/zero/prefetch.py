@@ -29,8 +29,8 @@ from collections.abc import Container, Iterator, Mapping, Sequence
 from itertools import islice
 from typing import Protocol
 
+from ..layout import BucketKey
 from .sharded import ShardedGroup
-from .unit_map import BucketKey
 
 REUSE_UNITS = 2  # [Note: reshard after use]: kept when one of the next this many units uses it again
 

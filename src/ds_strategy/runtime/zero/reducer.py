@@ -26,9 +26,8 @@ from typing import Protocol
 
 import torch
 
+from ..layout import BucketKey
 from .collectives import Handle, advance
-
-BucketKey = tuple[int, int]  # (group index, bucket index)
 
 
 class ReducerState(enum.Enum):

@@ -10,7 +10,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import BucketKey, ZeroStage
+from ..layout import BucketKey
+from .base import ZeroStage
 from .collectives import Handle
 
 

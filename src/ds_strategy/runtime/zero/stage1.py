@@ -10,7 +10,7 @@ from __future__ import annotations
 
 import torch
 
-from .base import BucketKey
+from ..layout import BucketKey
 from .collectives import Handle
 from .stage0 import Stage0, _CopyBack
 

@@ -12,7 +12,8 @@ from __future__ import annotations
 
 import torch
 
-from .base import BucketKey, ZeroStage
+from ..layout import BucketKey
+from .base import ZeroStage
 from .buffers import GroupStorage
 from .collectives import Handle, advance
 

@@ -42,8 +42,9 @@ from torch import nn
 
 from .. import host_memory
 from ..host_memory import trim_heap
+from ..layout import BucketKey
 from ..packed import is_packed, state_tensors
-from .base import BucketKey, StageOptions, ZeroStage
+from .base import StageOptions, ZeroStage
 from .buffers import GroupStorage
 from .collectives import Collectives, Handle
 from .init import init_shard, unpartition_param

@@ -42,11 +42,10 @@ from torch import nn
 from torch.overrides import TorchFunctionMode
 
 from .. import host_memory
+from ..layout import BucketKey
 from .collectives import Collectives
 from .sharded import ShardedGroup
 from .units import REST_SPLIT
-
-BucketKey = tuple[int, int]
 
 _LINEAR = {F.linear}  # torch._C._nn.linear itself
 _EMBEDDING = {F.embedding}

@@ -10,12 +10,12 @@ from collections.abc import Iterable, Sequence
 import torch
 from torch import nn
 
+from ..layout import BucketKey
 from .leaf import leaf_generation
 from .sharded import ShardedGroup
 from .tiled import TiledWeight, tiled_weights
 from .units import FetchUnitPolicy, unit_owners
 
-BucketKey = tuple[int, int]  # (group index, bucket index)
 EXTERNAL_ATTR = "_ds_external_params"
 # torch modules whose forward reads their children's parameters without calling the children
 # (MultiheadAttention passes ``out_proj.weight`` to the functional attention): their unit is the subtree.
