@@ -30,13 +30,13 @@ def _install(session: nox.Session, extras: str = "") -> None:
 
 @nox.session
 def tests(session: nox.Session) -> None:
-    """Run the whole test suite (unit, kernels, multi-process, Lightning) on this machine's CPU, in one process;
-    ``DS_STRATEGY_TEST_WORKERS=2`` runs it on two pytest-xdist workers, then the ``serial`` tests alone."""
+    """Run the whole test suite (unit, kernels, multi-process, Lightning) on this machine's CPU: on two
+    pytest-xdist workers, then the ``serial`` tests alone; ``DS_STRATEGY_TEST_WORKERS=1``: in one process."""
     _install(session, "[test]")
     session.run("python", "-m", "ds_strategy.ops", "build")  # one warm kernel cache for every test process
     env = {"DS_STRATEGY_REQUIRE_KERNELS": "1"}
     pytest = ["python", "-m", "pytest", "tests", "-q"]
-    workers = os.environ.get("DS_STRATEGY_TEST_WORKERS", "1")  # 2: see stop 58 (a port race to fix first)
+    workers = os.environ.get("DS_STRATEGY_TEST_WORKERS", "2")
     if workers in ("0", "1"):
         session.run(*pytest, "--durations=40", *session.posargs, env=env)
         return

@@ -139,7 +139,10 @@ def test_ports_come_from_this_workers_range_and_a_held_one_is_never_handed_out()
 
     from tests.harness import held_port
 
-    lo, hi = (int(x) for x in os.environ[PORT_RANGE_ENV].split("-"))
+    span = os.environ.get(PORT_RANGE_ENV)
+    if not span:
+        pytest.skip("no port range fits below this machine's ephemeral ports (tests/conftest.py)")
+    lo, hi = (int(x) for x in span.split("-"))
     ephemeral_low = int(Path("/proc/sys/net/ipv4/ip_local_port_range").read_text().split()[0])
     assert hi <= min(ephemeral_low, 29000)
     with held_port() as port:
