@@ -5,11 +5,11 @@ from __future__ import annotations
 import os
 import re
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from benchmarks.common import free_port
+
+from tests.launcher.common import torchrun
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -17,13 +17,7 @@ ROOT = Path(__file__).resolve().parents[1]
 @pytest.mark.multiprocess
 def test_generate_then_train_runs_on_two_cpu_processes_and_the_reward_climbs() -> None:
     env = {**os.environ, "DS_ACCELERATOR": "cpu", "PYTHONPATH": str(ROOT / "src"), "OMP_NUM_THREADS": "1"}
-    command = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--master_port={free_port()}",
-        "--nproc_per_node=2",
-    ]
+    command = torchrun()
     done = subprocess.run(
         [*command, str(ROOT / "examples" / "generate_then_train.py")],
         cwd=ROOT,

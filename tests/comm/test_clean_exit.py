@@ -12,13 +12,12 @@ from __future__ import annotations
 
 import os
 import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 from pathlib import Path
 
 import pytest
 
-from tests.launcher.common import free_port
+from tests.launcher.common import torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "uneven_exit.py"
 # (KIND, STAGE, PREC, OFFLOAD): every kind once, the engine with and without offload; a stress run
@@ -52,9 +51,7 @@ def _launch(index: int, tmp_path: Path) -> tuple[int, str]:
         "CKPT_DIR": str(tmp_path / f"ckpt{index}"),
         "OMP_NUM_THREADS": "1",
     }
-    port = free_port()  # two launches at a time: each on its own port
-    cmd = [sys.executable, "-m", "torch.distributed.run", "--nproc_per_node", "2", "--master_port", str(port)]
-    cmd.append(str(SCRIPT))
+    cmd = [*torchrun(), str(SCRIPT)]  # two launches at a time: each on its own port
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=240, cwd=tmp_path)
     return proc.returncode, f"launch {index} {kind} stage {stage} {prec} offload={offload}:\n{proc.stderr[-3000:]}"
 

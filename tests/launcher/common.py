@@ -9,10 +9,16 @@ from pathlib import Path
 
 from benchmarks.common import free_port
 
-__all__ = ["LAUNCH", "SCRIPTS", "alive", "free_port", "wait_files", "wait_gone"]
+__all__ = ["LAUNCH", "SCRIPTS", "alive", "free_port", "torchrun", "wait_files", "wait_gone"]
 
 SCRIPTS = Path(__file__).parent / "scripts"
 LAUNCH = (sys.executable, "-m", "ds_strategy.launcher")
+
+
+def torchrun(nproc: int = 2) -> list[str]:
+    """torchrun for ``nproc`` local ranks on a port of this worker's range (never the default 29500, which a
+    test beside this one may hold)."""
+    return [sys.executable, "-m", "torch.distributed.run", f"--master_port={free_port()}", f"--nproc_per_node={nproc}"]
 
 
 def alive(pid: int) -> bool:

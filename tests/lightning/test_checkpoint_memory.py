@@ -14,11 +14,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from benchmarks.common import free_port
+
+from tests.launcher.common import torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "checkpoint_memory.py"
 
@@ -27,16 +27,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "checkpoint_memory.py"
 @pytest.mark.multiprocess
 def test_stage3_checkpoint_save_adds_only_the_partition(tmp_path: Path) -> None:
     env = {**os.environ, "MALLOC_PERTURB_": "165", "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--master_port={free_port()}",
-        "--nproc_per_node=2",
-        str(SCRIPT),
-        "8",
-        "1024",
-    ]
+    cmd = [*torchrun(), str(SCRIPT), "8", "1024"]
     proc = subprocess.run(
         [*cmd, str(tmp_path / "ckpt"), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
     )

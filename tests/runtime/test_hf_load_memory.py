@@ -17,11 +17,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from benchmarks.common import free_port
+
+from tests.launcher.common import torchrun
 
 transformers = pytest.importorskip("transformers")
 
@@ -41,14 +41,7 @@ def test_load_hf_weights_under_zero_init_holds_about_half_the_base(tmp_path: Pat
     )
     transformers.LlamaForCausalLM(cfg).save_pretrained(tmp_path / "base")
     env = {**os.environ, "MALLOC_PERTURB_": "165", "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--master_port={free_port()}",
-        "--nproc_per_node=2",
-        str(SCRIPT),
-    ]
+    cmd = [*torchrun(), str(SCRIPT)]
     proc = subprocess.run(
         [*cmd, str(tmp_path / "base"), str(tmp_path)], env=env, capture_output=True, text=True, timeout=300
     )

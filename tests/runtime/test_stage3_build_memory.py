@@ -15,11 +15,11 @@ from __future__ import annotations
 import json
 import os
 import subprocess
-import sys
 from pathlib import Path
 
 import pytest
-from benchmarks.common import free_port
+
+from tests.launcher.common import torchrun
 
 SCRIPT = Path(__file__).parent / "scripts" / "stage3_build_memory.py"
 
@@ -28,17 +28,7 @@ SCRIPT = Path(__file__).parent / "scripts" / "stage3_build_memory.py"
 @pytest.mark.multiprocess
 def test_stage3_engine_build_adds_less_than_the_model(tmp_path: Path) -> None:
     env = {**os.environ, "MALLOC_PERTURB_": "165", "MALLOC_MMAP_THRESHOLD_": str(1 << 20), "OMP_NUM_THREADS": "1"}
-    cmd = [
-        sys.executable,
-        "-m",
-        "torch.distributed.run",
-        f"--master_port={free_port()}",
-        "--nproc_per_node=2",
-        str(SCRIPT),
-        "16",
-        "2048",
-        str(tmp_path),
-    ]
+    cmd = [*torchrun(), str(SCRIPT), "16", "2048", str(tmp_path)]
     proc = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     rows = [json.loads(f.read_text()) for f in sorted(tmp_path.glob("rank*.json"))]
