@@ -61,6 +61,7 @@ from typing import Any
 from torch import nn
 
 from benchmarks.common import (
+    environment,
     file_backed_rss_bytes,
     machine,
     markdown_table,
@@ -410,8 +411,14 @@ def main(argv: list[str] | None = None) -> None:
         help=f"leave glibc's dynamic mmap threshold (default: MALLOC_MMAP_THRESHOLD_={MMAP_THRESHOLD} in the ranks)",
     )
     args = parser.parse_args(argv)
-    if not args.default_malloc:  # read by glibc when the ranks start; a value set by the caller wins
-        os.environ.setdefault("MALLOC_MMAP_THRESHOLD_", MMAP_THRESHOLD)
+    # Read by glibc when the ranks start; a value set by the caller wins; restored for later benchmarks.
+    own_malloc = not args.default_malloc and "MALLOC_MMAP_THRESHOLD_" not in os.environ
+    with environment(**({"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD} if own_malloc else {})):
+        malloc_env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
+        _main(args, malloc_env)
+
+
+def _main(args: argparse.Namespace, malloc_env: dict[str, str]) -> None:
     paired_steps = QUICK_STEPS if args.quick else args.paired_steps
     name = "activation_checkpointing"
     shape, steps = (QUICK_SHAPE, QUICK_STEPS) if args.quick else (SHAPE, STEPS)
@@ -442,7 +449,7 @@ def main(argv: list[str] | None = None) -> None:
         "steps": steps,
         "warmup": WARMUP,
         "fresh_processes_per_case": not args.quick,
-        "malloc_env": {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")},
+        "malloc_env": malloc_env,
         "note": "timings on a shared 2-core machine unless said otherwise",
         "wall_s": time.monotonic() - started,
         "cases": records,

@@ -30,14 +30,21 @@ from __future__ import annotations
 import argparse
 import gc
 import importlib.util
-import os
 import tempfile
 from pathlib import Path
 from typing import Any
 
 import torch
 
-from benchmarks.common import machine, markdown_table, peak_rss_bytes, results_dir, run_each, write_results
+from benchmarks.common import (
+    environment,
+    machine,
+    markdown_table,
+    peak_rss_bytes,
+    results_dir,
+    run_each,
+    write_results,
+)
 
 WORLD = 2
 SHAPE = {"vocab": 32000, "hidden": 512, "intermediate": 1792, "layers": 8, "heads": 8}
@@ -191,16 +198,8 @@ def run(quick: bool) -> dict[str, Any]:
     peers = ["ds_strategy"] + (["deepspeed"] if importlib.util.find_spec("deepspeed") is not None else [])
     kinds = ((2, False), (3, False), (3, True))
     cases: list[Case] = [(peer, stage, bounded) for peer in peers for stage, bounded in kinds]
-    saved = {k: os.environ.get(k) for k in MALLOC_ENV}
-    os.environ.update(MALLOC_ENV)  # the spawned ranks inherit it (restored below for later benchmarks)
-    try:
+    with environment(**MALLOC_ENV):  # the spawned ranks inherit it (restored for later benchmarks)
         return _run(quick, shape, cases)
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
 
 
 def _run(quick: bool, shape: dict[str, int], cases: list[Case]) -> dict[str, Any]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import json
 import os
 import platform
@@ -116,9 +117,57 @@ def peak_step_tensor_bytes(step: Callable[[], None]) -> int:
     return peak
 
 
+# Smoke runs (run_all --quick, the test suite) may start their ranks from a forkserver that has imported
+# torch once, instead of spawning each rank fresh: the seconds of that import per rank are most of a smoke
+# run. Figures to quote come from fresh spawned ranks (the default). Variables that only take effect when a
+# process starts (glibc's malloc tunables, OpenMP's) cannot be handed to a forked rank: a run whose values
+# of them differ from the forkserver's spawns as before.
+FORKSERVER_ENV = "DS_STRATEGY_BENCH_FORKSERVER"
+_AT_EXEC = ("MALLOC_", "GLIBC_TUNABLES", "LD_", "OMP_", "KMP_", "MKL_", "PYTHON")
+_forkserver_env: dict[str, str] | None = None
+
+
+def _start_method() -> str:
+    """ "forkserver" where FORKSERVER_ENV is set and the start-time variables match the server's; "spawn"."""
+    global _forkserver_env
+    if os.environ.get(FORKSERVER_ENV) != "1" or "forkserver" not in mp.get_all_start_methods():
+        return "spawn"
+    at_exec = {k: v for k, v in os.environ.items() if k.startswith(_AT_EXEC)}
+    if _forkserver_env is None:  # the server starts with the first such run and keeps that environment
+        mp.set_forkserver_preload(["torch", "torch.distributed"])
+        _forkserver_env = at_exec
+    return "forkserver" if at_exec == _forkserver_env else "spawn"
+
+
+@contextlib.contextmanager
+def environment(**values: str) -> Iterator[None]:
+    """Set variables for the ranks started inside the block (e.g. glibc's malloc tunables, read when a rank
+    starts), then restore them: a benchmark of run_all must not change the next one's environment."""
+    saved = {k: os.environ.get(k) for k in values}
+    os.environ.update(values)
+    try:
+        yield
+    finally:
+        for k, v in saved.items():
+            if v is None:
+                os.environ.pop(k, None)
+            else:
+                os.environ[k] = v
+
+
 def _rank_main(
-    rank: int, world: int, port: int, out: str, fn: Callable[..., Any], args: tuple[Any, ...], backend: str = "gloo"
+    rank: int,
+    world: int,
+    port: int,
+    out: str,
+    fn: Callable[..., Any],
+    args: tuple[Any, ...],
+    backend: str = "gloo",
+    environ: dict[str, str] | None = None,
 ) -> None:
+    if environ is not None:  # a forked rank: the caller's environment now, not the forkserver's
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(
         RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE=str(world), LOCAL_WORLD_SIZE=str(world),
         MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port),
@@ -139,15 +188,18 @@ def _rank_main(
 
 def run_ranks(fn: Callable[..., Any], world_size: int, *args: Any, backend: str = "gloo") -> list[Any]:
     """Run ``fn(rank, world_size, *args)`` in ``world_size`` fresh processes (fresh: so peak RSS is the
-    run's own) over ``backend`` ("nccl": rank r on GPU r); return every rank's JSON-serialisable result."""
+    run's own; forked from a server that imported torch where FORKSERVER_ENV asks for it) over ``backend``
+    ("nccl": rank r on GPU r); return every rank's JSON-serialisable result."""
+    method = "spawn" if backend == "nccl" else _start_method()
+    environ = dict(os.environ) if method == "forkserver" else None
     with tempfile.TemporaryDirectory() as tmp:
         out = str(Path(tmp) / "result.json")
         try:
             mp.start_processes(
                 _rank_main,
-                args=(world_size, free_port(), out, fn, args, backend),
+                args=(world_size, free_port(), out, fn, args, backend, environ),
                 nprocs=world_size,
-                start_method="spawn",
+                start_method=method,
             )
         except mp.ProcessExitedException as err:
             # Every rank's result reached rank 0 before the file was written: a rank dying afterwards (seen

@@ -140,6 +140,8 @@ def main(argv: list[str] | None = None) -> None:
     if args.results:  # before any benchmark module (or a rank it spawns) asks for the folder
         os.environ["DS_STRATEGY_BENCH_RESULTS"] = os.path.abspath(args.results)
     names = _select(args.names)
+    if args.quick:  # smoke runs: ranks forked from a server that imported torch once (benchmarks/common.py)
+        os.environ.setdefault("DS_STRATEGY_BENCH_FORKSERVER", "1")
     runs: dict[str, dict[str, Any]] = {}
     for name in [] if args.summary_only else names:
         print(f"=== {name} ===", flush=True)

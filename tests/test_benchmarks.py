@@ -141,6 +141,7 @@ def _bench_env(results: Path) -> dict[str, str]:
         **os.environ,
         "PYTHONPATH": os.pathsep.join([str(ROOT / "src"), str(ROOT), os.environ.get("PYTHONPATH", "")]),
         "DS_STRATEGY_BENCH_RESULTS": str(results),
+        "DS_STRATEGY_BENCH_FORKSERVER": "1",  # smoke runs: ranks forked, not spawned (benchmarks/common.py)
     }
 
 
@@ -268,6 +269,51 @@ def test_zero3_gpu_and_fetch_cost_plumbing_on_the_cpu(tmp_path: Path) -> None:
         assert len(case["ms_steps"]) == 9 - 2 and len(case["host_ms_steps"]) == len(case["gc_ms_steps"]) == 9, case
     stacks = (tmp_path / "zero3_cpu_stacks_zero3_fake8.txt").read_text()
     assert "== MainThread" in stacks and "-- inclusive, every frame of ds_strategy --" in stacks, stacks[:2000]
+
+
+FORKSERVER_PROBE = """
+import os, sys
+import torch
+from benchmarks.common import environment, run_ranks
+
+
+def probe(rank, world):
+    with open("/proc/self/environ", "rb") as f:  # what the process started with (exec), not os.environ
+        at_start = dict(kv.split(b"=", 1) for kv in f.read().split(b"\\0") if b"=" in kv)
+    return [os.environ.get("PROBE"), at_start.get(b"MALLOC_PERTURB_", b"").decode(), os.environ["RANK"],
+            torch.get_num_threads(), os.getppid()]
+
+
+if __name__ == "__main__":
+    os.environ["PROBE"] = "first"
+    first = run_ranks(probe, 2)
+    os.environ["PROBE"] = "second"  # set after the forkserver started: the ranks still see it
+    second = run_ranks(probe, 2)
+    with environment(MALLOC_PERTURB_="165"):  # only a fresh process takes it: these ranks are spawned
+        third = run_ranks(probe, 2)
+    print(first, second, third, os.getpid(), sep="\\n")
+"""
+
+
+def test_smoke_runs_fork_ranks_with_the_callers_environment_and_spawn_for_start_time_variables(
+    tmp_path: Path,
+) -> None:
+    """benchmarks/common.py run_ranks under DS_STRATEGY_BENCH_FORKSERVER=1: ranks forked from one server
+    (same parent twice) see the caller's variables as they are now; a glibc tunable set for the ranks (which
+    a forked process could not take) makes them spawned, where it is in effect from the start."""
+    (tmp_path / "probe.py").write_text(FORKSERVER_PROBE)
+    proc = subprocess.run(
+        [sys.executable, str(tmp_path / "probe.py")], cwd=ROOT, env=_bench_env(tmp_path), capture_output=True,
+        text=True, timeout=300, check=False,
+    )  # fmt: skip
+    assert proc.returncode == 0, proc.stdout[-2000:] + proc.stderr[-3000:]
+    first, second, third, parent = (eval(line) for line in proc.stdout.strip().splitlines()[-4:])
+    assert [r[:4] for r in first] == [["first", "", "0", 1], ["first", "", "1", 1]], first
+    assert [r[:4] for r in second] == [["second", "", "0", 1], ["second", "", "1", 1]], second
+    server = {r[4] for r in first + second}
+    assert len(server) == 1 and server != {parent}, (server, parent)  # forked by one forkserver
+    assert [r[:3] for r in third] == [["second", "165", "0"], ["second", "165", "1"]], third
+    assert {r[4] for r in third} == {parent}, third  # spawned by the caller itself
 
 
 def test_stack_sampler_sees_every_thread() -> None:

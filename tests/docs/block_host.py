@@ -7,11 +7,18 @@ child that takes the command's working directory, environment and argv, runs it 
 (``runpy`` with ``__name__ == "__main__"``, ``SystemExit`` as the exit code, non-daemon threads joined and
 ``atexit`` run before it exits) and writes its output, stdout and stderr together, to a file.
 
+A multi-rank block (``ranks=N``) runs the same way on N children forked side by side, each with the
+variables torchrun's agent gives a worker (RANK, LOCAL_RANK, WORLD_SIZE, LOCAL_WORLD_SIZE, GROUP_RANK,
+MASTER_ADDR, MASTER_PORT, TORCHELASTIC_RUN_ID, ...) plus ``LOCAL_SIZE`` and ``OMP_NUM_THREADS=1`` as
+``ds-launch`` adds them; their output goes to one file, and when one rank fails the others get a few
+seconds to finish before they are killed (as the agent stops the group). The launchers themselves are
+tested by their own tests (tests/launcher).
+
 What a child does not get fresh: the modules the host imported (torch, lightning and what they import),
 already imported before the command's environment is set. ds_strategy itself is never imported by the host,
-so ``DS_ACCELERATOR`` and the other variables it reads still take effect. Multi-rank blocks (``ds-launch``)
-and shell blocks still start their own processes. Where ``os.fork`` does not exist, ``BlockHost.usable``
-is False and the caller starts processes as before.
+so ``DS_ACCELERATOR`` and the other variables it reads still take effect. Shell blocks still start their
+own processes. Where ``os.fork`` does not exist, ``BlockHost.usable`` is False and the caller starts
+processes as before.
 """
 
 from __future__ import annotations
@@ -29,12 +36,13 @@ from pathlib import Path
 
 # The host's program: read one JSON request per line, fork, report the child's pid, then its exit code.
 _HOST = r"""
-import atexit, json, os, runpy, sys, threading, traceback
+import atexit, json, os, runpy, signal, sys, threading, time, traceback
 import torch, lightning  # the start-up every block would pay; no computation, so no OpenMP team to fork
 
-def child(req):
-    os.setpgid(0, 0)  # the caller kills the whole group on a timeout
-    out = os.open(req["out"], os.O_WRONLY | os.O_CREAT | os.O_TRUNC, 0o644)
+def child(req, own_group=True):
+    if own_group:
+        os.setpgid(0, 0)  # the caller kills the whole group on a timeout
+    out = os.open(req["out"], os.O_WRONLY | os.O_CREAT | os.O_APPEND, 0o644)
     os.dup2(out, 1)
     os.dup2(out, 2)
     os.close(out)
@@ -42,6 +50,9 @@ def child(req):
     os.chdir(req["cwd"])
     os.environ.clear()
     os.environ.update(req["env"])
+    threads = os.environ.get("OMP_NUM_THREADS", "")
+    if threads.isdigit() and int(threads) > 0:  # OpenMP read it when the host loaded torch: apply it now
+        torch.set_num_threads(int(threads))
     kind, target, args = req["kind"], req["target"], req["args"]
     code = 0
     try:
@@ -79,11 +90,48 @@ def child(req):
             pass
     os._exit(code)
 
+def rank_env(rank, world, port):
+    # What torchrun's agent sets for a worker of a one-node job, and what ds-launch adds (launcher/local.py).
+    # No TORCHELASTIC_USE_AGENT_STORE: there is no agent store, rank 0 serves the TCPStore itself.
+    env = {"RANK": rank, "LOCAL_RANK": rank, "GROUP_RANK": 0, "ROLE_RANK": rank, "ROLE_NAME": "default",
+           "WORLD_SIZE": world, "LOCAL_WORLD_SIZE": world, "ROLE_WORLD_SIZE": world, "GROUP_WORLD_SIZE": 1,
+           "LOCAL_SIZE": world, "MASTER_ADDR": "127.0.0.1", "MASTER_PORT": port,
+           "TORCHELASTIC_RUN_ID": f"docs-{port}", "TORCHELASTIC_RESTART_COUNT": 0, "TORCHELASTIC_MAX_RESTARTS": 0}
+    return {k: str(v) for k, v in env.items()}
+
+def ranks(req):
+    # The launcher's part: fork the ranks, wait for them; the first failure is the exit code, and the others
+    # (perhaps waiting for it in a collective) are killed after a grace.
+    os.setpgid(0, 0)
+    world, pids, code, deadline = req["ranks"], {}, 0, None
+    for r in range(world):
+        pid = os.fork()
+        if pid == 0:
+            req["env"].setdefault("OMP_NUM_THREADS", "1")
+            req["env"].update(rank_env(r, world, req["port"]))
+            child(req, own_group=False)
+        pids[pid] = r
+    while pids:
+        pid, status = os.waitpid(-1, os.WNOHANG)
+        if pid == 0:
+            if deadline is not None and time.monotonic() > deadline:
+                for p in pids:
+                    os.kill(p, signal.SIGKILL)
+                deadline = float("inf")
+            time.sleep(0.05)
+            continue
+        rank, rc = pids.pop(pid), os.waitstatus_to_exitcode(status)
+        if rc != 0 and code == 0:
+            code, deadline = rc, time.monotonic() + 5
+            with open(req["out"], "a") as f:
+                f.write(f"\n<block host> rank {rank} exited with code {rc}\n")
+    os._exit(code)
+
 for line in sys.stdin:
     req = json.loads(line)
     pid = os.fork()
     if pid == 0:
-        child(req)
+        ranks(req) if req.get("ranks") else child(req)
     print(json.dumps({"pid": pid}), flush=True)
     _, status = os.waitpid(pid, 0)
     print(json.dumps({"code": os.waitstatus_to_exitcode(status)}), flush=True)
@@ -150,8 +198,11 @@ class BlockHost:
         line, self._pending = self._pending.split(b"\n", 1)
         return dict(json.loads(line))
 
-    def run(self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float) -> tuple[int, str]:
-        """Run ``argv`` (see ``command``) in a forked child; (exit code, output). Raises HostTimeout."""
+    def run(
+        self, argv: list[str], cwd: Path, env: dict[str, str], timeout: float, ranks: int = 0, port: int = 0
+    ) -> tuple[int, str]:
+        """Run ``argv`` (see ``command``) in a forked child, or on ``ranks`` children that meet at ``port``;
+        (exit code, output). Raises HostTimeout."""
         parsed = self.command(argv)
         assert parsed is not None, argv
         kind, target, args = parsed
@@ -161,6 +212,7 @@ class BlockHost:
         os.close(fd)
         out = Path(name)
         request = {"kind": kind, "target": target, "args": args, "cwd": str(cwd), "env": env, "out": str(out)}
+        request |= {"ranks": ranks, "port": port}
         proc.stdin.write((json.dumps(request) + "\n").encode())
         started = self._reply(proc, _now() + 120)  # the first request waits for the imports
         if started is None:

@@ -88,3 +88,40 @@ def _gone(pid: int) -> bool:
             return True
         time.sleep(0.1)
     return False
+
+
+RANKS = """
+import os, sys
+import torch.distributed as dist
+import torch
+keys = ("RANK", "LOCAL_RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "GROUP_RANK", "LOCAL_SIZE", "TORCHELASTIC_RUN_ID")
+print("vars", *(f"{k}={os.environ.get(k)}" for k in keys), "threads", torch.get_num_threads(), flush=True)
+dist.init_process_group("gloo")  # env:// from MASTER_ADDR / MASTER_PORT: rank 0 serves the store
+t = dist.get_rank() * 10 + 1
+x = torch.tensor([float(t)])
+dist.all_reduce(x)
+print(f"rank {dist.get_rank()} sum {x.item():.0f}", flush=True)
+dist.destroy_process_group()
+if os.environ["RANK"] == sys.argv[1]:
+    sys.exit(5)
+"""
+
+
+def test_ranks_run_side_by_side_with_the_launchers_variables_and_one_failure_ends_the_block(
+    host: BlockHost, tmp_path: Path
+) -> None:
+    from benchmarks.common import free_port
+
+    (tmp_path / "r.py").write_text(RANKS)
+    code, out = host.run([sys.executable, "r.py", "none"], tmp_path, _env(), 60, ranks=2, port=free_port())
+    assert code == 0, out
+    for r in (0, 1):
+        assert f"vars RANK={r} LOCAL_RANK={r} WORLD_SIZE=2 LOCAL_WORLD_SIZE=2 GROUP_RANK=0 LOCAL_SIZE=2" in out, out
+        assert "threads 1" in out, out  # OMP_NUM_THREADS=1, as the launcher sets it for 2 ranks
+        assert f"rank {r} sum 12" in out, out
+    # Rank 1 fails after the collective; rank 0 then waits forever: it is stopped, the block fails with 5.
+    (tmp_path / "hang.py").write_text(RANKS.replace("sys.exit(5)", "sys.exit(5)\nimport time\ntime.sleep(600)"))
+    start = time.monotonic()
+    code, out = host.run([sys.executable, "hang.py", "1"], tmp_path, _env(), 120, ranks=2, port=free_port())
+    assert code == 5 and "rank 1 exited with code 5" in out, out
+    assert time.monotonic() - start < 60, "the surviving rank was not stopped after the grace"

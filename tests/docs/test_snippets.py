@@ -5,7 +5,8 @@ The rules (also stated at the top of docs/index.md, "How the docs are tested"):
 - The blocks of a page run in order in one fresh temporary directory, which starts with a copy of the
   repository's ``examples/``. A directive on the line right before a fence changes what happens to it:
   ``<!-- snippet: file=NAME -->`` writes the block to NAME (not run), ``<!-- snippet: ranks=N -->`` runs a
-  python block on N CPU processes under ``ds-launch``, ``<!-- snippet: parse -->`` checks a shell block's
+  python block on N CPU processes with the variables ``ds-launch`` gives its ranks (forked from the
+  block host below; without ``os.fork``, under ``ds-launch`` itself), ``<!-- snippet: parse -->`` checks a shell block's
   commands without running them, ``<!-- snippet: skip REASON -->`` is for hardware this machine lacks.
 - ``python``: run as a standalone script (``DS_ACCELERATOR=cpu``, the repository's src importable), in a
   child forked from a process that imported torch and lightning once (tests/docs/block_host.py).
@@ -191,11 +192,13 @@ _BENCH_RESULTS = tempfile.mkdtemp(prefix="ds-docs-bench-")
 atexit.register(shutil.rmtree, _BENCH_RESULTS, ignore_errors=True)
 
 
-def _run(argv: list[str], cwd: Path, block: Block, what: str) -> str:
-    """Run one command of a block; its output (stdout and stderr) on success, DocsError otherwise. Python
-    commands run in a child of the block host (block_host.py: torch and lightning imported once)."""
+def _run(argv: list[str], cwd: Path, block: Block, what: str, ranks: int = 0) -> str:
+    """Run one command of a block (on ``ranks`` ranks when given); its output (stdout and stderr) on success,
+    DocsError otherwise. Python commands run in children of the block host (block_host.py: torch and
+    lightning imported once)."""
     start = time.monotonic()
-    code, out = _host_run(argv, cwd) if BlockHost.usable and BlockHost.command(argv) else _process_run(argv, cwd)
+    use_host = BlockHost.usable and BlockHost.command(argv)
+    code, out = _host_run(argv, cwd, ranks) if use_host else _process_run(argv, cwd)
     if code is None:
         raise DocsError(f"{what}: still running after {BLOCK_TIMEOUT_S} s\n{out[-4000:]}")
     if code != 0:
@@ -204,10 +207,10 @@ def _run(argv: list[str], cwd: Path, block: Block, what: str) -> str:
     return out
 
 
-def _host_run(argv: list[str], cwd: Path) -> tuple[int | None, str]:
+def _host_run(argv: list[str], cwd: Path, ranks: int = 0) -> tuple[int | None, str]:
     """(exit code, output); the code is None when the command ran past BLOCK_TIMEOUT_S."""
     try:
-        return _HOST.run(argv, cwd, _env(), BLOCK_TIMEOUT_S)
+        return _HOST.run(argv, cwd, _env(), BLOCK_TIMEOUT_S, ranks=ranks, port=free_port() if ranks else 0)
     except HostTimeout as exc:
         return None, exc.output
 
@@ -232,14 +235,15 @@ def _process_run(argv: list[str], cwd: Path) -> tuple[int | None, str]:
 def run_python(block: Block, cwd: Path) -> None:
     script = cwd / f"_snippet_{block.page.stem}_{block.line}.py"
     script.write_text(block.text, encoding="utf-8")
-    if block.ranks:
+    if block.ranks and BlockHost.usable:  # forked ranks with the launcher's variables (block_host.py)
+        what = f"{block.where} (python block on {block.ranks} ranks)"
+        _run([sys.executable, script.name], cwd, block, what, ranks=block.ranks)
+    elif block.ranks:
         argv = [sys.executable, "-m", "ds_strategy.launcher", "--num_procs", str(block.ranks)]
         argv += ["--master_port", str(free_port()), "--no_local_rank", script.name]
-        what = f"{block.where} (python block on {block.ranks} ranks)"
+        _run(argv, cwd, block, f"{block.where} (python block on {block.ranks} ranks)")
     else:
-        argv = [sys.executable, script.name]
-        what = f"{block.where} (python block)"
-    _run(argv, cwd, block, what)
+        _run([sys.executable, script.name], cwd, block, f"{block.where} (python block)")
 
 
 def run_shell(block: Block, cwd: Path) -> None:
