@@ -192,13 +192,13 @@ _BENCH_RESULTS = tempfile.mkdtemp(prefix="ds-docs-bench-")
 atexit.register(shutil.rmtree, _BENCH_RESULTS, ignore_errors=True)
 
 
-def _run(argv: list[str], cwd: Path, block: Block, what: str, ranks: int = 0) -> str:
+def _run(argv: list[str], cwd: Path, block: Block, what: str, ranks: int = 0, env: dict[str, str] | None = None) -> str:
     """Run one command of a block (on ``ranks`` ranks when given); its output (stdout and stderr) on success,
     DocsError otherwise. Python commands run in children of the block host (block_host.py: torch and
     lightning imported once)."""
     start = time.monotonic()
     use_host = BlockHost.usable and BlockHost.command(argv)
-    code, out = _host_run(argv, cwd, ranks) if use_host else _process_run(argv, cwd)
+    code, out = _host_run(argv, cwd, ranks, env or {}) if use_host else _process_run(argv, cwd, env or {})
     if code is None:
         raise DocsError(f"{what}: still running after {BLOCK_TIMEOUT_S} s\n{out[-4000:]}")
     if code != 0:
@@ -207,20 +207,21 @@ def _run(argv: list[str], cwd: Path, block: Block, what: str, ranks: int = 0) ->
     return out
 
 
-def _host_run(argv: list[str], cwd: Path, ranks: int = 0) -> tuple[int | None, str]:
+def _host_run(argv: list[str], cwd: Path, ranks: int, env: dict[str, str]) -> tuple[int | None, str]:
     """(exit code, output); the code is None when the command ran past BLOCK_TIMEOUT_S."""
     try:
-        return _HOST.run(argv, cwd, _env(), BLOCK_TIMEOUT_S, ranks=ranks, port=free_port() if ranks else 0)
+        port = free_port() if ranks else 0
+        return _HOST.run(argv, cwd, _env() | env, BLOCK_TIMEOUT_S, ranks=ranks, port=port)
     except HostTimeout as exc:
         return None, exc.output
 
 
-def _process_run(argv: list[str], cwd: Path) -> tuple[int | None, str]:
+def _process_run(argv: list[str], cwd: Path, env: dict[str, str]) -> tuple[int | None, str]:
     try:
         proc = subprocess.run(
             argv,
             cwd=cwd,
-            env=_env(),
+            env=_env() | env,
             stdin=subprocess.DEVNULL,
             stdout=subprocess.PIPE,
             stderr=subprocess.STDOUT,
@@ -246,11 +247,43 @@ def run_python(block: Block, cwd: Path) -> None:
         _run([sys.executable, script.name], cwd, block, f"{block.where} (python block)")
 
 
+def python_commands(block: Block) -> list[tuple[int, dict[str, str], list[str]]] | None:
+    """(doc line, variables, argv) of every command when each is a plain ``[VAR=value ...] python ...`` (no
+    pipe, redirection, list or substitution): such a block runs command by command in the block host, as
+    bash would run it; None for any other block."""
+    out = []
+    for line, command in shell_commands(block):
+        lexer = shlex.shlex(command, posix=True, punctuation_chars=True)
+        lexer.whitespace_split = True
+        lexer.commenters = "#"
+        try:
+            words = list(lexer)
+        except ValueError:
+            return None
+        if any(set(w) <= set("();<>|&") for w in words) or any(c in command for c in "$`*?~"):
+            return None
+        env = {}
+        while words and re.match(r"^[A-Za-z_][A-Za-z0-9_]*=", words[0]):
+            key, _, value = words.pop(0).partition("=")
+            env[key] = value
+        if not words or words[0] != "python":
+            return None
+        out.append((line, env, [sys.executable, *words[1:]]))
+    return out or None
+
+
 def run_shell(block: Block, cwd: Path) -> None:
     """One bash script for the block, so `cd` and `export` carry over; a failure names its doc line.
 
     bash/sh blocks run as written (heredocs, loops and continuations work; `$ ` prompts are stripped);
-    console blocks run only their prompted commands."""
+    console blocks run only their prompted commands. A block of plain ``python`` commands runs them one by
+    one in the block host instead (``python`` on the block's PATH is this interpreter), stopping at the
+    first failure as ``set -e`` does."""
+    commands = python_commands(block) if BlockHost.usable else None
+    if commands is not None:
+        for line, env, argv in commands:
+            _run(argv, cwd, block, f"{block.page.name}:{line} (shell command)", env=env)
+        return
     # A launcher the page starts without --master_port would take the default 29500, which another test
     # running beside this one may hold: it gets a free port first (a --master_port the page sets wins).
     # On the first line with `set`, so the block's lines keep their numbers in the script.
@@ -542,3 +575,24 @@ def test_a_shell_launcher_gets_a_free_port_unless_the_page_sets_one(tmp_path: Pa
     assert [prog for prog, _ in found] == ["ds-launch", "torchrun"]
     assert 10000 <= int(found[0][1]) < 29000
     assert parse_args(["--master_port", found[0][1], "--master_port", "29612", "x.py"]).master_port == 29612
+
+
+def test_a_block_of_plain_python_commands_runs_them_in_the_host_and_stops_at_the_first_failure(
+    tmp_path: Path,
+) -> None:
+    page = _page(
+        tmp_path,
+        "```bash\npython -c 'print(1)'   # a comment\n"
+        "PROBE=2 python -c \"import os; print(os.environ['PROBE'])\"\n```\n"
+        "```bash\npython -c 'print(3)' | cat\n```\n"
+        "```bash\npython -c 'raise SystemExit(4)'\npython -c 'open(\"ran\", \"w\")'\n```\n",
+    )
+    first, piped, failing = extract_blocks(page)
+    assert [(env, argv[1:]) for _, env, argv in python_commands(first) or []] == [
+        ({}, ["-c", "print(1)"]),
+        ({"PROBE": "2"}, ["-c", "import os; print(os.environ['PROBE'])"]),
+    ]
+    assert python_commands(piped) is None  # bash runs it
+    with pytest.raises(DocsError, match="exit code 4"):
+        run_shell(failing, tmp_path)
+    assert not (tmp_path / "ran").exists()
