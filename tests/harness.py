@@ -14,7 +14,9 @@ Workers are spawned once per world size and reused by every test (spawning costs
 gets a fresh default process group that rendezvouses through a ``FileStore`` in a fresh temp file (no
 port to pick, so no free-port race with other test runs on the machine), torn down afterwards. A failing
 rank fails the test with every rank's traceback; a rank that does not finish within ``timeout`` seconds
-fails it with the stacks of the hanging ranks (dumped through faulthandler), and the pool is replaced.
+fails it with the stacks of the hanging ranks (dumped through faulthandler), and the pool is replaced. A
+fresh pool's start-up (spawning, importing torch) is waited for before its first call, so that ``timeout``
+counts the call alone.
 A rank that calls ``pytest.skip`` skips the test, unless another rank raised: a raise outweighs a skip,
 as in PyTorch's MultiProcessTestCase (so skip on every rank, or before the first collective, since a
 peer left in a collective by the skipping rank raises when that rank's group goes away).
@@ -51,7 +53,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
-from benchmarks.common import free_port
+from benchmarks.common import environment, free_port
 
 DEFAULT_TIMEOUT = float(os.environ.get("DS_TEST_TIMEOUT", "120"))
 FAILURE_GRACE = 5.0  # seconds the other ranks get to finish once one rank has failed
@@ -92,22 +94,10 @@ def _dumps(value: Any) -> bytes:
     return buf.getvalue()
 
 
-@contextlib.contextmanager
-def _patched_env(env: dict[str, str]) -> Iterator[None]:
-    saved = {k: os.environ.get(k) for k in env}
-    os.environ.update(env)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
-
-
-# What a rank reports for a task.
+# What a rank reports for a task; the task id 0 is its start-up (a fresh pool's imports, before any task).
 _OK, _FAILED, _SKIPPED = "ok", "failed", "skipped"
+_READY = 0
+STARTUP_TIMEOUT = 180.0  # spawning and importing, under a loaded machine
 
 
 def _all_ranks_done(timeout: float, world_size: int) -> None:
@@ -138,6 +128,7 @@ def _worker_main(
     stack_out = open(stack_file, "w")  # noqa: SIM115 - lives as long as the worker
     faulthandler.register(signal.SIGUSR1, file=stack_out, all_threads=True)
     torch.set_num_threads(max(1, (os.cpu_count() or 1) // world_size))
+    results.put((_READY, rank, _OK, None))
     while True:
         task = tasks.get()
         if task is None:
@@ -151,7 +142,7 @@ def _worker_main(
             "MASTER_PORT": str(task.port),
         }
         env.update(task.env)
-        with _patched_env(env):
+        with environment(**env):
             try:
                 if task.init_process_group:
                     dist.init_process_group(
@@ -188,6 +179,7 @@ class WorkerPool:
         self._tasks = [ctx.Queue() for _ in range(world_size)]
         self._results = ctx.Queue()
         self._next_id = 0
+        self._started = False
         self.procs = [
             ctx.Process(
                 target=_worker_main,
@@ -224,6 +216,8 @@ class WorkerPool:
         env: dict[str, str],
     ) -> list[Any]:
         """Return the per-rank results; raise DistributedTestError (the pool is then unusable) or skip."""
+        if not self._started:
+            self._await_start()
         self._next_id += 1
         store_path = str(Path(self._stack_dir) / f"store{self._next_id}")
         with held_port() as port:
@@ -243,6 +237,16 @@ class WorkerPool:
                 reasons += f" (ranks {hanging} were still running and were stopped)"
             pytest.skip(reasons)
         raise DistributedTestError(self._report(fn, failed, hanging, timeout))
+
+    def _await_start(self) -> None:
+        """Wait until every rank has started (a task's timeout counts the task, not the pool's start-up)."""
+        started = self._collect(_READY, STARTUP_TIMEOUT)
+        late = [r for r in range(self.world_size) if r not in started]
+        failed = {r: payload for r, (status, payload) in started.items() if status != _OK}
+        if late or failed:
+            self.kill()
+            raise DistributedTestError(f"harness ranks did not start: late {late}, failed {failed}")
+        self._started = True
 
     def _collect(self, task_id: int, timeout: float) -> dict[int, tuple[str, Any]]:
         """Every rank's (status, payload) that came back in time; a rank that died counts as failed."""
