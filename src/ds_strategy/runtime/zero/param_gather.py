@@ -214,11 +214,6 @@ class ParamGatherer:
             host_memory.give_back_idle()  # before the loss: [Note: the loss's peak] in host_memory.py
             self.gave_back = True
 
-    def take_gave_back(self) -> bool:
-        """Whether this forward's end already gave back the idle host memory (so backward need not); cleared."""
-        gave_back, self.gave_back = self.gave_back, False
-        return gave_back
-
     def tile_label(self, module: nn.Module) -> int:
         """Label the tile gathers of one call of a tiled module (the divergence check counts it as a fetch)."""
         self.gathers += 1

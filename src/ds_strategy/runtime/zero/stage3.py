@@ -376,8 +376,9 @@ class Stage3(Stage2):
     def begin_backward(self, *, reduce: bool) -> None:
         super().begin_backward(reduce=reduce)
         if self._host_compute:  # see [Note: the loss's peak] in host_memory.py
-            if not self.gatherer.take_gave_back():
+            if not self.gatherer.gave_back:
                 host_memory.give_back_idle()
+            self.gatherer.gave_back = False
             host_memory.trim_heap_at_next_allocation()
 
     def end_backward(self) -> None:
