@@ -413,7 +413,7 @@ def main(argv: list[str] | None = None) -> None:
     args = parser.parse_args(argv)
     # Read by glibc when the ranks start; a value set by the caller wins; restored for later benchmarks.
     own_malloc = not args.default_malloc and "MALLOC_MMAP_THRESHOLD_" not in os.environ
-    with environment(**({"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD} if own_malloc else {})):
+    with environment({"MALLOC_MMAP_THRESHOLD_": MMAP_THRESHOLD} if own_malloc else {}):
         malloc_env = {k: v for k, v in os.environ.items() if k.startswith("MALLOC_")}
         _main(args, malloc_env)
 

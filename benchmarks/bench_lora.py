@@ -198,7 +198,7 @@ def run(quick: bool) -> dict[str, Any]:
     peers = ["ds_strategy"] + (["deepspeed"] if importlib.util.find_spec("deepspeed") is not None else [])
     kinds = ((2, False), (3, False), (3, True))
     cases: list[Case] = [(peer, stage, bounded) for peer in peers for stage, bounded in kinds]
-    with environment(**MALLOC_ENV):  # the spawned ranks inherit it (restored for later benchmarks)
+    with environment(MALLOC_ENV):  # the spawned ranks inherit it (restored for later benchmarks)
         return _run(quick, shape, cases)
 
 

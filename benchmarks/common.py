@@ -11,7 +11,7 @@ import resource
 import socket
 import tempfile
 import threading
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -140,11 +140,16 @@ def _start_method() -> str:
 
 
 @contextlib.contextmanager
-def environment(**values: str) -> Iterator[None]:
-    """Set variables for the ranks started inside the block (e.g. glibc's malloc tunables, read when a rank
-    starts), then restore them: a benchmark of run_all must not change the next one's environment."""
-    saved = {k: os.environ.get(k) for k in values}
-    os.environ.update(values)
+def environment(values: Mapping[str, str | None], restore: Iterable[str] = ()) -> Iterator[None]:
+    """Set variables for the block (None: unset), e.g. glibc's malloc tunables for the ranks started inside
+    it, then restore them, and the variables named in ``restore`` that the block may change itself: a
+    benchmark of run_all must not change the next one's environment, nor a test the next test's."""
+    saved = {k: os.environ.get(k) for k in (*values, *restore)}
+    for k, v in values.items():
+        if v is None:
+            os.environ.pop(k, None)
+        else:
+            os.environ[k] = v
     try:
         yield
     finally:

@@ -142,7 +142,7 @@ def _worker_main(
             "MASTER_PORT": str(task.port),
         }
         env.update(task.env)
-        with environment(**env):
+        with environment(env):
             try:
                 if task.init_process_group:
                     dist.init_process_group(

@@ -289,7 +289,7 @@ if __name__ == "__main__":
     first = run_ranks(probe, 2)
     os.environ["PROBE"] = "second"  # set after the forkserver started: the ranks still see it
     second = run_ranks(probe, 2)
-    with environment(MALLOC_PERTURB_="165"):  # only a fresh process takes it: these ranks are spawned
+    with environment({"MALLOC_PERTURB_": "165"}):  # only a fresh process takes it: these ranks are spawned
         third = run_ranks(probe, 2)
     print(first, second, third, os.getpid(), sep="\\n")
 """

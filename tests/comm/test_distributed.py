@@ -20,6 +20,7 @@ from typing import Any
 import pytest
 import torch
 import torch.distributed as dist
+from benchmarks.common import environment as shared_environment
 
 from ds_strategy.comm import TIMEOUT_ENV, init_distributed, resolve_timeout
 from ds_strategy.comm.distributed import ENV_VARS, discover_mpi
@@ -46,22 +47,10 @@ LAUNCHER_VARS = (
 )
 
 
-@contextlib.contextmanager
-def environment(set_: dict[str, str], unset: tuple[str, ...] = ()) -> Iterator[None]:
-    """Set and unset variables for the block, restoring everything afterwards (workers are reused)."""
-    keys = set(set_) | set(unset) | set(ENV_VARS) | {TIMEOUT_ENV}
-    saved = {k: os.environ.get(k) for k in keys}
-    for k in unset:
-        os.environ.pop(k, None)
-    os.environ.update(set_)
-    try:
-        yield
-    finally:
-        for k, v in saved.items():
-            if v is None:
-                os.environ.pop(k, None)
-            else:
-                os.environ[k] = v
+def environment(set_: dict[str, str], unset: tuple[str, ...] = ()) -> contextlib.AbstractContextManager[None]:
+    """Set and unset variables for the block, restoring everything afterwards, the rendezvous variables
+    init_distributed may set included (workers are reused)."""
+    return shared_environment({**dict.fromkeys(unset), **set_}, restore=(*ENV_VARS, TIMEOUT_ENV))
 
 
 @contextlib.contextmanager
