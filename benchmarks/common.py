@@ -128,7 +128,8 @@ _forkserver_env: dict[str, str] | None = None
 
 
 def _start_method() -> str:
-    """ "forkserver" where FORKSERVER_ENV is set and the start-time variables match the server's; "spawn"."""
+    """How run_ranks starts ranks: "forkserver" where FORKSERVER_ENV is set and the start-time variables
+    match the server's, else "spawn"."""
     global _forkserver_env
     if os.environ.get(FORKSERVER_ENV) != "1" or "forkserver" not in mp.get_all_start_methods():
         return "spawn"
