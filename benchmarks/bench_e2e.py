@@ -2,7 +2,7 @@
 FSDP2 (``fully_shard`` per block), ds_strategy stages 0, 1, 2, 2 + offload, 3, 3 + offload and, when
 installed, DeepSpeed at the same stages with the same config (stage3_* keys included). GPT of
 ds_strategy.demo (8 layers, d=512, seq 256, micro batch 4, ~25M parameters, fp32, AdamW). Each case runs in
-fresh processes (so peak RSS is its own): 2 warm-up + 5 timed steps, slowest rank's s/step, largest rank's
+fresh processes (so peak RSS is its own): 2 warm-up + 5 timed steps, slowest rank's median s/step, largest rank's
 peak RSS. Then (unless --only) stage 2, 3 and 3 + offload are timed again interleaved step by step in the
 same processes (``--paired N`` does only that): load from other work hits all three alike, so that median
 ratio is the noise-robust stage-3 / stage-2 figure. Derived (issue 7): stage 3 step time over stage 2's, and

@@ -18,9 +18,13 @@ and the mmap/trim thresholds are pinned at 8 MiB instead (the measured best trad
 The rest of a CPU step (activations, gradients) still goes through malloc, and stage 3's allocation pattern
 (buckets gathered and freed between the layers' activations) leaves free chunks inside glibc's heap that it
 does not return: measured on the LoRA Llama of benchmarks/bench_lora_lightning.py, the heap's free bytes
-grew by ~12 MiB a step (67 to 135 MiB over five steps, stage 2 steady at ~66) with live bytes flat. So
-after each optimizer step a CPU stage 3 engine trims the heap (``trim_heap``: malloc_trim(0), 10-30 ms on
-that process): peak RSS 807 MiB instead of 880.
+grew by ~12 MiB a step (67 to 135 MiB over five steps, stage 2 steady at ~66) with live bytes flat. A trim
+of the heap (``trim_heap``: malloc_trim(0)) hands those pages back; the two trims of [Note: the loss's peak]
+do it in every step, so the creep cannot outlive a forward. A third trim after each optimizer step (stop
+49 to 60) only handed back the backward's freed activations, which the next forward then faulted in again:
+on the e2e GPT of benchmarks/bench_e2e.py (2 ranks) the forward took 920-980 ms with it and 770-820
+without (median of 8 steps), 6% of the step, for 24-40 MiB of the LoRA rank's peak (63M: 724 -> 748 MiB,
+162M: 1078 -> 1118; still 101% and 90% of the theoretical saving). So the optimizer step trims nothing.
 
 [Note: the loss's peak]
 A step's heap peaks at the loss's backward: every activation is alive and the loss adds its transients (for

@@ -406,8 +406,6 @@ class Stage3(Stage2):
             h.wait()
         if self.swap is not None and self.swap.params is not None:
             self.swap.params.end_step()  # see [Note: parameter read-ahead]
-        if self._host_compute:
-            host_memory.trim_heap()  # see [Note: gathered buckets and host memory]
 
     # ------------------------------------------------------------------ full access
 
