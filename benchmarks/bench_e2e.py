@@ -10,8 +10,9 @@ stage 3's peak-RSS saving against DDP as a fraction of the model-state bytes sta
 (fp32 params + grads + Adam m, v = 16 bytes/param, of which a rank keeps 1/N: 16 P (1 - 1/N)).
 Writes benchmarks/results/e2e.{json,md,png} (NAME.* with --name). ``--quick``: a tiny model and every case
 one after another in one set of processes (a smoke run: one start-up instead of 14; RSS not per case).
+``--repeat N`` runs the chosen cases N times in turn and reports each figure's median over the N rounds.
 
-    python -m benchmarks.bench_e2e [--quick] [--only "case,case"] [--name NAME] [--paired N]
+    python -m benchmarks.bench_e2e [--quick] [--only "case,case"] [--name NAME] [--paired N] [--repeat N]
     python -m benchmarks.bench_e2e --device cuda [--quick] [--only ...] [--name NAME]   # one GPU: e2e_cuda.py
 
 glibc's malloc keeps freed multi-MiB blocks resident once its dynamic mmap threshold has grown, which
@@ -100,6 +101,27 @@ def run_cases(cases: list[Case], shape: dict[str, int], steps: int, fresh: bool 
         rss = record["peak_rss"] / 2**30
         print(f"{name}: {record['seconds_per_step']:.3f} s/step, peak RSS {rss:.2f} GiB/rank ({wall:.0f}s)", flush=True)
     return records
+
+
+def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """``--repeat``: one record per case, its median s/step and median peak RSS over the rounds (each round
+    every case once, in fresh processes, in the same order), with every round's figures kept. On a shared
+    machine a burst of other work lands on whichever case runs then; the median of rounds drops it."""
+    merged = []
+    for per_round in zip(*rounds, strict=True):
+        first = per_round[0]
+        if any("error" in r for r in per_round):
+            merged.append(next(r for r in per_round if "error" in r))
+            continue
+        steps = [r["seconds_per_step"] for r in per_round]
+        rss = [r["peak_rss"] for r in per_round]
+        merged.append({
+            **first,
+            "seconds_per_step": statistics.median(steps),
+            "peak_rss": statistics.median(rss),
+            "rounds": [{"seconds_per_step": a, "peak_rss": b} for a, b in zip(steps, rss, strict=True)],
+        })  # fmt: skip
+    return merged
 
 
 def _paired(rank: int, world: int, shape: dict[str, int], steps: int) -> dict[str, list[float]]:
@@ -200,6 +222,15 @@ def table(records: list[dict[str, Any]]) -> str:
     return markdown_table(columns, rows)
 
 
+def _rounds_table(records: list[dict[str, Any]]) -> str:
+    """``--repeat``: every round's s/step per case (the table above holds their medians)."""
+    rows = [(r["case"], *(f"{x['seconds_per_step']:.3f}" for x in r["rounds"])) for r in records if "rounds" in r]
+    rounds = max((len(r["rounds"]) for r in records if "rounds" in r), default=0)
+    return "Each round (s/step, slowest rank):\n\n" + markdown_table(
+        ("case", *(f"round {i + 1}" for i in range(rounds))), rows
+    )
+
+
 DERIVED = {  # issue 7's figures: key in the JSON -> what it is
     "stage3_over_stage2_step": "stage 3 / stage 2 step time (table)",
     "stage3_offload_over_stage2_step": "stage 3 + offload / stage 2 step time (table)",
@@ -297,6 +328,9 @@ def main(argv: list[str] | None = None) -> None:
     )
     parser.add_argument("--paired", type=int, default=0, help="only the interleaved stage 2/3/3+offload, N steps")
     parser.add_argument(
+        "--repeat", type=int, default=1, help="run the cases N times in turn; each figure is the median of the N runs"
+    )
+    parser.add_argument(
         "--device",
         choices=("cpu", "cuda"),
         default="cpu",
@@ -327,7 +361,8 @@ def main(argv: list[str] | None = None) -> None:
     unknown = only - {c[0] for c in cases}
     if unknown:
         raise SystemExit(f"--only: unknown case(s) {sorted(unknown)}; cases: {[c[0] for c in cases]}")
-    records = run_cases([c for c in cases if not only or c[0] in only], shape, steps, fresh=not args.quick)
+    chosen = [c for c in cases if not only or c[0] in only]
+    records = merge_rounds([run_cases(chosen, shape, steps, fresh=not args.quick) for _ in range(max(1, args.repeat))])
     paired = None
     if not only:
         try:
@@ -337,6 +372,8 @@ def main(argv: list[str] | None = None) -> None:
     params = next((r["ranks"][0]["params"] for r in records if "ranks" in r), None)
     figures = derived(records, params, paired)
     text = table(records)
+    if args.repeat > 1:
+        text += "\n\n" + _rounds_table(records)
     if paired:
         text += "\n\nInterleaved in the same processes (noise-robust ratio):\n\n" + _paired_table(paired)
     text += "\n\n" + _derived_text(figures)
@@ -346,6 +383,7 @@ def main(argv: list[str] | None = None) -> None:
         **head,
         "params": params,
         "steps": steps,
+        "rounds": max(1, args.repeat),
         "fresh_processes_per_case": not args.quick,
         "cases": records,
         "paired": paired,
