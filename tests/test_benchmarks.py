@@ -368,3 +368,23 @@ def test_autotune_quick_writes_its_results(tmp_path: Path) -> None:
     from benchmarks.bench_autotune import headlines
 
     assert len(headlines(payload)) == 2 * len(models)
+
+
+def test_e2e_repeat_reports_each_cases_median_over_the_rounds_and_keeps_every_round() -> None:
+    """``bench_e2e --repeat N``: one disturbed round moves no figure; a case that failed in any round is
+    reported as failed, not as the median of the rounds it survived."""
+    from benchmarks.bench_e2e import merge_rounds
+
+    def rec(case: str, s: float, rss: int) -> dict:
+        return {"case": case, "peer": "torch DDP", "stage": 0, "offload": False, "seconds_per_step": s, "peak_rss": rss}
+
+    rounds = [
+        [rec("a", 2.5, 10), rec("b", 1.0, 5)],
+        [rec("a", 4.7, 12), {"case": "b", "error": "rank 1 died"}],
+        [rec("a", 2.6, 11), rec("b", 1.1, 6)],
+    ]
+    a, b = merge_rounds(rounds)
+    assert a["seconds_per_step"] == 2.6 and a["peak_rss"] == 11
+    assert [r["seconds_per_step"] for r in a["rounds"]] == [2.5, 4.7, 2.6]
+    assert b == {"case": "b", "error": "rank 1 died"}
+    assert merge_rounds([[rec("a", 3.0, 7)]])[0]["seconds_per_step"] == 3.0
