@@ -109,14 +109,14 @@ def merge_rounds(rounds: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
     machine a burst of other work lands on whichever case runs then; the median of rounds drops it."""
     merged = []
     for per_round in zip(*rounds, strict=True):
-        first = per_round[0]
-        if any("error" in r for r in per_round):
-            merged.append(next(r for r in per_round if "error" in r))
+        failed = next((r for r in per_round if "error" in r), None)
+        if failed is not None:
+            merged.append(failed)
             continue
         steps = [r["seconds_per_step"] for r in per_round]
         rss = [r["peak_rss"] for r in per_round]
         merged.append({
-            **first,
+            **per_round[0],
             "seconds_per_step": statistics.median(steps),
             "peak_rss": statistics.median(rss),
             "rounds": [{"seconds_per_step": a, "peak_rss": b} for a, b in zip(steps, rss, strict=True)],

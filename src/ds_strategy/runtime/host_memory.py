@@ -22,7 +22,7 @@ grew by ~12 MiB a step (67 to 135 MiB over five steps, stage 2 steady at ~66) wi
 of the heap (``trim_heap``: malloc_trim(0)) hands those pages back; the two trims of [Note: the loss's peak]
 do it in every step, so the creep cannot outlive a forward. A third trim after each optimizer step (stop
 49 to 60) only handed back the backward's freed activations, which the next forward then faulted in again:
-on the e2e GPT of benchmarks/bench_e2e.py (2 ranks) the forward took 920-980 ms with it and 770-820
+on the e2e GPT of benchmarks/bench_e2e.py (2 ranks) the forward took 914-979 ms with it and 771-850
 without (median of 8 steps), 6% of the step, for 24-40 MiB of the LoRA rank's peak (63M: 724 -> 748 MiB,
 162M: 1078 -> 1118; still 101% and 90% of the theoretical saving). So the optimizer step trims nothing.
 
