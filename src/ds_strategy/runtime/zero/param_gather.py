@@ -267,6 +267,7 @@ class ParamGatherer:
     def end_backward(self) -> None:
         """Backward is over: check that the ranks agree, free every non-persistent bucket, keep the record."""
         self.check_agreement()
+        self.hooks.end_backward()
         for g, gs in enumerate(self.groups):
             for b in range(len(gs.full)):
                 self.free((g, b))
