@@ -257,7 +257,7 @@ class ModuleHooks:
                 )
                 frozen = self.frozen_units.get(id(module))
                 ins = [t for t in _tensors((args, kwargs)) if t.requires_grad] if frozen else []
-                if ins:  # see [Note: frozen buckets in backward]
+                if frozen and ins:  # see [Note: frozen buckets in backward]
                     self._release_after_inputs(ins, frozen, me)
         self._release(module)
 
