@@ -6,13 +6,16 @@ root), ``zero3`` (``ds_strategy.initialize``, stage 3, default fetch units), ``z
 units: the previous design), each at world size 1 (gloo) and at world size 8 under torch's fake process
 group (collectives launched, nothing moved). A step is forward, backward, optimizer step and zero_grad, so
 the difference to ``plain`` over the fetches of a step (64 blocks x forward and backward, plus the root's)
-is what each fetch costs the host. Medians of 30 steps after 5 warm-up. Writes
+is what each fetch costs the host. Medians of 30 steps after 5 warm-up (``--steps``), with the spread of the
+timed steps (slowest / fastest) and the collector's full (generation 2) passes among them: a host-bound step
+that leaves objects behind makes them frequent and long (tests/runtime/test_step_leaks.py). Writes
 benchmarks/results/fetch_cost.{json,md,png}.
 """
 
 from __future__ import annotations
 
 import argparse
+import gc
 import json
 import os
 import statistics
@@ -106,12 +109,25 @@ def run_case(case: str, world: int, steps: int = STEPS) -> dict[str, Any]:
             opt.zero_grad(set_to_none=True)
 
         gatherer = None
-    times = []
+    times, full_passes = [], []
+
+    def count_full_passes(phase: str, info: dict[str, int]) -> None:
+        if phase == "stop" and info["generation"] == 2 and len(times) >= WARMUP:
+            full_passes.append(len(times))
+
+    gc.callbacks.append(count_full_passes)
     for _ in range(WARMUP + steps):
         start = time.perf_counter()
         step()
         times.append(time.perf_counter() - start)
-    out = {"ms": 1e3 * statistics.median(times[WARMUP:]), "world": world}
+    gc.callbacks.remove(count_full_passes)
+    timed = times[WARMUP:]
+    out = {
+        "ms": 1e3 * statistics.median(timed),
+        "world": world,
+        "spread": max(timed) / min(timed),
+        "full_gc_passes": len(full_passes),
+    }
     if gatherer is not None:
         out["gathers_per_step"] = gatherer.gathers / (WARMUP + steps)
     dist.destroy_process_group()
@@ -146,18 +162,25 @@ def main(argv: list[str] | None = None) -> None:
     rows = []
     for r in records:
         if "error" in r:
-            rows.append([r["case"], r["world"], "failed", "", ""])
+            rows.append([r["case"], r["world"], "failed", "", "", "", ""])
             continue
         floor = next(
             (p["ms"] for p in records if p["case"] == "plain" and p["world"] == r["world"] and "ms" in p), None
         )
         per = "" if floor is None or r["case"] == "plain" else f"{1e3 * (r['ms'] - floor) / fetches:.1f}"
-        rows.append([r["case"], r["world"], f"{r['ms']:.2f}", per, f"{r.get('gathers_per_step', '')}"])
-    text = markdown_table(["case", "world size", "ms / step", "host us per fetch", "all-gathers / step"], rows)
+        gathers = r.get("gathers_per_step")
+        rows.append([
+            r["case"], r["world"], f"{r['ms']:.2f}", per, "" if gathers is None else f"{gathers:.1f}",
+            f"{r['spread']:.2f}", r["full_gc_passes"],
+        ])  # fmt: skip
+    head = ["case", "world size", "ms / step", "host us per fetch", "all-gathers / step", "max / min step"]
+    text = markdown_table([*head, "full GC passes"], rows)
     text += (
         f"\n\n{BLOCKS} blocks of a {WIDTH}x{WIDTH} Linear and a LayerNorm: no compute to speak of, so a step is the "
         f"host's work. 'host us per fetch' = (ms/step - plain's) / {fetches} fetches (each block in forward and "
-        "backward, the root twice). World size 8: torch's fake process group (launches, no data)."
+        "backward, the root twice). World size 8: torch's fake process group (launches, no data). "
+        f"{args.steps} timed steps after {WARMUP} warm-up; 'full GC passes': Python's generation-2 collections "
+        "during them."
     )
     write_results("fetch_cost", {"machine": machine(), "blocks": BLOCKS, "records": records}, text)
     _plot(records)

@@ -264,6 +264,7 @@ def test_zero3_gpu_and_fetch_cost_plumbing_on_the_cpu(tmp_path: Path) -> None:
         assert case["fetch_units"] == layers + 1 and 0 < case["gathers_per_step"] <= 2 * layers + 4, case
     fetch = json.loads((tmp_path / "fetch_cost.json").read_text())["records"]
     assert {r["case"] for r in fetch} == {"plain", "zero3"} and all("ms" in r for r in fetch), fetch
+    assert all(r["spread"] >= 1 and r["full_gc_passes"] >= 0 for r in fetch), fetch  # the steps' spread, GC passes
     assert (tmp_path / "zero3_cpu.png").exists() and (tmp_path / "fetch_cost.md").exists()
     for case in cases.values():  # steps 5, 6 sampled (not timed), 7 and 8 timed: per-step costs of every step
         assert len(case["ms_steps"]) == 9 - 2 and len(case["host_ms_steps"]) == len(case["gc_ms_steps"]) == 9, case
