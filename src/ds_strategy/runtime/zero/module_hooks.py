@@ -69,6 +69,7 @@ from torch import nn
 from torch.autograd.graph import register_multi_grad_hook
 from torch.utils.hooks import RemovableHandle
 
+from ..autograd_engine import current_backward, node_of, nodes_to_run
 from ..layout import BucketKey
 
 
@@ -268,7 +269,7 @@ class ModuleHooks:
         (torch's multi-grad "all" mode, its nodes kept here: [Note: the graph holds nothing of itself])."""
         self._tokens += 1
         token = self._tokens
-        self._waiting[token] = _Waiting([_node_of(t) for t in ins], keys, self._forwards)
+        self._waiting[token] = _Waiting([node_of(t) for t in ins], keys, self._forwards)
         for t in ins:
             t.register_hook(lambda grad, k=token: _input_grad_in(me, k))
 
@@ -279,10 +280,10 @@ class ModuleHooks:
             waiting = self._waiting.get(token)
             if waiting is None:  # dropped (end of backward, or a stale graph): end_backward frees everything
                 return
-            task = torch._C._current_graph_task_id()
+            task = current_backward()
             seen = waiting.seen.get(task, 0) + 1
             if seen == 1:  # which of the inputs' nodes this backward runs (torch's own count)
-                waiting.expected[task] = sum(map(torch._C._will_engine_execute_node, waiting.nodes))
+                waiting.expected[task] = nodes_to_run(waiting.nodes)
             done = seen >= waiting.expected[task]
             if done:
                 del self._waiting[token]
@@ -322,14 +323,6 @@ def _input_grad_in(me: weakref.ref[ModuleHooks], token: int) -> None:
     hooks = me()
     if hooks is not None:
         hooks.input_grad_in(token)
-
-
-def _node_of(t: torch.Tensor) -> Any:
-    """The node whose run computes ``t``'s gradient: its ``grad_fn``, or a leaf's gradient accumulator."""
-    if t.grad_fn is not None:
-        return t.grad_fn
-    with torch.enable_grad():
-        return t.view_as(t).grad_fn.next_functions[0][0]  # type: ignore[union-attr]
 
 
 def _tensors(value: Any) -> Iterator[torch.Tensor]:
