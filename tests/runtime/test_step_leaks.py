@@ -105,3 +105,40 @@ def test_a_step_leaves_no_autograd_node_and_no_python_object_behind(case: str, m
     assert not alive, f"{case}: autograd nodes of finished steps are still alive: {dict(alive)}"
     # A few objects may come and go (caches filled once); a leak grows by hundreds a step.
     assert grown < 60, f"{case}: 6 steps left {grown} more Python objects alive"
+
+
+def test_forwards_never_backwarded_keep_at_most_two_graphs_alive(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A forward with gradients whose loss is dropped unbackwarded (an evaluation left in grad mode): the
+    frozen releases waiting on its inputs hold its graph only until two more such forwards began."""
+    zero, _ = CASES["stage 3, frozen units"]
+    torch.manual_seed(0)
+    model = Blocks(frozen=True)
+    cfg = {
+        "train_micro_batch_size_per_gpu": MICRO,
+        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
+        "zero_optimization": zero,
+    }
+    x = torch.randn(MICRO, D)
+    with fake_group(monkeypatch, world_size=4):
+        params = [p for p in model.parameters() if p.requires_grad]
+        engine, *_ = ds_strategy.initialize(model=model, model_parameters=params, config=cfg)
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        del loss
+        alive = []
+        for _ in range(5):
+            engine(x)  # dropped at once
+            gc.collect()
+            alive.append(sum(_nodes_alive().values()))
+        loss = engine(x)
+        engine.backward(loss)
+        engine.step()
+        del loss
+        gc.collect()
+        after_step = sum(_nodes_alive().values())
+        engine.destroy()
+    per_graph = alive[0]
+    assert per_graph > 0, alive  # the frozen releases of the latest forward wait on its graph
+    assert alive[1] == 2 * per_graph and alive[2:] == [2 * per_graph] * 3, alive  # two graphs at most, not five
+    assert after_step == 0, after_step  # a backward ends every wait

@@ -45,7 +45,7 @@ the growing heap paused steps for 0.2-0.4 s every ~65 steps; tests/runtime/test_
   own "all" mode keeps them inside the hooks those nodes hold: the cycle. Here this object keeps them
   (``_waiting``, by token; the hooks hold the token and a weak reference to this object), drops each entry
   when its release fires, and drops the rest at the end of backward and when a forward begins two
-  forwards after theirs (a graph never backwarded is not kept alive by it).
+  forwards with gradients after theirs (a graph never backwarded is not kept alive by it).
 
 [Note: compiled regions]
 Under ``compile`` (runtime/compile.py) stage 3 compiles each repeated block's forward and marks the block
@@ -140,7 +140,7 @@ class ModuleHooks:
         # frozen releases by token: [Note: the graph holds nothing of itself]
         self._waiting: dict[int, _Waiting] = {}
         self._tokens = 0
-        self._forwards = 0  # root forwards so far
+        self._forwards = 0  # root forwards with gradients so far
         self._lock = threading.Lock()  # backward may run hooks on one thread per device
 
     # ------------------------------------------------------------------ attach / detach
@@ -214,7 +214,7 @@ class ModuleHooks:
     def _on_root_start(self, module: nn.Module, args: Any) -> None:
         if self.suspended:  # see [Note: held buckets]
             return
-        self._forwards += 1
+        self._forwards += torch.is_grad_enabled()  # forwards that build a graph
         if self._waiting:  # a graph two forwards old is not backwarded any more, or only with everything freed
             stale = [t for t, w in self._waiting.items() if w.forward < self._forwards - 1]
             for token in stale:
