@@ -75,8 +75,8 @@ CASES = {
 }
 
 
-@pytest.mark.parametrize("case", list(CASES))
-def test_a_step_leaves_no_autograd_node_and_no_python_object_behind(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
+def _engine(case: str) -> Any:
+    """The case's engine on a fresh model (call inside the fake group)."""
     zero, frozen = CASES[case]
     torch.manual_seed(0)
     model = Blocks(frozen)
@@ -85,10 +85,16 @@ def test_a_step_leaves_no_autograd_node_and_no_python_object_behind(case: str, m
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
         "zero_optimization": zero,
     }
+    params = [p for p in model.parameters() if p.requires_grad]
+    engine, *_ = ds_strategy.initialize(model=model, model_parameters=params, config=cfg)
+    return engine
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_a_step_leaves_no_autograd_node_and_no_python_object_behind(case: str, monkeypatch: pytest.MonkeyPatch) -> None:
     x = torch.randn(MICRO, D)
     with fake_group(monkeypatch, world_size=4):
-        params = [p for p in model.parameters() if p.requires_grad]
-        engine, *_ = ds_strategy.initialize(model=model, model_parameters=params, config=cfg)
+        engine = _engine(case)
 
         def step() -> None:
             loss = engine(x)
@@ -113,18 +119,9 @@ def test_a_step_leaves_no_autograd_node_and_no_python_object_behind(case: str, m
 def test_forwards_never_backwarded_keep_at_most_two_graphs_alive(monkeypatch: pytest.MonkeyPatch) -> None:
     """A forward with gradients whose loss is dropped unbackwarded (an evaluation left in grad mode): the
     frozen releases waiting on its inputs hold its graph only until two more such forwards began."""
-    zero, _ = CASES["stage 3, frozen units"]
-    torch.manual_seed(0)
-    model = Blocks(frozen=True)
-    cfg = {
-        "train_micro_batch_size_per_gpu": MICRO,
-        "optimizer": {"type": "AdamW", "params": {"lr": 1e-3}},
-        "zero_optimization": zero,
-    }
     x = torch.randn(MICRO, D)
     with fake_group(monkeypatch, world_size=4):
-        params = [p for p in model.parameters() if p.requires_grad]
-        engine, *_ = ds_strategy.initialize(model=model, model_parameters=params, config=cfg)
+        engine = _engine("stage 3, frozen units")
         loss = engine(x)
         engine.backward(loss)
         engine.step()
