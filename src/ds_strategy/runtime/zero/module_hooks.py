@@ -257,9 +257,10 @@ class ModuleHooks:
                     outs, lambda grads, m=module, d=bool(nodes): _fetch_for_backward(me, m, d), mode="any"
                 )
                 frozen = self.frozen_units.get(id(module))
-                ins = [t for t in _tensors((args, kwargs)) if t.requires_grad] if frozen else []
-                if frozen and ins:  # see [Note: frozen buckets in backward]
-                    self._release_after_inputs(ins, frozen, me)
+                if frozen:  # see [Note: frozen buckets in backward]
+                    ins = [t for t in _tensors((args, kwargs)) if t.requires_grad]
+                    if ins:
+                        self._release_after_inputs(ins, frozen, me)
         self._release(module)
 
     def _release_after_inputs(
