@@ -48,7 +48,10 @@ def test_communicator_takes_torch_paths_under_a_fake_group(monkeypatch: pytest.M
             comm.all_reduce(flat, "avg")
             comm.reduce_scatter_tensor(shard, flat)
             comm.all_gather_into_tensor(flat, shard)
-            comm.all_gather_into_tensor(flat, shard, async_op=True).wait()
+            handle = comm.all_gather_into_tensor(flat, shard, async_op=True)
+            # Landed at once, as a real rank's collective is once done: torch's fake work never says so.
+            assert handle.is_completed()
+            handle.wait()
             comm.broadcast(shard, src=0)
             comm.all_reduce_coalesced([torch.ones(3), torch.ones(2, dtype=torch.bfloat16)])
             comm.barrier()

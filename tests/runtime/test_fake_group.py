@@ -162,3 +162,25 @@ def test_engine_sees_the_fake_group(monkeypatch: pytest.MonkeyPatch) -> None:
             assert engine.coll.fast_path is None
         finally:
             engine.destroy()
+
+
+def test_reductions_land_as_launched(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A rank of a fake group frees each reduction's staging buffer when the next one launches, as a real
+    rank does once its reduce-scatters land: with DeepSpeed's default ``reduce_bucket_size`` (5e8) nothing
+    else bounds the reductions in flight, and torch's fake work never reports itself completed."""
+    from ds_strategy.runtime.zero.reducer import GradientReducer
+
+    in_flight: list[int] = []
+    launch = GradientReducer._launch_next
+
+    def counted(self: GradientReducer) -> None:
+        launch(self)
+        in_flight.append(len(self._inflight))
+
+    monkeypatch.setattr(GradientReducer, "_launch_next", counted)
+    torch.manual_seed(0)
+    with fake_group(monkeypatch, world_size=WORLD):
+        _run(Blocks(n_blocks=6), 3, _blocks_batch)
+    assert len(in_flight) >= 6 * STEPS, in_flight  # a bucket per block (and the rest) each step
+    assert max(in_flight) == 0, in_flight
+

@@ -545,7 +545,10 @@ class Communicator:
         return self._finish(Launch(launch.works, finish, ran=launch.ran), timing, async_op)
 
     def _finish(self, launch: Launch, timing: Timing | None, async_op: bool) -> CommHandle:
-        handle = CommHandle(launch.works, launch.finish, timing=timing, logger=self.logger)
+        # A fake group's work has nothing to wait for, yet never reports itself completed: kept, it would hold
+        # every poller's buffers until an explicit wait, which a real rank frees as its collectives land.
+        works = () if self.is_fake else launch.works
+        handle = CommHandle(works, launch.finish, timing=timing, logger=self.logger)
         if not async_op or launch.ran:
             handle.wait()
         return handle

@@ -39,7 +39,10 @@ torch.distributed (which the fake group answers), an existing fake group is reus
 to 0: every simulated rank computes on this process's device), ``init_distributed(dist_backend="fake",
 rank=r, world_size=N)`` creates one, and the exit meeting through the store is skipped (the fake store
 holds nothing). What a collective returns is therefore not the other ranks' data: checks comparing ranks
-must not count on it (``has_peers`` is False). docs/zero3.md has the recipe.
+must not count on it (``has_peers`` is False). Its work objects never report themselves completed, even
+once waited for; a ``Communicator`` does not keep them (waiting on them is a no-op), so its handles report
+completion at once, as a real rank's do when its collectives land, and whatever polls them (stage 3's
+reductions in flight) frees its buffers when a real rank would. docs/zero3.md has the recipe.
 
 A partial environment (say RANK without WORLD_SIZE) that discovery cannot complete is an error naming the
 missing variables. The timeout is the ``timeout`` argument (a ``timedelta`` or seconds), else
