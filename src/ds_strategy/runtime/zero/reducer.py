@@ -178,11 +178,11 @@ class GradientReducer:
         self._launched.add(key)
         numel = self.numel_of[key]
         handle = self.stage.launch_reduction(key)
-        # The reductions launched before this one take their next step now (qgZ's second all-to-all), after
+        # The reduction launched before this one takes its next step now (qgZ's second all-to-all), after
         # this launch so that its first step is queued behind theirs ([Note: one order of collectives on
-        # every rank]).
-        for older, _ in self._inflight:
-            advance(older)
+        # every rank]); the older ones took theirs at their successor's launch (a step is issued once).
+        if self._inflight:
+            advance(self._inflight[-1][0])
         self._inflight.append((handle, numel))
         self._inflight_numel += numel
         self._next += 1
