@@ -44,7 +44,8 @@ class Regression(Dataset[tuple[torch.Tensor, torch.Tensor]]):
 class LitNet(pl.LightningModule):
     """An MLP regression module; options switch on the features under test.
 
-    scheduler: None, "step" or "epoch" (StepLR with that interval). manual: automatic_optimization off.
+    scheduler: None, "step" or "epoch" (StepLR with that interval). manual: automatic_optimization off;
+    manual_clip: with manual, ``self.clip_gradients(opt, manual_clip, "norm")`` before each ``opt.step()``.
     build_in_configure_model: layers are created in configure_model instead of __init__.
     optimizers: how many optimizers configure_optimizers returns (2: the "more than one" case).
     """
@@ -58,6 +59,7 @@ class LitNet(pl.LightningModule):
         optimizers: int = 1,
         return_optimizer: bool = True,
         optimizer: str = "adam",
+        manual_clip: float | None = None,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -100,6 +102,8 @@ class LitNet(pl.LightningModule):
         self.manual_backward(loss * 0.5)
         loss2 = F.mse_loss(self(x).float(), y.float())
         self.manual_backward(loss2 * 0.5)
+        if self.hparams["manual_clip"] is not None:
+            self.clip_gradients(opt, gradient_clip_val=self.hparams["manual_clip"], gradient_clip_algorithm="norm")
         opt.step()
         return None
 

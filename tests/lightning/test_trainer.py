@@ -96,18 +96,27 @@ def test_name_matches_ddp(name: str, ddp: list[dict[str, Any]], tmp_path: Any) -
         torch.testing.assert_close(saved["state_dict"][k].float(), w.float(), rtol=0, atol=1e-6, msg=k)
 
 
-def test_manual_optimization_matches_ddp() -> None:
-    """automatic_optimization=False, two manual_backward calls per optimizer.step()."""
+@pytest.mark.parametrize("clip", [None, CLIP], ids=["no-clip", "clip_gradients"])
+def test_manual_optimization_matches_ddp(clip: float | None) -> None:
+    """automatic_optimization=False, two manual_backward calls per optimizer.step(); with ``clip``, the
+    module's ``self.clip_gradients(opt, clip, "norm")`` before it (the engine clips that step: the gradients
+    are no ``.grad`` to clip in place), with SGD, which sees the gradient's scale."""
     trainer = {"max_epochs": 1}
-    model = {"manual": True}
+    model: dict[str, Any] = {"manual": True}
+    if clip is not None:
+        model.update(optimizer="sgd", lr=0.1, manual_clip=clip)
     ref = _run("ddp", trainer, model)
-    for name in ("zero1", "zero2"):
+    for name in ("zero1", "zero2", "zero3"):
         got = _run(name, trainer, model)
         for g, r in zip(got, ref, strict=True):
             torch.testing.assert_close(torch.tensor(g["losses"]), torch.tensor(r["losses"]), rtol=1e-5, atol=0)
             for k, w in r["weights"].items():
                 torch.testing.assert_close(g["weights"][k], w, rtol=0, atol=1e-6)
             assert g["engine"]["global_steps"] == 8
+            assert g["engine"]["gradient_clipping"] == 0.0  # the config's: the request was for one step each
+            if clip is not None:
+                norms = g["engine"]["grad_norms"]
+                assert min(norms) < clip < max(norms), norms  # clipped on some steps only
 
 
 @pytest.mark.parametrize("name", ["zero0_checkpointed", "zero2_checkpointed", "zero3_checkpointed"])

@@ -183,4 +183,3 @@ def test_reductions_land_as_launched(monkeypatch: pytest.MonkeyPatch) -> None:
         _run(Blocks(n_blocks=6), 3, _blocks_batch)
     assert len(in_flight) >= 6 * STEPS, in_flight  # a bucket per block (and the rest) each step
     assert max(in_flight) == 0, in_flight
-

@@ -9,7 +9,8 @@ loop one per ``fabric.setup``); each holds one ``ZeroCore`` (``strategy.core``) 
   ``activation_checkpointing_policy``;
 - the launcher: none under a fake process group, else the script launcher or the fork launcher;
 - stage 3's init context (``zero.Init``, stage3.py);
-- the engine: the config resolved with the face's values, activation checkpointing applied, the engine built.
+- the engine: the config resolved with the face's values, activation checkpointing applied, the engine built;
+- one step clipped at another max norm than the config's (``clipping_at``: ``clip_gradients`` on either face).
 
 ``ZeroFace`` is the strategy's side of it: ``raw_config`` and ``stage`` on either strategy, answered by its
 core. Beside the core: the process layout (devices, ranks, process group, object collectives) is
@@ -21,8 +22,9 @@ Nothing here imports ``lightning.pytorch``: the Fabric face must not need the Tr
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
-from contextlib import AbstractContextManager, nullcontext
+from collections.abc import Callable, Iterator, Mapping
+from contextlib import AbstractContextManager, contextmanager, nullcontext
+from dataclasses import replace
 from typing import TYPE_CHECKING, Any, Literal, cast
 
 from torch.nn import Module
@@ -219,3 +221,18 @@ def refuse_pipeline_module(module: Module) -> None:
                 "stages (docs/pipeline.md). Use ZeroStrategy with a plain nn.Module, or train the PipelineModule "
                 "with initialize()"
             )
+
+
+@contextmanager
+def clipping_at(engine: ZeroEngine, max_norm: float | None) -> Iterator[None]:
+    """The engine's steps inside clip by ``max_norm`` instead of the config's ``gradient_clipping`` (None: the
+    config's): ``fabric.clip_gradients`` and a LightningModule's ``self.clip_gradients`` ask for one step."""
+    if max_norm is None:
+        yield
+        return
+    configured = engine.config
+    engine.config = replace(configured, gradient_clipping=float(max_norm))
+    try:
+        yield
+    finally:
+        engine.config = configured

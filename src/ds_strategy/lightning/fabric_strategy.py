@@ -57,7 +57,7 @@ from ._compat import (
 )
 from .compile import CompileArg
 from .config import ConfigArg, StartMethod
-from .core import ZeroCore, ZeroFace
+from .core import ZeroCore, ZeroFace, clipping_at
 from .fabric_optimizer import EngineOptimizer
 from .fabric_precision import ZeroFabricPrecision
 from .process import ProcessLayout
@@ -263,7 +263,7 @@ class ZeroFabricStrategy(ZeroFace, ProcessLayout, ParallelStrategy, _Sharded):
             )
         engine = optimizer.engine
         max_norm = self._clip_next_step.pop(id(engine), None)
-        with _clipping(engine, max_norm):
+        with clipping_at(engine, max_norm):
             engine.step()
 
     @override
@@ -379,19 +379,3 @@ def _not_a_boundary(module: Module) -> Generator[None, None, None]:
         yield
     finally:
         module.set_gradient_accumulation_boundary(None)
-
-
-@contextmanager
-def _clipping(engine: ZeroEngine, max_norm: float | None) -> Generator[None, None, None]:
-    """This step clips by ``max_norm`` (from fabric.clip_gradients) instead of the config's value."""
-    if max_norm is None:
-        yield
-        return
-    from dataclasses import replace
-
-    configured = engine.config
-    engine.config = replace(configured, gradient_clipping=max_norm)
-    try:
-        yield
-    finally:
-        engine.config = configured

@@ -2,7 +2,10 @@
 
 The engine owns loss scaling (fp16, DeepSpeed's dynamic scaler configured in the ``fp16`` block), the fp32
 master weights and gradient clipping, so this plugin never stacks Lightning's AMP ``GradScaler`` or autocast
-on top: backward and the optimizer step are handed to the engine, clipping is a no-op here.
+on top: backward and the optimizer step are handed to the engine. The engine clips inside its step, by the
+global norm over all partitions: by the config's ``gradient_clipping`` (``Trainer(gradient_clip_val=...)``),
+or, for one step, by the max norm a ``LightningModule.clip_gradients`` call asked for (from an overridden
+``configure_gradient_clipping``, or under manual optimization before ``optimizer.step()``).
 
 Which flag selects which engine mode: ``dtypes.EngineDtypes``.
 """
@@ -22,6 +25,7 @@ from typing_extensions import override
 
 from ds_strategy.runtime import ZeroEngine
 
+from .core import clipping_at
 from .dtypes import EngineDtypes
 
 if TYPE_CHECKING:
@@ -36,6 +40,10 @@ class ZeroPrecision(EngineDtypes, Precision):
     owner = "ZeroStrategy"
     flag_given_in = "Trainer(precision=...)"
     takes_over = (Precision, MixedPrecision, HalfPrecision)
+
+    def __init__(self, *args: Any, **kwargs: Any) -> None:
+        super().__init__(*args, **kwargs)
+        self._clip_request: float | None = None  # the max norm a clip_gradients call asked of the next step
 
     # ------------------------------------------------------------------ the engine does the rest
     # [Note: who decides the accumulation boundary] (strategy.py): Lightning does. Inside a window the
@@ -78,7 +86,9 @@ class ZeroPrecision(EngineDtypes, Precision):
                 "training_step returned None (skip this step) under ZeroStrategy: every rank must run backward "
                 "on every step, because the gradient reduction is a collective"
             )
-        return engine.step()
+        max_norm, self._clip_request = self._clip_request, None
+        with clipping_at(engine, max_norm):
+            return engine.step()
 
     @override
     def clip_gradients(
@@ -87,7 +97,19 @@ class ZeroPrecision(EngineDtypes, Precision):
         clip_val: int | float = 0.0,
         gradient_clip_algorithm: GradClipAlgorithmType = GradClipAlgorithmType.NORM,
     ) -> None:
-        """Nothing to do: the engine clips by the global norm (``gradient_clip_val`` went into its config)."""
+        """The next optimizer step clips by the global norm at ``clip_val`` (the engine clips inside its step,
+        across all partitions: the parameters hold no ``.grad`` to clip now). 0 asks nothing: that step clips
+        by the config's ``gradient_clipping``, as Lightning's own call does without ``gradient_clip_val``."""
+        if not clip_val:
+            return
+        if GradClipAlgorithmType(gradient_clip_algorithm) != GradClipAlgorithmType.NORM:
+            raise MisconfigurationException(
+                f"ZeroStrategy clips gradients by their global norm only (across all partitions); "
+                f"clip_gradients(gradient_clip_val={clip_val}, gradient_clip_algorithm="
+                f"{GradClipAlgorithmType(gradient_clip_algorithm).value!r}) is not supported. Use "
+                "gradient_clip_algorithm='norm'"
+            )
+        self._clip_request = float(clip_val)
 
 
 def _grads_for_hooks(model: pl.LightningModule, engine: ZeroEngine) -> AbstractContextManager[None]:

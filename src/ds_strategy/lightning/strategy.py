@@ -514,8 +514,10 @@ def _check_clipping(trainer: pl.Trainer) -> None:
     module = trainer.lightning_module
     if is_overridden("configure_gradient_clipping", module, pl.LightningModule):
         rank_zero_warn(
-            "ZeroStrategy clips inside the engine (by global norm, from Trainer(gradient_clip_val=...)); your "
-            "LightningModule.configure_gradient_clipping is called but cannot clip: parameters hold no .grad"
+            "ZeroStrategy clips inside the engine's step, by the global norm: your "
+            "LightningModule.configure_gradient_clipping sets that step's max norm when it calls "
+            "self.clip_gradients(optimizer, gradient_clip_val=..., gradient_clip_algorithm='norm'); clipping the "
+            "parameters' .grad directly (torch.nn.utils.clip_grad_norm_) does nothing here: they hold none"
         )
 
 
