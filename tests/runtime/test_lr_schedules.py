@@ -64,10 +64,20 @@ def test_warmup_cosine_lr() -> None:
     def ratio(i: int) -> float:
         if i < 5:
             return 0.1 + 0.9 * i / 5
-        return max(0.0, 0.01 + 0.99 * (1 + math.cos(math.pi * (i - 4) / 15)) / 2)
+        return max(0.0, 0.01 + 0.99 * (1 + math.cos(math.pi * min(1.0, (i - 4) / 15))) / 2)
 
-    _close(_trajectory(sched, opt, 22), lambda i: 0.3 * ratio(i))
+    lrs = _trajectory(sched, opt, 26)
+    _close(lrs, lambda i: 0.3 * ratio(i))
+    assert lrs[19:] == pytest.approx([0.3 * 0.01] * 7)  # held at the floor past total_num_steps, not back up
     assert opt.param_groups[1]["lr"] == opt.param_groups[0]["lr"]
+
+
+@pytest.mark.parametrize("total", [4, 3], ids=["total-equals-warmup", "total-below-warmup"])
+def test_warmup_cosine_lr_without_a_decay_window(total: int) -> None:
+    """total_num_steps <= warmup_num_steps: the warmup, then the floor (no division by zero, no swing)."""
+    opt = _opt(lr=1.0)
+    sched = WarmupCosineLR(opt, total_num_steps=total, warmup_num_steps=4, cos_min_ratio=0.05, warmup_type="linear")
+    _close(_trajectory(sched, opt, 9), lambda i: i / 4 if i < 4 else 0.05)
 
 
 def test_one_cycle_lr_momentum_and_decay() -> None:
@@ -103,7 +113,7 @@ def test_lr_range_test_continuous_and_staircase() -> None:
     opt = _opt()
     sched = LRRangeTest(opt, lr_range_test_min_lr=1e-3, lr_range_test_step_size=5, lr_range_test_step_rate=2.0)
     assert opt.param_groups[0]["lr"] == 1e-3
-    _close(_trajectory(sched, opt, 12), lambda i: 1e-3 * (1 + 2 * i / 5))
+    _close(_trajectory(sched, opt, 12), lambda i: 1e-3 * (1 + 2 * (i + 1) / 5))  # step i is iteration i
     opt = _opt()
     sched = LRRangeTest(
         opt,
@@ -112,7 +122,7 @@ def test_lr_range_test_continuous_and_staircase() -> None:
         lr_range_test_step_rate=2.0,
         lr_range_test_staircase=True,
     )
-    _close(_trajectory(sched, opt, 12), lambda i: 1e-3 * (1 + 2 * (i // 5)))
+    _close(_trajectory(sched, opt, 12), lambda i: 1e-3 * (1 + 2 * ((i + 1) // 5)))
 
 
 def test_per_group_values_resume_and_errors() -> None:

@@ -153,8 +153,8 @@ class WarmupDecayLR(WarmupLR):
 
 class WarmupCosineLR(_Schedule):
     """A ratio of each group's initial lr: warmup from ``warmup_min_ratio`` to 1 over N steps, then a cosine
-    decay to ``cos_min_ratio`` at ``total_num_steps``:
-    ratio(i) = c + (1 - c) * (1 + cos(pi * (i - N + 1) / (T - N))) / 2 for i >= N, floored at 0."""
+    decay to ``cos_min_ratio`` at ``total_num_steps``, held there after it:
+    ratio(i) = c + (1 - c) * (1 + cos(pi * min(1, (i - N + 1) / max(1, T - N)))) / 2 for i >= N, floored at 0."""
 
     def __init__(
         self,
@@ -189,7 +189,9 @@ class WarmupCosineLR(_Schedule):
         if i < self.warmup_num_steps:
             ratio = _warmup_fraction(i, self.warmup_num_steps, self.warmup_type)
             return self.warmup_min_ratio + ratio * (1.0 - self.warmup_min_ratio)
-        progress = (i - self.warmup_num_steps + 1) / (self.total_num_steps - self.warmup_num_steps)
+        # Past total_num_steps (or with no decay window, T <= N) the ratio stays at the floor: an
+        # undercounted total must not send the lr back up.
+        progress = min(1.0, (i - self.warmup_num_steps + 1) / max(1, self.total_num_steps - self.warmup_num_steps))
         cosine = (1 + math.cos(math.pi * progress)) / 2
         return max(0.0, self.cos_min_ratio + (1.0 - self.cos_min_ratio) * cosine)
 
@@ -283,8 +285,9 @@ class OneCycle(_Schedule):
 
 
 class LRRangeTest(_Schedule):
-    """Grow the lr from ``lr_range_test_min_lr``: lr(i) = min * (1 + rate * i / step_size), with
-    ``floor(i / step_size)`` instead when ``lr_range_test_staircase``."""
+    """Grow the lr from ``lr_range_test_min_lr``: after the step of iteration i (the (i + 1)-th step),
+    lr = min * (1 + rate * (i + 1) / step_size), with ``floor((i + 1) / step_size)`` instead when
+    ``lr_range_test_staircase``; ``min`` until the first step."""
 
     def __init__(
         self,
@@ -304,7 +307,7 @@ class LRRangeTest(_Schedule):
             self._write(self.min_lrs)
 
     def get_lr(self) -> list[float]:
-        interval = self.last_batch_iteration / self.step_size
+        interval = (self.last_batch_iteration + 1) / self.step_size
         if self.staircase:
             interval = math.floor(interval)
         return [lo * (1 + self.step_rate * interval) for lo in self.min_lrs]
