@@ -183,3 +183,38 @@ def test_reductions_land_as_launched(monkeypatch: pytest.MonkeyPatch) -> None:
         _run(Blocks(n_blocks=6), 3, _blocks_batch)
     assert len(in_flight) >= 6 * STEPS, in_flight  # a bucket per block (and the rest) each step
     assert max(in_flight) == 0, in_flight
+
+
+class _WithScalar(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.fc = nn.Linear(8, 16)
+        self.norm = nn.LayerNorm(16)
+        self.temperature = nn.Parameter(torch.tensor(1.0))  # 0-dimensional
+
+
+def test_partitioned_parameters_keep_their_dimensions_and_tell_their_shape(monkeypatch: pytest.MonkeyPatch) -> None:
+    """A parameter partitioned by ``zero.Init`` holds 0 elements but keeps its number of dimensions, so the
+    usual "decay matrices only" split (``p.ndim >= 2``) in configure_optimizers groups it as a plain build
+    does; it and every stage-3 parameter carry DeepSpeed's ``ds_shape`` / ``ds_numel``."""
+    import ds_strategy
+    from ds_strategy import zero
+
+    plain = _WithScalar()
+    with fake_group(monkeypatch, world_size=WORLD):
+        with zero.Init():
+            built = _WithScalar()
+        for (name, p), q in zip(built.named_parameters(), plain.parameters(), strict=True):
+            assert p.numel() == 0 and p.ndim == max(1, q.ndim), name
+            assert (p.ds_shape, p.ds_numel) == (q.shape, q.numel()), name
+        assert [p.ndim >= 2 for p in built.parameters()] == [q.ndim >= 2 for q in plain.parameters()]
+        torch.manual_seed(0)
+        model = Blocks(n_blocks=2)
+        shapes = {n: (p.shape, p.numel()) for n, p in model.named_parameters()}
+        engine, *_ = ds_strategy.initialize(model=model, model_parameters=model.parameters(), config=_config(3))
+        try:
+            for name, p in model.named_parameters():
+                assert p.numel() == 0, name  # partitioned: a placeholder between fetches
+                assert (p.ds_shape, p.ds_numel) == shapes[name], name
+        finally:
+            engine.destroy()

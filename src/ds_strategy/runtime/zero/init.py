@@ -34,8 +34,10 @@ built (bucket by bucket, gathering only one parameter at a time). Buffers are ne
 
 from __future__ import annotations
 
+import math
 import sys
 import warnings
+from collections.abc import Sequence
 from dataclasses import dataclass
 from types import TracebackType
 from typing import Any
@@ -172,7 +174,18 @@ def keep_shard(
     if store is not None:
         store.write(info, shard)
     setattr(param, _ATTR, info)
-    param.data = placeholder
+    mark_full_shape(param, info.shape)
+    # 0 elements, the parameter's number of dimensions: code that sorts parameters by ``p.ndim`` before the
+    # engine is built (weight decay for matrices only, in configure_optimizers) sees what a plain build has.
+    param.data = placeholder.view((0,) * max(1, len(info.shape)))
+
+
+def mark_full_shape(param: torch.Tensor, shape: Sequence[int]) -> None:
+    """DeepSpeed's ``ds_shape`` / ``ds_numel`` on a partitioned parameter, whose ``shape`` is a 0-element
+    placeholder's: the full shape and size, the attributes DeepSpeed code reads (``p.ds_numel if
+    hasattr(p, "ds_numel") else p.numel()``)."""
+    param.ds_shape = torch.Size(shape)  # type: ignore[attr-defined]
+    param.ds_numel = math.prod(shape)  # type: ignore[attr-defined]
 
 
 @torch.no_grad()

@@ -47,7 +47,7 @@ from ..packed import is_packed, state_tensors
 from .base import StageOptions, ZeroStage
 from .buffers import GroupStorage
 from .collectives import Collectives, Handle
-from .init import init_shard, unpartition_param
+from .init import init_shard, mark_full_shape, unpartition_param
 from .offload import HOST, Offload
 from .packed_store import PackedGroup
 from .param_gather import ParamGatherer
@@ -190,6 +190,7 @@ class Stage3(Stage2):
         for g, gs in enumerate(self.storages):
             for i, p in enumerate(gs.params):
                 setattr(p, ZERO3_ATTR, (self, g, i))
+                mark_full_shape(p, gs.layout.params[i].shape)
         self.gatherer = ParamGatherer(
             self.storages,
             module,
