@@ -266,3 +266,18 @@ def test_single_file_checkpoint_loads_weights_only(
         assert start["adam_steps"] == []  # fresh optimizer state
         assert got["global_step"] == (N + 2) * STEPS_PER_EPOCH
     assert any("optimizer state starts fresh" in w for w in runs[0]["warnings"]), runs[0]["warnings"]
+
+
+def test_single_file_from_ddp_resumes_at_the_saved_lr(tmp_path: Path) -> None:
+    """A DDP checkpoint (a single file with a torch optimizer state) resumed under ZeroStrategy: the optimizer
+    state starts fresh, but its param groups take the file's lr, so every step after the resume runs at the
+    lr DDP's own resume runs at (a "step" StepLR writes the lr only when it next steps)."""
+    _run(2, "ddp", 2, {"scheduler": "step"}, str(tmp_path / "ckpt"))
+    single = tmp_path / "ckpt" / "last.ckpt"
+    assert single.is_file()
+    ref = _run(2, "ddp", 3, {"scheduler": "step"}, ckpt_path=str(single))
+    runs = _run(2, "zero1", 3, {"scheduler": "step"}, ckpt_path=str(single))
+    for got, want in zip(runs, ref, strict=True):
+        assert got["lrs"] == want["lrs"] and len(set(got["lrs"])) > 1, (got["lrs"], want["lrs"])
+        assert got["global_step"] == want["global_step"] == 3 * STEPS_PER_EPOCH
+    assert any("optimizer state starts fresh" in w for w in runs[0]["warnings"]), runs[0]["warnings"]

@@ -19,7 +19,9 @@ weights and the optimizer state and returns the client state, which Lightning re
 
 A single file (a DDP checkpoint, ``ds-zero-to-fp32 --lightning`` output, a ZeroStrategy checkpoint from
 before sharded checkpoints) holds full weights but no partitioned optimizer state: its weights are
-written into the engine's fp32 masters and the optimizer starts fresh (a warning says so).
+written into the engine's fp32 masters and the optimizer's state starts fresh (a warning says so); its
+param groups' hyperparameters (lr, betas, weight decay) are the file's (``restore_hyperparameters``), so that
+the first step after the resume runs at the saved schedule's lr, not the initial one.
 """
 
 from __future__ import annotations
@@ -97,3 +99,17 @@ def is_engine_checkpoint(path: str | os.PathLike[str]) -> bool:
     """Whether ``path`` is a directory ``save_engine`` wrote (or its tag directory)."""
     root = Path(path)
     return (root / "latest").is_file() or (root / "meta.pt").is_file()
+
+
+def restore_hyperparameters(optimizer: Any, saved: Mapping[str, Any]) -> bool:
+    """Set ``optimizer``'s param groups' hyperparameters from a single file's saved optimizer state ``saved``
+    (torch's ``state_dict()``: the lr a scheduler wrote there, which the scheduler itself only writes again at
+    its next step). False when the groups do not pair up (the caller says so)."""
+    from ds_strategy.runtime.checkpoint.load import copy_hyperparameters
+
+    groups = saved.get("param_groups") if isinstance(saved, Mapping) else None
+    if not isinstance(groups, list) or len(groups) != len(optimizer.param_groups):
+        return False
+    for group, saved_group in zip(optimizer.param_groups, groups, strict=True):
+        copy_hyperparameters(group, saved_group)
+    return True

@@ -474,12 +474,22 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
             rank_zero_warn(
                 f"ZeroStrategy: {path} is a single-file checkpoint (from DDP, ds-zero-to-fp32 --lightning, or an "
                 "older ZeroStrategy), not a ZeroStrategy checkpoint directory: the weights are loaded, the "
-                "trainer's loops, callbacks and lr schedulers are restored when the file holds them, but the "
-                "optimizer state starts fresh (a single file holds no partitioned ZeRO optimizer state). To resume "
+                "trainer's loops, callbacks and lr schedulers (and the optimizer's lr) are restored when the file "
+                "holds them, but the optimizer state starts fresh (a single file holds no partitioned ZeRO "
+                "optimizer state). To resume "
                 "exactly, resume from a directory written by ZeroStrategy's save_checkpoint / ModelCheckpoint"
             )
             # Lightning insists on this key when fitting; without it the schedulers keep their fresh state.
             checkpoint.setdefault("lr_schedulers", [c.scheduler.state_dict() for c in self.lr_scheduler_configs])
+            # The saved lr (and betas, weight decay): a scheduler writes it only at its next step, and a
+            # chainable one (StepLR) computes that step from it.
+            saved = checkpoint.get("optimizer_states") or []
+            for optimizer, state in zip(self.optimizers, saved, strict=False):
+                if not lckpt.restore_hyperparameters(optimizer, state):
+                    rank_zero_warn(
+                        f"ZeroStrategy: {path} holds an optimizer with other param groups than this run's; the lr "
+                        "and other hyperparameters start from configure_optimizers' values"
+                    )
         return checkpoint
 
     @override
@@ -490,7 +500,7 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
 
     @override
     def load_optimizer_state_dict(self, checkpoint: Mapping[str, Any]) -> None:
-        pass  # the engine loaded the optimizer state in load_checkpoint (single files hold none it can use)
+        pass  # the engine loaded the optimizer state in load_checkpoint (single files: _load_single_file)
 
     @override
     def teardown(self) -> None:

@@ -9,6 +9,7 @@ leaves every engine as it was.
 from __future__ import annotations
 
 import os
+from collections.abc import Mapping
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import Any
@@ -33,6 +34,12 @@ log = get_logger("ds_strategy.runtime.checkpoint")
 
 # Param-group keys that choose how an optimizer runs, not what it computes: the running optimizer keeps its own.
 _IMPLEMENTATION = frozenset({"params", "fused", "foreach", "capturable", "differentiable"})
+
+
+def copy_hyperparameters(group: dict[str, Any], saved: Mapping[str, Any]) -> None:
+    """Into a running optimizer's param ``group``, a saved group's values of what it computes (lr, betas,
+    weight decay, a scheduler's ``initial_lr`` ...): the keys the group has, not how it runs."""
+    group.update({k: v for k, v in saved.items() if k in group and k not in _IMPLEMENTATION})
 
 
 @dataclass
@@ -189,8 +196,7 @@ def _plan(
         expert_saved = iter(saved_experts)
         in_order = [next(expert_saved) if g in experts else next(dense_saved) for g in range(len(sd["param_groups"]))]
         for group, saved in zip(sd["param_groups"], in_order, strict=True):
-            saved_hyper = saved["hyperparams"] or {}
-            group.update({k: v for k, v in saved_hyper.items() if k in group and k not in _IMPLEMENTATION})
+            copy_hyperparameters(group, saved["hyperparams"] or {})
         sd["state"] = state
         plan.optimizer_state = sd
     if not module_only:
