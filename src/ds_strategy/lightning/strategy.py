@@ -75,6 +75,7 @@ from .launcher import ZeroMultiProcessingLauncher
 from .precision import ZeroPrecision
 from .process import ProcessLayout
 from .throughput import ThroughputProgress
+from .uneven_predict import PredictPadding
 
 if TYPE_CHECKING:
     from ds_strategy.config import DeepSpeedConfig
@@ -175,6 +176,7 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
         self._released = False  # stage 3 after a clean teardown: the parameters are zero.Init shards
         self._interrupted = False
         self._single_file_checkpoint = False
+        self._predict_padding = PredictPadding()  # stage 3: ranks with fewer predict batches keep gathering
 
     # ------------------------------------------------------------------ what Lightning asks of a strategy
     @property
@@ -347,6 +349,26 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
             accumulate_grad_batches=trainer.accumulate_grad_batches,
             gradient_clip_val=trainer.gradient_clip_val if fitting else None,
         )
+
+    # ------------------------------------------------------------------ predict (see uneven_predict.py)
+    @override
+    def process_dataloader(self, dataloader: Any) -> Any:
+        trainer = self.lightning_module.trainer if self.lightning_module is not None else None
+        if trainer is not None and trainer.predicting and self.stage == 3 and self.world_size > 1:
+            self._predict_padding.count(self.all_gather, dataloader, trainer.limit_predict_batches)
+        return dataloader
+
+    @override
+    def on_predict_start(self) -> None:
+        super().on_predict_start()
+        if self.stage == 3 and self.world_size > 1:
+            self._predict_padding.plan(self.global_rank)
+
+    @override
+    def predict_step(self, *args: Any, **kwargs: Any) -> Any:
+        out = super().predict_step(*args, **kwargs)
+        self._predict_padding.after_step(lambda: super(ZeroStrategy, self).predict_step(*args, **kwargs))
+        return out
 
     # ------------------------------------------------------------------ backward and step (from ZeroPrecision)
     def require_engine(self) -> ZeroEngine:
