@@ -217,6 +217,10 @@ def test_initialize_alone_in_a_plain_process(monkeypatch: pytest.MonkeyPatch) ->
             ref_opt.zero_grad()
         for a, b in zip(model.parameters(), ref.parameters(), strict=True):
             torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-7)
+        # DeepSpeed's config queries answer from the config.
+        assert (engine.fp16_enabled(), engine.bfloat16_enabled(), engine.gradient_clipping()) == (False, False, 0.5)
+        assert engine.zero_optimization() == (engine.zero_optimization_stage() > 0)
+        assert engine.get_mom() == [g["betas"] for g in engine.optimizer.param_groups]
         engine.destroy()
     finally:
         if dist.is_initialized():

@@ -507,6 +507,26 @@ class ZeroEngine(nn.Module):
     def get_lr(self) -> list[float]:
         return [float(g["lr"]) for g in self.optimizer.param_groups] if self.optimizer is not None else []
 
+    def get_mom(self) -> list[Any]:
+        """Each param group's momentum: its ``betas`` (Adam-like) or ``momentum`` (SGD), as DeepSpeed's."""
+        if self.optimizer is None:
+            return []
+        return [g["betas"] if "betas" in g else g.get("momentum") for g in self.optimizer.param_groups]
+
+    # DeepSpeed's config queries, for loops that branch on them.
+    def fp16_enabled(self) -> bool:
+        return self.config.fp16_enabled
+
+    def bfloat16_enabled(self) -> bool:
+        return self.config.bf16_enabled
+
+    def gradient_clipping(self) -> float:
+        return self.config.gradient_clipping
+
+    def zero_optimization(self) -> bool:
+        """Whether ZeRO partitions anything (stage >= 1)."""
+        return self.stage.stage > 0
+
     def current_grad_norm(self) -> float:
         """L2 norm of the averaged, unscaled gradients of the current window, before ``step`` (what
         ``clip_grad_norm_`` returns; inf when fp16 overflowed). A collective: call on every rank. The
