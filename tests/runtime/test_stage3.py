@@ -238,6 +238,42 @@ def test_stage3_divergent_ranks_raise_naming_rank_and_module(shm: str) -> None:
     assert ("the ranks called different collectives" in text) == (shm == "1"), text
 
 
+def _extra_forward(rank: int, world: int) -> dict[str, Any]:
+    """Rank 0 alone runs a no-grad forward after the first step (an evaluation on one rank): its gathers pair
+    with rank 1's next forward, then its iteration's closing label meets rank 1's backward gathers."""
+    import time
+
+    import ds_strategy.runtime as rt
+
+    engine, *_ = rt.initialize(model=make_tied(), config=_stage3_config("fp32", False, 0.0))
+    x, y = token_batches(1, 2)[0]
+    start = time.monotonic()
+    try:
+        for step in range(3):
+            engine.backward(engine(x, y))
+            engine.step()
+            if rank == 0 and step == 0:
+                with torch.no_grad():
+                    engine(x, y)
+    except RuntimeError as err:
+        return {"error": str(err), "seconds": time.monotonic() - start}
+    return {"error": None, "seconds": time.monotonic() - start}
+
+
+@pytest.mark.multiprocess
+def test_stage3_extra_forward_on_one_rank_raises_on_every_rank_at_once() -> None:
+    """No gather timeout set (the default waits the process group's 30 minutes): both ranks must raise the
+    divergence error at once, and the rank whose backward failed must not wait for its reductions."""
+    for rank, r in enumerate(
+        run_distributed(_extra_forward, world_size=WORLD, timeout=60, env={"DS_STRATEGY_SHM": "1"})
+    ):
+        # The rank that meets the other's closing label in a bucket gather names the modules; the one that
+        # meets it in a reduce-scatter gets the path's own error, naming both ranks' collectives.
+        assert r["error"] is not None, (rank, r)
+        assert "diverged" in r["error"] or "the ranks called different collectives" in r["error"], (rank, r)
+        assert r["seconds"] < 20, (rank, r)
+
+
 def _absent(rank: int, world: int) -> None:
     """Rank 1 never runs the forward (it idles past the gather timeout): rank 0 must not hang."""
     import time

@@ -333,8 +333,12 @@ class ZeroEngine(nn.Module):
             self.stage.begin_backward(reduce=boundary)
             try:
                 scaled.backward(retain_graph=retain_graph)
-            finally:
-                self.stage.end_backward()
+            except BaseException:
+                # Local clean-up only: the error may be a peer's failure or a divergence, and a collective
+                # now (the pass's remaining reductions) would wait for ranks that are gone.
+                self.stage.abandon_backward()
+                raise
+            self.stage.end_backward()
         return loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:

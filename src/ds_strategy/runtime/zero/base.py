@@ -291,6 +291,12 @@ class ZeroStage:
         self.reducer.end_backward()
         self.intake.end_backward()
 
+    def abandon_backward(self) -> None:
+        """``loss.backward()`` raised: drop the pass without a collective (the window's gradients are lost;
+        nothing waits for the reductions in flight)."""
+        self.reducer.abandon_pass()
+        self.intake.end_backward()
+
     # ------------------------------------------------------------------ the optimizer step
     @property
     def masters(self) -> list[list[nn.Parameter]]:

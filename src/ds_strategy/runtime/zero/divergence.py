@@ -7,13 +7,13 @@ a hang, or silently wrong weights when sizes happen to match. Every fetch theref
 (module index, fetch number: one int64 *code*) that the ranks compare. Where the buckets go through the
 shared-memory path (CPU ranks on one node), the label rides on the all-gathers themselves: the path
 compares it with the op, dtype and size after its first barrier, so a mismatch raises on every rank at
-no extra cost, and one header per iteration (end of backward, or of a no-grad forward) catches ranks
-whose divergence never reached a gather. On other paths the first iteration (which records the order and
-may synchronise), and every iteration on a CPU (gloo: the host waits for its collectives anyway), all-reduce
-a tiny header per fetch in the same stream of collectives, issued before the fetch's gathers. On a GPU
-after the first iteration no fetch issues a collective of its own: its code is written into this
-iteration's *log* on the device (one small fill, no copy), and ``check_agreement`` all-reduces the whole
-log once ([Note: the device log]).
+no extra cost, and one more labelled gather per iteration (end of backward, or of a no-grad forward:
+[Note: the closing label]) catches ranks whose divergence never reached a gather. On other paths the
+first iteration (which records the order and may synchronise), and every iteration on a CPU (gloo: the
+host waits for its collectives anyway), all-reduce a tiny header per fetch in the same stream of
+collectives, issued before the fetch's gathers. On a GPU after the first iteration no fetch issues a
+collective of its own: its code is written into this iteration's *log* on the device (one small fill, no
+copy), and ``check_agreement`` all-reduces the whole log once ([Note: the device log]).
 
 A header is this rank's code in its own slot of a ``[world]`` int64 vector, built on the device (a
 multiplication of a one-hot vector made once, no host-to-device copy) and summed over the ranks
@@ -140,6 +140,9 @@ class DivergenceCheck:
         self.tagged = coll.world_size > 1 and self.gather_path is not None and self.gather_path.compares_tags
         if self.tagged and timeout_s is not None:  # the gathers' own waits are the path's
             self.gather_path.timeout = timeout_s  # type: ignore[union-attr]
+        # Tagged: the iteration's closing label rides a tiny gather on the same path as the buckets (see
+        # [Note: the closing label]); made once, like the buckets' dtype and device.
+        self._closing = probe.new_zeros(coll.world_size) if self.tagged and probe is not None else None
         self._seq = 0
         self._last_mid = -1
         self._headers: list[_Header] = []  # this iteration's
@@ -177,7 +180,9 @@ class DivergenceCheck:
         if self.coll.world_size == 1:
             return
         if self.tagged:
-            self._header(self._last_mid, self._seq)
+            self._close_tagged()
+            self._checks += 1
+            return
         eager = self._eager
         self._checks += 1
         if eager:
@@ -211,6 +216,22 @@ class DivergenceCheck:
             return self._diverged(mid, seq, [[t & _MASK, t >> INDEX_BITS] for t in tags])
         path_timeout = None if self.gather_path is None else self.gather_path.timeout
         return self._timed_out(mid, seq, err, path_timeout)
+
+    def _close_tagged(self) -> None:
+        """[Note: the closing label] Where labels ride on the gathers, an iteration ends with one more labelled
+        gather of ``world`` elements on the buckets' own path, so a rank whose divergence never reached a
+        bucket gather (one rank ran an extra forward, the other went on to its backward's reduce-scatters)
+        meets a different collective there: the path compares operation, size and label at its first
+        barrier and raises on every rank at once. (An int64 header would travel by another transport, gloo,
+        and each rank would wait for its peer on a different one until a timeout.) Its label is the fetch
+        count with the module slot 0 ("not gathering a module"), so it pairs with no fetch."""
+        assert self._closing is not None
+        mine = self._closing[self.coll.rank : self.coll.rank + 1]
+        tag = self._seq << INDEX_BITS
+        try:
+            self.coll.all_gather(self._closing, mine, tag=tag)
+        except RuntimeError as err:
+            raise self.gather_failed(err, tag, self._last_mid) from err
 
     # ------------------------------------------------------------------ headers
     @property
@@ -372,7 +393,7 @@ class DivergenceCheck:
         for mid, i in self.index.items():
             if i == index:
                 return self.names[mid]
-        return "<nothing: this rank was not gathering>"
+        return "<nothing: this rank was at the end of its iteration or in another collective>"
 
 
 def _mismatched(codes: list[int]) -> bool:

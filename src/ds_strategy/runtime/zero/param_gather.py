@@ -275,6 +275,17 @@ class ParamGatherer:
         self.deferred.clear()
         self.planner.finish()
 
+    def abandon_backward(self) -> None:
+        """The backward raised: free every non-persistent bucket without waiting for the gathers in flight
+        and without the agreement check (both would wait for peers that may be gone)."""
+        self.hooks.end_backward()
+        self.inflight.clear()
+        for g, gs in enumerate(self.groups):
+            for b in range(len(gs.full)):
+                self.free((g, b))
+        self.users.clear()
+        self.deferred.clear()
+
     def free(self, key: BucketKey) -> None:
         if key in self.held:  # see [Note: held buckets]
             return

@@ -117,6 +117,16 @@ class GradientReducer:
         elif self.state is ReducerState.ACCUMULATING:
             self.state = ReducerState.IDLE
 
+    def abandon_pass(self) -> None:
+        """The backward raised: forget the pass and its reductions in flight, issuing and waiting for nothing
+        (a peer may be gone); the window starts over at the next backward."""
+        self.in_backward = False
+        self._inflight.clear()
+        self._inflight_numel = 0
+        self.late.clear()
+        self.state = ReducerState.IDLE
+        self.unmanaged = False
+
     def catch_up(self) -> None:
         """Before the optimizer step: the window's gradients fully reduced, whatever ran before."""
         if self.reducing:

@@ -386,6 +386,10 @@ class Stage3(Stage2):
         super().end_backward()
         self.gatherer.end_backward()
 
+    def abandon_backward(self) -> None:
+        super().abandon_backward()
+        self.gatherer.abandon_backward()
+
     # ------------------------------------------------------------------ step
     @torch.no_grad()
     def publish(self, params_written: Collection[int] = ()) -> None:
