@@ -355,7 +355,7 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
     def process_dataloader(self, dataloader: Any) -> Any:
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.predicting and self.stage == 3 and self.world_size > 1:
-            self._predict_padding.count(self.all_gather, dataloader, trainer.limit_predict_batches)
+            self._predict_padding.count(self.all_gather, dataloader, trainer.limit_predict_batches, self.root_device)
         return dataloader
 
     @override

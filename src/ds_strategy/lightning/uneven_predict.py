@@ -33,13 +33,20 @@ class PredictPadding:
         self._left = -1  # this rank's batches still to run; -1: nothing to replay
         self._owed = 0
 
-    def count(self, gather: Callable[[torch.Tensor], torch.Tensor], dataloader: Any, limit: int | float) -> None:
-        """Exchange this rank's number of batches of one predict dataloader (a collective: every rank)."""
+    def count(
+        self,
+        gather: Callable[[torch.Tensor], torch.Tensor],
+        dataloader: Any,
+        limit: int | float,
+        device: torch.device,
+    ) -> None:
+        """Exchange this rank's number of batches of one predict dataloader (a collective: every rank; the
+        count travels on the compute ``device``, where NCCL takes it)."""
         if isinstance(dataloader, Sized):
             mine = int(_parse_num_batches(RunningStage.PREDICTING, len(dataloader), limit))
         else:
             mine = -1
-        everyone = gather(torch.tensor([mine], dtype=torch.int64)).reshape(-1).tolist()
+        everyone = gather(torch.tensor([mine], dtype=torch.int64, device=device)).reshape(-1).tolist()
         self._counts.append([int(n) for n in everyone])
 
     def plan(self, rank: int) -> None:
