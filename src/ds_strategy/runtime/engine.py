@@ -336,7 +336,7 @@ class ZeroEngine(nn.Module):
             except BaseException:
                 # Local clean-up only: the error may be a peer's failure or a divergence, and a collective
                 # now (the pass's remaining reductions) would wait for ranks that are gone.
-                self.stage.abandon_backward()
+                self.stage.end_backward(failed=True)
                 raise
             self.stage.end_backward()
         return loss

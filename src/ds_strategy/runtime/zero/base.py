@@ -286,15 +286,14 @@ class ZeroStage:
         """Called by the engine before ``loss.backward()``; ``reduce``: this backward ends the window."""
         self.reducer.begin_backward(reduce=reduce)
 
-    def end_backward(self) -> None:
-        """Called by the engine after ``loss.backward()``: finish the reducing pass, if any."""
-        self.reducer.end_backward()
-        self.intake.end_backward()
-
-    def abandon_backward(self) -> None:
-        """``loss.backward()`` raised: drop the pass without a collective (the window's gradients are lost;
-        nothing waits for the reductions in flight)."""
-        self.reducer.abandon_pass()
+    def end_backward(self, *, failed: bool = False) -> None:
+        """Called by the engine after ``loss.backward()``: finish the reducing pass, if any. ``failed``: the
+        backward raised, so the pass is dropped without a collective (the window's gradients are lost;
+        nothing waits for the reductions in flight, whose peers may be gone)."""
+        if failed:
+            self.reducer.abandon_pass()
+        else:
+            self.reducer.end_backward()
         self.intake.end_backward()
 
     # ------------------------------------------------------------------ the optimizer step

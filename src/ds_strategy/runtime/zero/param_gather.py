@@ -264,27 +264,22 @@ class ParamGatherer:
         self.users[key] = 0
         self.free(key)
 
-    def end_backward(self) -> None:
-        """Backward is over: check that the ranks agree, free every non-persistent bucket, keep the record."""
-        self.check_agreement()
+    def end_backward(self, *, failed: bool = False) -> None:
+        """Backward is over: check that the ranks agree, free every non-persistent bucket, keep the record.
+        ``failed``: it raised; free without waiting for the gathers in flight and without the agreement
+        check (both would wait for peers that may be gone)."""
+        if failed:
+            self.inflight.clear()
+        else:
+            self.check_agreement()
         self.hooks.end_backward()
         for g, gs in enumerate(self.groups):
             for b in range(len(gs.full)):
                 self.free((g, b))
         self.users.clear()
         self.deferred.clear()
-        self.planner.finish()
-
-    def abandon_backward(self) -> None:
-        """The backward raised: free every non-persistent bucket without waiting for the gathers in flight
-        and without the agreement check (both would wait for peers that may be gone)."""
-        self.hooks.end_backward()
-        self.inflight.clear()
-        for g, gs in enumerate(self.groups):
-            for b in range(len(gs.full)):
-                self.free((g, b))
-        self.users.clear()
-        self.deferred.clear()
+        if not failed:
+            self.planner.finish()
 
     def free(self, key: BucketKey) -> None:
         if key in self.held:  # see [Note: held buckets]

@@ -382,13 +382,9 @@ class Stage3(Stage2):
             self.gatherer.gave_back = False
             host_memory.trim_heap_at_next_allocation()
 
-    def end_backward(self) -> None:
-        super().end_backward()
-        self.gatherer.end_backward()
-
-    def abandon_backward(self) -> None:
-        super().abandon_backward()
-        self.gatherer.abandon_backward()
+    def end_backward(self, *, failed: bool = False) -> None:
+        super().end_backward(failed=failed)
+        self.gatherer.end_backward(failed=failed)
 
     # ------------------------------------------------------------------ step
     @torch.no_grad()
