@@ -102,14 +102,20 @@ class ZeroPrecision(EngineDtypes, Precision):
         by the config's ``gradient_clipping``, as Lightning's own call does without ``gradient_clip_val``."""
         if not clip_val:
             return
-        if GradClipAlgorithmType(gradient_clip_algorithm) != GradClipAlgorithmType.NORM:
-            raise MisconfigurationException(
-                f"ZeroStrategy clips gradients by their global norm only (across all partitions); "
-                f"clip_gradients(gradient_clip_val={clip_val}, gradient_clip_algorithm="
-                f"{GradClipAlgorithmType(gradient_clip_algorithm).value!r}) is not supported. Use "
-                "gradient_clip_algorithm='norm'"
+        algorithm = GradClipAlgorithmType(gradient_clip_algorithm)
+        if algorithm != GradClipAlgorithmType.NORM:
+            raise norm_only(
+                f"clip_gradients(gradient_clip_val={clip_val}, gradient_clip_algorithm={algorithm.value!r})"
             )
         self._clip_request = float(clip_val)
+
+
+def norm_only(given: str) -> MisconfigurationException:
+    """The error for a clipping request other than by norm (``given``: how it was asked for)."""
+    return MisconfigurationException(
+        "ZeroStrategy clips gradients by their global norm only (across all partitions); "
+        f"{given} is not supported. Use gradient_clip_algorithm='norm'"
+    )
 
 
 def _grads_for_hooks(model: pl.LightningModule, engine: ZeroEngine) -> AbstractContextManager[None]:

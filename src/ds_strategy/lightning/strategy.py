@@ -72,7 +72,7 @@ from .compile import CompileArg
 from .config import ConfigArg, StartMethod
 from .core import ZeroCore, ZeroFace
 from .launcher import ZeroMultiProcessingLauncher
-from .precision import ZeroPrecision
+from .precision import ZeroPrecision, norm_only
 from .process import ProcessLayout
 from .throughput import ThroughputProgress
 from .uneven_predict import PredictPadding
@@ -361,8 +361,7 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
     @override
     def on_predict_start(self) -> None:
         super().on_predict_start()
-        if self.stage == 3 and self.world_size > 1:
-            self._predict_padding.plan(self.global_rank)
+        self._predict_padding.plan(self.global_rank)  # nothing counted (below stage 3, one rank): no replay
 
     @override
     def predict_step(self, *args: Any, **kwargs: Any) -> Any:
@@ -538,11 +537,7 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
 
 def _check_clipping(trainer: pl.Trainer) -> None:
     if trainer.gradient_clip_val and trainer.gradient_clip_algorithm == GradClipAlgorithmType.VALUE:
-        raise MisconfigurationException(
-            "ZeroStrategy clips gradients by their global norm only (across all partitions); "
-            f"Trainer(gradient_clip_algorithm='value', gradient_clip_val={trainer.gradient_clip_val}) is not "
-            "supported. Use gradient_clip_algorithm='norm'"
-        )
+        raise norm_only(f"Trainer(gradient_clip_algorithm='value', gradient_clip_val={trainer.gradient_clip_val})")
     module = trainer.lightning_module
     if is_overridden("configure_gradient_clipping", module, pl.LightningModule):
         rank_zero_warn(
