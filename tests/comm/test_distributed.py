@@ -22,6 +22,7 @@ import torch
 import torch.distributed as dist
 from benchmarks.common import environment as shared_environment
 
+from ds_strategy import comm as ds_comm
 from ds_strategy.comm import TIMEOUT_ENV, init_distributed, resolve_timeout
 from ds_strategy.comm.distributed import ENV_VARS, discover_mpi
 from ds_strategy.scheduler_env import first_host
@@ -158,14 +159,27 @@ def _reuse_body(rank: int, world_size: int) -> tuple[str, int, int, bool, list[s
         info = init_distributed(timeout=5)
     t = torch.tensor([float(rank)])
     dist.all_reduce(t, group=info.group)
-    return info.source, info.rank, info.world_size, info.group is world, [str(w.message) for w in caught]
+    queries = (ds_comm.get_rank(), ds_comm.get_world_size(info.group), ds_comm.get_local_rank())
+    ds_comm.barrier()
+    return info.source, info.rank, info.world_size, info.group is world, [str(w.message) for w in caught], queries
 
 
 def test_reuses_an_initialised_default_group() -> None:
     results = run_distributed(_reuse_body, world_size=2)
-    for rank, (source, r, w, same, caught) in enumerate(results):
+    for rank, (source, r, w, same, caught, queries) in enumerate(results):
         assert (source, r, w, same) == ("existing", rank, 2, True)
         assert any("timeout ignored" in m for m in caught), caught
+        assert queries == (rank, 2, rank)  # deepspeed.comm's queries; the harness sets LOCAL_RANK
+
+
+def test_queries_before_any_group_name_the_call_to_make(clean_env: pytest.MonkeyPatch) -> None:
+    assert not dist.is_initialized() and not ds_comm.is_initialized()
+    for query in (ds_comm.get_rank, ds_comm.get_world_size, ds_comm.barrier):
+        with pytest.raises(RuntimeError, match=r"not initialised; call ds_strategy.init_distributed\(\)"):
+            query()
+    assert ds_comm.get_local_rank() == 0  # no launcher variable names one
+    clean_env.setenv("OMPI_COMM_WORLD_LOCAL_RANK", "3")
+    assert ds_comm.get_local_rank() == 3
 
 
 # ---- step 2: explicit init_method ---------------------------------------------------------------------

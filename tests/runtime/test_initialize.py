@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import copy
 import sys
+import types
 from typing import Any
 
 import pytest
@@ -106,6 +107,7 @@ def _initialize_cases(rank: int, world: int) -> dict[str, Any]:
             "config": config(stage=2, micro=2, gas=1, offload=True),
         },
         "both_configs": {"config": _cfg(0), "config_params": _cfg(0)},
+        "args_and_config": {"args": types.SimpleNamespace(deepspeed_config="ds.json"), "config": _cfg(0)},
     }.items():
         try:
             rt.initialize(model=make_model(), **kwargs).__getitem__(0).destroy()
@@ -168,6 +170,7 @@ def test_initialize() -> None:
         assert "zero_force_ds_cpu_optimizer" in errors["offload_client"]
         assert out["twins"] == {"AdamW": ("CPUAdam", True, 5e-3, True), "Adam": ("CPUAdam", True, 5e-3, False)}
         assert "config= or config_params=" in errors["both_configs"]
+        assert "args.deepspeed_config='ds.json' and config=" in errors["args_and_config"]
         assert "already holds state" in errors["stateful"]
         assert errors["allowed"] == "RMSprop"
     sizes0, seen0, attached = outs[0]["loader"]

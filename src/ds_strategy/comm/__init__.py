@@ -7,6 +7,8 @@
   reductions to the shared-memory fast path. See ``comm.collectives``.
 - ``GroupSet(owner)``: the process groups an object creates, destroyed by its ``close()``/``destroy()``
   and at a normal exit; the package never destroys a group it did not create. See ``comm.ownership``.
+- ``get_rank()``, ``get_world_size()``, ``get_local_rank()``, ``barrier()``, ``is_initialized()``: the
+  ``deepspeed.comm`` queries, with a clear error before any group exists. See ``comm.queries``.
 - ``CommsLogger(config.comms_logger)``: per-op counts, bytes, latency, algorithm / bus bandwidth and the
   path taken; ``log_summary()`` prints a table. See ``comm.logger``.
 
@@ -31,6 +33,7 @@ from ds_strategy.comm.distributed import (
 from ds_strategy.comm.fake import is_fake_backend, is_fake_group
 from ds_strategy.comm.logger import CommsLogger, CommsStat, bus_factor
 from ds_strategy.comm.ownership import GroupSet
+from ds_strategy.comm.queries import barrier, get_local_rank, get_rank, get_world_size, is_initialized
 
 __all__ = [
     "SHM_ENV",
@@ -42,11 +45,16 @@ __all__ = [
     "DistributedInfo",
     "FastPath",
     "GroupSet",
+    "barrier",
     "bus_factor",
     "destroy_at_normal_exit",
+    "get_local_rank",
+    "get_rank",
+    "get_world_size",
     "init_distributed",
     "is_fake_backend",
     "is_fake_group",
+    "is_initialized",
     "reduce_op_name",
     "resolve_timeout",
 ]

@@ -270,7 +270,7 @@ def _from_env(env: Mapping[str, str], rank: int, world_size: int, port: int) -> 
     if not 0 <= r < w:
         raise ValueError(f"init_distributed: RANK={r} is outside [0, WORLD_SIZE={w})")
     master_port = _int_env(env, "MASTER_PORT")
-    return _Found(r, w, _local_rank_from_env(env), addr, master_port or port, "env")
+    return _Found(r, w, local_rank_from_env(env), addr, master_port or port, "env")
 
 
 def discover_mpi(env: Mapping[str, str], port: int = DEFAULT_PORT) -> _Found | None:
@@ -412,7 +412,7 @@ def _int_env(env: Mapping[str, str], name: str) -> int | None:
         raise ValueError(f"init_distributed: {name}={raw!r} is not an integer") from None
 
 
-def _local_rank_from_env(env: Mapping[str, str]) -> int | None:
+def local_rank_from_env(env: Mapping[str, str]) -> int | None:
     for name in ("LOCAL_RANK", *LOCAL_RANK_VARS):
         value = _int_env(env, name)
         if value is not None:
@@ -422,7 +422,7 @@ def _local_rank_from_env(env: Mapping[str, str]) -> int | None:
 
 def _local_rank_after_init(env: Mapping[str, str]) -> int:
     """LOCAL_RANK from the environment, else by comparing host names through the default group's store."""
-    local = _local_rank_from_env(env)
+    local = local_rank_from_env(env)
     if local is not None:
         return local
     rank, world = dist.get_rank(), dist.get_world_size()

@@ -106,8 +106,14 @@ def initialize(
     if config is not None and config_params is not None:
         raise ValueError("pass the DeepSpeed config once: config= or config_params=, not both")
     config = config if config is not None else config_params
-    if config is None and args is not None:
-        config = getattr(args, "deepspeed_config", None)
+    from_args = getattr(args, "deepspeed_config", None) if args is not None else None
+    if from_args is not None and config is not None:
+        raise ValueError(
+            f"initialize() got two DeepSpeed configs: args.deepspeed_config={from_args!r} and config=; "
+            "pass one (DeepSpeed refuses this too)"
+        )
+    if config is None:
+        config = from_args
     if config is None:
         raise ValueError("initialize() needs a config: config=dict, a JSON file path or a DeepSpeedConfig")
     _ensure_distributed(dist_init_required)
