@@ -67,6 +67,7 @@ from .profiling import EngineProfiling
 from .timers import Throughput, Timers
 from .zero import STAGES, Collectives
 from .zero.access import FullStateAccess
+from .zero.divergence import diverged_in_backward
 from .zero.grad_norm import grad_norm
 from .zero.leaf import apply_leaf_module_config
 from .zero.offload import Offload
@@ -333,12 +334,15 @@ class ZeroEngine(nn.Module):
             self.stage.begin_backward(reduce=boundary)
             try:
                 scaled.backward(retain_graph=retain_graph)
-            except BaseException:
+                self.stage.end_backward()
+            except BaseException as err:
                 # Local clean-up only: the error may be a peer's failure or a divergence, and a collective
                 # now (the pass's remaining reductions) would wait for ranks that are gone.
                 self.stage.end_backward(failed=True)
+                named = diverged_in_backward(err, self.dp_rank)
+                if named is not err:
+                    raise named from err
                 raise
-            self.stage.end_backward()
         return loss
 
     def step(self, lr_kwargs: dict[str, Any] | None = None) -> None:

@@ -83,6 +83,7 @@ def _wrap64(value: int) -> int:
     return (value + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
+PATHS_DIFFER = "the ranks called different collectives"  # the shared-memory path's words (csrc/comm)
 _FOLD = 1_000_003  # folds fetches beyond the log's capacity into its last slot (see [Note: the device log])
 SUMMARY_COPY = "stage-3 divergence check: the iteration's summary copied to pinned host memory without waiting"
 ERROR_PATH = "stage-3 divergence check: reading the mismatched header to name the ranks (error path)"
@@ -377,15 +378,25 @@ class DivergenceCheck:
         )
 
     def _diverged(self, mid: int, seq: int, rows: list[list[int]]) -> RuntimeError:
-        """``rows``: each rank's (module index + 2, fetch number); 0 as index + 2 means it was not gathering."""
-        by_rank = ", ".join(
-            f"rank {r} gathers {self._name_of_index(row[0] - 2)!r} (gather #{row[1]})" for r, row in enumerate(rows)
-        )
+        """``rows``: each rank's (module index + 2, fetch number); 0 as index + 2 is the closing label (the
+        end of an iteration), and a row of zeros an unlabelled collective (a gradient reduction)."""
+        by_rank = ", ".join(f"rank {r} {self._doing(row)}" for r, row in enumerate(rows))
+        own = rows[self.coll.rank] if self.coll.rank < len(rows) else [1, seq]
+        name = self.names.get(mid, "?")
+        where = f"ending its iteration after gathering {name!r}" if own[0] == 0 else f"gathering {name!r}"
         return RuntimeError(
-            f"ZeRO-3: ranks diverged at parameter gather #{seq} (this is rank {self.coll.rank}, gathering "
-            f"{self.names.get(mid, '?')!r}): {by_rank}. The ranks took different code paths; under ZeRO stage 3 "
-            "every rank must run the same modules in the same order (make the control flow agree across ranks)."
+            f"ZeRO-3: ranks diverged at parameter gather #{seq} (this is rank {self.coll.rank}, {where}): "
+            f"{by_rank}. The ranks took different code paths; under ZeRO stage 3 every rank must run the same "
+            "modules in the same order (make the control flow agree across ranks)."
         )
+
+    def _doing(self, row: list[int]) -> str:
+        slot, seq = row
+        if slot == 0 and seq == 0:
+            return "is in another collective (not a parameter gather: a gradient reduction, or the user's own)"
+        if slot == 0:
+            return f"ends its iteration after gather #{seq}"
+        return f"gathers {self._name_of_index(slot - 2)!r} (gather #{seq})"
 
     def _name_of_index(self, index: int) -> str:
         if index == -1:
@@ -393,7 +404,20 @@ class DivergenceCheck:
         for mid, i in self.index.items():
             if i == index:
                 return self.names[mid]
-        return "<nothing: this rank was at the end of its iteration or in another collective>"
+        return f"<module #{index}>"
+
+
+def diverged_in_backward(err: BaseException, rank: int) -> BaseException:
+    """The error a failed backward raises: where a gradient reduction met a different collective on a peer
+    (the shared-memory path compares them), say that the ranks diverged, as a parameter gather would."""
+    text = str(err)
+    if not isinstance(err, RuntimeError) or PATHS_DIFFER not in text or text.startswith("ZeRO"):
+        return err
+    return RuntimeError(
+        f"ZeRO: ranks diverged in backward (this is rank {rank}, reducing gradients; another rank was in a "
+        "different collective). The ranks took different code paths; every rank must run the same forward "
+        f"and backward in the same order (make the control flow agree across ranks). The path said: {text}"
+    )
 
 
 def _mismatched(codes: list[int]) -> bool:
