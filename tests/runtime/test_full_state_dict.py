@@ -5,6 +5,7 @@ Reference: the plain module's own state dict (exact: fp32 copies in and out)."""
 
 from __future__ import annotations
 
+import copy
 from typing import Any
 
 import pytest
@@ -73,3 +74,103 @@ def test_step_counters_round_trip_and_refuse_a_partial_state() -> None:
     assert d == c
     with pytest.raises(KeyError, match="skipped_steps"):
         d.load_state_dict({"micro_steps": 1, "global_steps": 1, "global_samples": 1})
+
+
+# ---- a plain torch optimizer's state into the partitions (engine.load_full_optimizer_state) ---------------
+
+
+class _Mlp(torch.nn.Module):
+    """Every parameter used (torch's AdamW skips a gradient-less one, a flat master cannot), plus a
+    never-used Linear in its own param group: the saving run never stepped it."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.body = torch.nn.Sequential(torch.nn.Linear(6, 16), torch.nn.Tanh(), torch.nn.Linear(16, 3))
+        self.unused = torch.nn.Linear(2, 2)
+
+    def forward(self, x: torch.Tensor, y: torch.Tensor) -> torch.Tensor:
+        return torch.nn.functional.mse_loss(self.body(x), y)
+
+
+def _mlp_groups(model: _Mlp) -> list[dict[str, Any]]:
+    return [
+        {"params": list(model.body.parameters()), "weight_decay": 0.1},
+        {"params": list(model.unused.parameters()), "weight_decay": 0.0},
+    ]
+
+
+def _mlp_data(steps: int) -> list[tuple[torch.Tensor, torch.Tensor]]:
+    g = torch.Generator().manual_seed(5)
+    return [(torch.randn(4, 6, generator=g), torch.randn(4, 3, generator=g)) for _ in range(steps)]
+
+
+def _plain_run() -> tuple[dict[str, Any], dict[str, Any], dict[str, torch.Tensor]]:
+    """Two AdamW steps (then the saved weights and optimizer state), two more (the reference)."""
+    torch.manual_seed(0)
+    model = _Mlp()
+    opt = torch.optim.AdamW(_mlp_groups(model), lr=1e-2)
+    saved: tuple[dict[str, Any], dict[str, Any]] = ({}, {})
+    for i, (x, y) in enumerate(_mlp_data(4)):
+        if i == 2:
+            saved = ({k: v.clone() for k, v in model.state_dict().items()}, copy.deepcopy(opt.state_dict()))
+        opt.zero_grad()
+        model(x, y).backward()
+        opt.step()
+    return saved[0], saved[1], model.state_dict()
+
+
+def _import(rank: int, world: int, stage: int, client: bool, offload: bool) -> dict[str, torch.Tensor]:
+    import ds_strategy.runtime as rt
+
+    weights, opt_state, _ = _plain_run()
+    torch.manual_seed(1)
+    model = _Mlp()
+    cfg = config(stage=stage, micro=2, gas=1, offload=offload)
+    cfg["zero_optimization"]["stage3_param_persistence_threshold"] = 0
+    if client:
+        del cfg["optimizer"]
+        engine, *_ = rt.initialize(model=model, optimizer=torch.optim.AdamW(_mlp_groups(model), lr=0.5), config=cfg)
+    else:  # the config's AdamW (the C++ kernel on CPU) over the same groups
+        engine, *_ = rt.initialize(model=model, model_parameters=_mlp_groups(model), config=cfg)
+    engine.load_full_state_dict(weights)
+    engine.load_full_optimizer_state(opt_state)
+    for x, y in _mlp_data(4)[2:]:
+        engine.backward(engine(x[rank * 2 : rank * 2 + 2], y[rank * 2 : rank * 2 + 2]))
+        engine.step()
+    out = engine.full_state_dict(rank=None)
+    engine.destroy()
+    return out
+
+
+@pytest.mark.multiprocess
+@pytest.mark.parametrize(
+    ("stage", "client", "offload"),
+    [(1, True, False), (2, False, False), (3, True, False), (3, False, True)],
+    ids=["stage1-client", "stage2-config", "stage3-client", "stage3-offload"],
+)
+def test_a_plain_optimizer_state_continues_exactly(stage: int, client: bool, offload: bool) -> None:
+    """The weights and AdamW moments of a single-process run after 2 steps, loaded into 2 ranks: the next 2
+    steps land where the single process lands (the moments continue; fresh ones would not)."""
+    _, _, reference = _plain_run()
+    for got in run_distributed(_import, world_size=2, args=(stage, client, offload)):
+        for k, v in reference.items():
+            torch.testing.assert_close(got[k], v, rtol=0, atol=2e-6, msg=k)
+
+
+def _other_groups(rank: int, world: int) -> str:
+    import ds_strategy.runtime as rt
+
+    _, opt_state, _ = _plain_run()
+    engine, *_ = rt.initialize(model=_Mlp(), config=config(stage=2, micro=4, gas=1))  # one group
+    try:
+        engine.load_full_optimizer_state(opt_state)
+    except Exception as err:
+        return str(err)
+    finally:
+        engine.destroy()
+    return ""
+
+
+def test_a_plain_optimizer_state_from_other_groups_is_refused() -> None:
+    (text,) = run_distributed(_other_groups, world_size=1)
+    assert "has param groups of [4, 2] parameters, the optimizer this engine was given has [6]" in text, text

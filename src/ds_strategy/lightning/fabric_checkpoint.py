@@ -103,10 +103,14 @@ def load(path: str | os.PathLike[str], state: Mapping[str, Any] | Module | Optim
     if _is_engine(state):
         _load_raw(root, cast("ZeroEngine", state), strict)
         return {}
+    if isinstance(state, EngineOptimizer) and root.is_file():  # a plain optimizer.state_dict() (DDP's)
+        state.engine.load_full_optimizer_state(torch.load(root, map_location="cpu", weights_only=True))
+        return {}
     if isinstance(state, (Module, Optimizer)):
         raise TypeError(
             f"fabric.load_raw({str(path)!r}, {type(state).__name__}): under ZeroFabricStrategy load_raw takes a "
-            "model set up by fabric.setup; load optimizers with fabric.load(path, {'model': ..., 'optimizer': ...})"
+            "model set up by fabric.setup, or a set-up optimizer with a single file of a torch optimizer's "
+            "state_dict(); load checkpoints of both with fabric.load(path, {'model': ..., 'optimizer': ...})"
         )
     meta_path = root / STATE_FILE
     if not meta_path.is_file():

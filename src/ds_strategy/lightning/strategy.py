@@ -57,6 +57,7 @@ from typing_extensions import override
 
 from ds_strategy.config import OnConflict
 from ds_strategy.runtime.activation_checkpointing import Policy
+from ds_strategy.runtime.checkpoint import CheckpointError
 
 from . import checkpoint as lckpt
 from . import stage3
@@ -492,20 +493,33 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
         module = self.lightning_module
         fitting = module is not None and module.trainer.state.fn == TrainerFn.FITTING
         if fitting:
-            rank_zero_warn(
-                f"ZeroStrategy: {path} is a single-file checkpoint (from DDP, ds-zero-to-fp32 --lightning, or an "
-                "older ZeroStrategy), not a ZeroStrategy checkpoint directory: the weights are loaded, the "
-                "trainer's loops, callbacks and lr schedulers (and the optimizer's lr) are restored when the file "
-                "holds them, but the optimizer state starts fresh (a single file holds no partitioned ZeRO "
-                "optimizer state). To resume "
-                "exactly, resume from a directory written by ZeroStrategy's save_checkpoint / ModelCheckpoint"
-            )
             # Lightning insists on this key when fitting; without it the schedulers keep their fresh state.
             checkpoint.setdefault("lr_schedulers", [c.scheduler.state_dict() for c in self.lr_scheduler_configs])
-            # The saved lr (and betas, weight decay): a scheduler writes it only at its next step, and a
-            # chainable one (StepLR) computes that step from it.
             saved = checkpoint.get("optimizer_states") or []
+            if not saved:
+                rank_zero_warn(
+                    f"ZeroStrategy: {path} is a single-file checkpoint without optimizer state (written after fit, "
+                    "or by ds-zero-to-fp32 --lightning): the weights, loops, callbacks and lr schedulers are "
+                    "restored, the optimizer state starts fresh. To resume exactly, resume from a directory "
+                    "written by ZeroStrategy's save_checkpoint / ModelCheckpoint"
+                )
+            engine = self.require_engine()
             for optimizer, state in zip(self.optimizers, saved, strict=False):
+                if optimizer is engine.optimizer:  # the moments too: the run continues exactly
+                    try:
+                        engine.load_full_optimizer_state(state)
+                        continue
+                    except CheckpointError as err:
+                        why = str(err)
+                else:
+                    why = "it is not the engine's optimizer"
+                rank_zero_warn(
+                    f"ZeroStrategy: the optimizer state in the single-file checkpoint {path} was not loaded ({why}): "
+                    "the optimizer state starts fresh. To resume exactly, resume from a directory written by "
+                    "ZeroStrategy's save_checkpoint / ModelCheckpoint"
+                )
+                # The saved lr (and betas, weight decay) at least: a scheduler writes it only at its next
+                # step, and a chainable one (StepLR) computes that step from it.
                 if not lckpt.restore_hyperparameters(optimizer, state):
                     rank_zero_warn(
                         f"ZeroStrategy: {path} holds an optimizer with other param groups than this run's; the lr "

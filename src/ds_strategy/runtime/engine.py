@@ -124,6 +124,10 @@ class ZeroEngine(nn.Module):
         if isinstance(optimizer, Optimizer):  # fail before the parameters are moved into flat buffers
             check_client_optimizer(optimizer, stage=config.zero_stage, offload=self.offload.optimizer, config=config)
         groups = param_groups(module, optimizer, model_parameters)
+        # The client's groups by parameter name, in its order: how a torch optimizer's state_dict() numbers
+        # them (load_full_optimizer_state).
+        names = {p: n for n, p in module.named_parameters()}
+        self._client_param_names = [[names.get(p) for p in g["params"]] for g in groups]
         # A per-tensor optimizer steps whole parameters: [Note: per-tensor optimizers under ZeRO].
         whole = wants_whole_params(optimizer, config)
         if whole and optimizer is None and config.optimizer is not None and config.optimizer.type == "Muon":
@@ -777,6 +781,16 @@ class ZeroEngine(nn.Module):
         self.hybrid.release()
         with self.stage.resident():
             load_full_state_dict(self, state_dict, strict)
+
+    def load_full_optimizer_state(self, state_dict: Mapping[str, Any]) -> None:
+        """Load a plain torch optimizer's ``state_dict()`` (a DDP or single-process run of the same code:
+        the same param groups, in the same order) into this engine's partitioned optimizer: every rank takes
+        its own ranges of each parameter's moments, and the groups' hyperparameters (lr, betas ...), so the
+        next step continues that run's (see [Note: importing an unpartitioned optimizer state])."""
+        from .checkpoint.torch_optim import load_torch_optimizer_state
+
+        with self.stage.resident():
+            load_torch_optimizer_state(self, self._client_param_names, state_dict)
 
     def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
         """Write the consolidated weights (compute dtype: 16-bit, or fp32 when training in fp32) as a
