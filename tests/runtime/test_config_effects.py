@@ -341,6 +341,40 @@ def test_gradient_averaging_keys() -> None:
     assert out["predivide"] == pytest.approx(out["mean"], rel=1e-6)  # by 4 before, by 2 / 4 after
 
 
+def _fp16_sum(rank: int, world: int) -> dict[int, list[bool]]:
+    """Each rank's scaled fp16 gradient is 40000 (fits), the sum of two 80000 (does not)."""
+    import ds_strategy.runtime as rt
+
+    out = {}
+    for stage in (0, 1, 2, 3):
+        model = torch.nn.Linear(1, 1, bias=False)
+        with torch.no_grad():
+            model.weight.fill_(1.0)
+        cfg = {
+            "train_micro_batch_size_per_gpu": 1,
+            "fp16": {"enabled": True, "loss_scale": 40000},
+            "zero_optimization": {"stage": stage},
+            "optimizer": {"type": "SGD", "params": {"lr": 0.1}},
+            "zero_allow_untested_optimizer": True,
+        }
+        engine, *_ = rt.initialize(model=model, config=cfg)
+        applied = []
+        for _ in range(2):
+            engine.backward(engine(torch.ones(1, 1, dtype=torch.half)).float().sum())
+            engine.step()
+            applied.append(engine.was_step_applied())
+        out[stage] = applied
+        engine.destroy()
+    return out
+
+
+def test_partitioned_stages_average_before_the_fp16_sum_as_deepspeed() -> None:
+    """DeepSpeed's ZeRO 1-3 divide by the world size before the reduction (stage 0 sums first): a gradient
+    whose scaled fp16 sum overflows while its mean does not steps at stages 1-3 and is skipped at stage 0."""
+    out = run_distributed(_fp16_sum, world_size=2)[0]
+    assert out == {0: [False, False], 1: [True, True], 2: [True, True], 3: [True, True]}, out
+
+
 def _comm_dtypes(rank: int, world: int) -> dict[str, Any]:
     import ds_strategy.runtime as rt
 

@@ -109,7 +109,7 @@ def test_overflow_skips_steps_and_drives_the_loss_scale() -> None:
     for out in run_distributed(_overflow, world_size=2):
         fp16 = out["fp16"]
         # step 2: overflow absorbed by hysteresis; step 3: scale halves; 3 clean steps later it doubles
-        assert fp16["scales"] == [256, 256, 128, 128, 128, 256, 256]
+        assert fp16["scales"] == [256, 256, 128, 128, 128, 128, 256]  # window + 1 clean steps (DeepSpeed)
         assert fp16["applied"] == [True, False, False, True, True, True, True]
         assert fp16["changed"] == fp16["applied"]  # a skipped step leaves every weight untouched
         assert fp16["iters"] == [0, 0, 0, 1, 2, 3, 4]  # the lr schedule only advances on applied steps

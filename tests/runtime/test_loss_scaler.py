@@ -34,11 +34,39 @@ def test_scale_halves_after_hysteresis_overflows() -> None:
 
 def test_scale_grows_after_window_clean_steps_and_refills_hysteresis() -> None:
     scaler = LossScaler(init_scale=64, dynamic=True, scale_window=4, hysteresis=2)
-    assert _run(scaler, "...") == [64, 64, 64]
-    assert _run(scaler, ".") == [128]  # 4 clean steps since the start
-    assert _run(scaler, "x") == [128]  # hysteresis 2 -> 1
-    assert _run(scaler, "....") == [128, 128, 128, 256]  # window counted from the overflow; budget refilled
-    assert _run(scaler, "x") == [256]  # so this overflow is absorbed again
+    assert _run(scaler, "....") == [64, 64, 64, 64]
+    assert _run(scaler, ".") == [128]  # 5 clean steps since the start (DeepSpeed's count: window + 1)
+    assert _run(scaler, "...") == [128, 128, 128]
+    assert _run(scaler, ".") == [256]  # then every window
+    assert _run(scaler, "x") == [256]  # hysteresis 2 -> 1
+    assert _run(scaler, ".....") == [256, 256, 256, 256, 512]  # window + 1 counted from the overflow; refilled
+    assert _run(scaler, "x") == [512]  # so this overflow is absorbed again
+
+
+PATTERNS = ["." * 12, "..x......x.x.....", "xx....x..........x", "x.x.x.x....", "...xx.xx.........."]
+
+
+@pytest.mark.parametrize("consecutive", [False, True])
+@pytest.mark.parametrize("pattern", PATTERNS)
+def test_scale_trajectory_equals_deepspeeds(pattern: str, consecutive: bool) -> None:
+    """The scale after every step, against DeepSpeed 0.19.8's own DynamicLossScaler (where installed;
+    the patterns above are also pinned by the tests before this one)."""
+    loss_scaler = pytest.importorskip("deepspeed.runtime.fp16.loss_scaler")
+    import deepspeed.comm
+
+    kw = {"scale_window": 3, "min_scale": 1.0, "consecutive_hysteresis": consecutive}
+    theirs = loss_scaler.DynamicLossScaler(init_scale=64.0, delayed_shift=2, **kw)
+    ours = LossScaler(init_scale=64, dynamic=True, hysteresis=2, **kw)
+    real_rank = deepspeed.comm.get_rank
+    loss_scaler.dist.get_rank = lambda *a, **k: 0  # its overflow log asks for a rank; no process group here
+    try:
+        want = []
+        for c in pattern:
+            theirs.update_scale(c == "x")
+            want.append(theirs.cur_scale)
+    finally:
+        loss_scaler.dist.get_rank = real_rank
+    assert _run(ours, pattern) == want
 
 
 def test_consecutive_hysteresis_refills_after_every_clean_step() -> None:

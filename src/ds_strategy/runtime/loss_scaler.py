@@ -6,8 +6,9 @@ the ranks have agreed whether any gradient overflowed:
 - overflow: if the hysteresis budget is down to 1 (or ``hysteresis`` is 1) the scale is divided by 2
   (never below ``min_loss_scale``); otherwise one unit of hysteresis is spent and the scale is kept.
 - no overflow: with ``consecutive_hysteresis`` the budget refills after every clean step; the scale
-  doubles once ``loss_scale_window`` steps have passed since the last overflow, which also refills the
-  budget when ``consecutive_hysteresis`` is off.
+  doubles after ``loss_scale_window`` + 1 clean steps since the last overflow (or the start), then every
+  ``loss_scale_window`` clean steps (DeepSpeed 0.19's count), which also refills the budget when
+  ``consecutive_hysteresis`` is off.
 
 The overflowing step itself is always skipped by the engine (static scales included).
 
@@ -100,7 +101,10 @@ class LossScaler:
         else:
             if self.consecutive_hysteresis:
                 self.cur_hysteresis = self.hysteresis
-            if (self.cur_iter - self.last_overflow_iter) % self.scale_window == 0:
+            # DeepSpeed's count: the step right after an overflow (or the first step) is interval 0, so the
+            # first doubling comes after loss_scale_window + 1 clean steps, the next ones every window.
+            stable = self.cur_iter - self.last_overflow_iter - 1
+            if stable > 0 and stable % self.scale_window == 0:
                 if not self.consecutive_hysteresis:
                     self.cur_hysteresis = self.hysteresis
                 self.cur_scale *= self.scale_factor

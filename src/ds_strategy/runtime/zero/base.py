@@ -94,6 +94,9 @@ class ZeroStage:
     # unit, so DeepSpeed reads ``allgather_bucket_size`` only at stages 1-2.
     bucket_keys: tuple[str, ...] = ("reduce_bucket_size",)
     always_overlaps: bool = False  # reductions overlap backward whatever ``overlap_comm`` says (stage 0)
+    # Partitioned stages divide by the world size before the sum, as DeepSpeed's ZeRO 1-3 (and DDP) do: an
+    # fp16 sum of W scaled gradients can overflow where their mean does not. Stage 0 sums first (DeepSpeed's).
+    predivides: bool = True
 
     @classmethod
     def options_from(
@@ -101,7 +104,7 @@ class ZeroStage:
     ) -> StageOptions:
         """This stage's options from the config."""
         zero = config.zero_optimization
-        pre, post = averaging(config, world_size)
+        pre, post = averaging(config, world_size, predivide=cls.predivides)
         return StageOptions(
             bucket_numel=int(min(getattr(zero, key) for key in cls.bucket_keys)),
             compute_dtype=precision.compute_dtype,
@@ -365,13 +368,16 @@ def _true_numel(p: torch.Tensor) -> int:
     return info.numel if info is not None else p.numel()
 
 
-def averaging(config: Any, world_size: int) -> tuple[float, float]:
-    """(factor before, factor after) the gradient sum across ranks (DeepSpeed's allreduce_bucket):
-    prescale_gradients divides by W before; otherwise by gradient_predivide_factor f before and by W/f
-    after. gradient_allreduce_op "sum" skips the averaging."""
+def averaging(config: Any, world_size: int, *, predivide: bool) -> tuple[float, float]:
+    """(factor before, factor after) the gradient sum across ranks. prescale_gradients divides by W before.
+    Otherwise, with gradient_predivide_factor f: ``predivide`` (ZeRO 1-3, DeepSpeed's reduce-scatter path)
+    by f*W before and f after; else (stage 0, DeepSpeed's allreduce_bucket) by f before and W/f after.
+    gradient_allreduce_op "sum" skips the averaging."""
     f = config.gradient_predivide_factor
     if config.gradient_allreduce_op == "sum":
         return 1.0 / f, f
     if config.prescale_gradients:
         return 1.0 / world_size, 1.0
+    if predivide:
+        return 1.0 / (f * world_size), f
     return 1.0 / f, f / world_size

@@ -20,6 +20,7 @@ class Stage0(ZeroStage):
     partitioned = False
 
     always_overlaps = True  # the all-reduces always overlap backward (DDP's behaviour; overlap_comm is ZeRO's key)
+    predivides = False  # DeepSpeed's stage 0 sums, then averages
 
     def _allocate(self) -> None:
         # Zero-initialised so bucket padding (never written) reduces as zeros.

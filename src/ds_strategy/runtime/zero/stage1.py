@@ -20,6 +20,7 @@ class Stage1(Stage0):
     partitioned = True
 
     always_overlaps = False
+    predivides = True
     # A bucket is both the gradient reduction and the all-gather unit of the updated weights here.
     bucket_keys: tuple[str, ...] = ("reduce_bucket_size", "allgather_bucket_size")
 
