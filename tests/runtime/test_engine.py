@@ -207,3 +207,39 @@ def test_engine_api() -> None:
             assert any(r.startswith("time (ms) | forward:") and "backward:" in r for r in out["records"])
         else:
             assert out["records"] == []  # one rank speaks
+
+
+def _deepspeed_signatures(rank: int, world: int, folder: str) -> dict[str, Any]:
+    """What DeepSpeed's callers (transformers' Trainer among them) pass, on one rank."""
+    import ds_strategy.runtime as rt
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    model[0].bias.requires_grad_(False)
+    cfg = config(stage=3, micro=2, gas=2)
+    cfg["zero_optimization"]["stage3_gather_16bit_weights_on_model_save"] = True
+    engine, *_ = rt.initialize(model=model, config=cfg)
+    applied = []
+    for _ in range(4):  # DeepSpeed: False after a step() call that ends no accumulation window
+        engine.backward(engine(torch.randn(2, 4)).square().mean())
+        engine.step()
+        applied.append(engine.was_step_applied())
+    engine.save_checkpoint(folder, tag="t")
+    out: dict[str, Any] = {"applied": applied}
+    out["strict"] = engine.load_checkpoint(folder, tag="t", load_module_strict=False, custom_load_fn=None)[0]
+    try:
+        engine.load_checkpoint(folder, tag="t", custom_load_fn=lambda *a: None)
+    except NotImplementedError as err:
+        out["custom"] = str(err)
+    engine.save_16bit_model(folder, "adapters.bin", exclude_frozen_parameters=True)
+    out["keys"] = sorted(torch.load(f"{folder}/adapters.bin", weights_only=True))
+    engine.destroy()
+    return out
+
+
+def test_deepspeed_signatures(tmp_path: Any) -> None:
+    (out,) = run_distributed(_deepspeed_signatures, world_size=1, args=(str(tmp_path),))
+    assert out["applied"] == [False, True, False, True]
+    assert out["strict"].endswith("t")
+    assert "custom_load_fn=...): DeepSpeed's hook" in out["custom"]
+    assert out["keys"] == ["0.weight", "2.bias", "2.weight"]  # the frozen 0.bias left out

@@ -354,6 +354,8 @@ class ZeroEngine(nn.Module):
         if self.is_gradient_accumulation_boundary():
             with self._no_host_reads("ZeroEngine.step"), self.timers("step"):
                 self._take_model_step(lr_kwargs or {})
+        else:
+            self._step_applied = False  # DeepSpeed's: no optimizer step was applied by this call
         self.micro_steps += 1
         self._boundary_override = None
 
@@ -753,13 +755,23 @@ class ZeroEngine(nn.Module):
         self,
         load_dir: str | os.PathLike[str],
         tag: Any = None,
+        load_module_strict: bool = True,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        custom_load_fn: Callable[..., Any] | None = None,
     ) -> tuple[str, dict[str, Any]]:
-        """Load a checkpoint saved at any world size and stage; return (tag directory, client state)."""
+        """Load a checkpoint saved at any world size and stage; return (tag directory, client state).
+        DeepSpeed's signature: ``load_module_strict`` is accepted and the module is always loaded strictly
+        (the checkpoint must be of this model: its layouts are checked); ``custom_load_fn`` must be None."""
         from .checkpoint import load_checkpoint
 
+        if custom_load_fn is not None:
+            raise NotImplementedError(
+                "load_checkpoint(custom_load_fn=...): DeepSpeed's hook for loading a module state itself is not "
+                "supported; load the weights with engine.load_full_state_dict(sd) after load_checkpoint"
+            )
+        del load_module_strict  # every entry is checked against the model's layout (strict by construction)
         self.hybrid.release()
         with self.stage.resident():
             return load_checkpoint(
@@ -792,11 +804,15 @@ class ZeroEngine(nn.Module):
         with self.stage.resident():
             load_torch_optimizer_state(self, self._client_param_names, state_dict)
 
-    def save_16bit_model(self, save_dir: str, save_filename: str = "pytorch_model.bin") -> bool:
+    def save_16bit_model(
+        self, save_dir: str, save_filename: str = "pytorch_model.bin", exclude_frozen_parameters: bool = False
+    ) -> bool:
         """Write the consolidated weights (compute dtype: 16-bit, or fp32 when training in fp32) as a
         state dict that the plain module loads (``load_state_dict(strict=True)``); rank 0 writes, every
         rank must call it. Stage 3 gathers the partitions only with
-        ``stage3_gather_16bit_weights_on_model_save`` (like DeepSpeed: otherwise False, nothing written)."""
+        ``stage3_gather_16bit_weights_on_model_save`` (like DeepSpeed: otherwise False, nothing written).
+        ``exclude_frozen_parameters``: leave out every ``requires_grad=False`` parameter (a LoRA run's
+        adapters only; load with ``strict=False``), as DeepSpeed's argument does."""
         zero = self.config.zero_optimization
         if self.stage.stage == 3 and not zero.stage3_gather_16bit_weights_on_model_save:
             if self.coll.rank == 0:
@@ -806,6 +822,9 @@ class ZeroEngine(nn.Module):
                 )
             return False
         state = self.full_state_dict(rank=0)
+        if exclude_frozen_parameters:
+            frozen = {n for n, p in self.module.named_parameters(remove_duplicate=False) if not p.requires_grad}
+            state = {k: v for k, v in state.items() if k not in frozen}
         if self.coll.rank == 0:
             os.makedirs(save_dir, exist_ok=True)
             torch.save(state, os.path.join(save_dir, save_filename))
