@@ -172,3 +172,29 @@ def test_bad_batches_name_the_keys(tmp_path: Path) -> None:
     small, over = run_distributed(_bad_batches, world_size=2, args=(str(tmp_path),), timeout=120)[0]
     assert "min_train_micro_batch_size_per_gpu=16" in small and "per-rank batch 4" in small
     assert "max_train_batch_size is 4" in over and "global batch is 8" in over
+
+
+def _sequence_parallel(rank: int, world: int, tmp: str) -> dict[str, Any]:
+    from ds_strategy.autotuning import SearchSpace, autotune
+    from ds_strategy.runtime import initialize
+
+    config = {**_config(tmp, num_tuning_micro_batch_sizes=3), "train_batch_size": 4, "sequence_parallel_size": 2}
+    space = SearchSpace(stages=(1,), offload_optimizer=("none",), activation_checkpointing=(False,))
+    result = autotune(Net, _data(), config, space=space, verbose=False)
+    engine, *_ = initialize(model=Net(), config=result.best_config)  # the winner trains as it is
+    batch = engine.train_batch_size()
+    engine.destroy()
+    return {
+        "statuses": sorted({t.status for t in result.trials}),
+        "splits": sorted((t.candidate.micro_batch, t.candidate.accumulation) for t in result.trials),
+        "batch": batch,
+    }
+
+
+def test_sequence_parallel_ranks_share_the_batch(tmp_path: Path) -> None:
+    """2 ranks in one sequence-parallel group are one data-parallel replica: the global batch 4 is each
+    rank's (not 2 per rank), the candidates split 4, every trial runs and the winner's config initializes."""
+    out = run_distributed(_sequence_parallel, world_size=2, args=(str(tmp_path),), timeout=300)
+    for r in out:
+        assert r["statuses"] == ["ok"] and r["batch"] == 4, r
+        assert r["splits"] == [(1, 4), (2, 2), (4, 1)], r["splits"]

@@ -37,7 +37,7 @@ from ds_strategy.config import DeepSpeedConfig
 from ds_strategy.runtime.initialize import initialize
 from ds_strategy.runtime.pipe.module import PipelineModule
 
-from .tune import AutotuneResult, autotune
+from .tune import AutotuneResult, autotune, sequence_parallel_of
 
 MODES = ("tune", "run")
 
@@ -75,7 +75,7 @@ class AutotuneInterceptor:
         pristine = [model_snapshot(model)]  # emptied after the tune: no CPU copy while the winner trains
         result = autotune(
             lambda: copy.deepcopy(pristine[0]),
-            dataset_batches(data, arguments["collate_fn"]),
+            dataset_batches(data, arguments["collate_fn"], sequence_parallel=sequence_parallel_of(arguments["config"])),
             arguments["config"],
             optimizer=optimizer_factory(arguments["optimizer"]),
             device=arguments["device"],
@@ -154,10 +154,13 @@ def optimizer_factory(optimizer: Any) -> Any:
     return make
 
 
-def dataset_batches(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None) -> Any:
+def dataset_batches(
+    dataset: Any, collate_fn: Callable[[list[Any]], Any] | None = None, *, sequence_parallel: int = 1
+) -> Any:
     """The autotuner's ``data`` for a dataset a DataLoader reads with ``collate_fn``: the dataset itself when
     it is collated the default way, else a ``(micro_batch_size, step) -> batch`` function collating this
-    rank's samples (autotuning/data.py's order) with ``collate_fn``."""
+    rank's samples (autotuning/data.py's order) with ``collate_fn``; the ``sequence_parallel`` consecutive
+    ranks of a sequence-parallel group read the same samples."""
     if isinstance(dataset, IterableDataset) or not (hasattr(dataset, "__getitem__") and hasattr(dataset, "__len__")):
         raise TypeError(
             f"autotune: the training data is a {type(dataset).__name__}; the trials need a map-style dataset "
@@ -168,8 +171,8 @@ def dataset_batches(dataset: Any, collate_fn: Callable[[list[Any]], Any] | None 
     size = len(dataset)
     if size == 0:
         raise ValueError("autotune data: the dataset is empty")
-    rank = dist.get_rank() if dist.is_initialized() else 0
-    world = dist.get_world_size() if dist.is_initialized() else 1
+    rank = (dist.get_rank() if dist.is_initialized() else 0) // sequence_parallel
+    world = (dist.get_world_size() if dist.is_initialized() else 1) // sequence_parallel
 
     def collated(micro: int, step: int) -> Any:
         start = (step * world + rank) * micro

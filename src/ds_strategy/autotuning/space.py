@@ -76,7 +76,8 @@ class Candidate:
 
     def to_config(self, base: Mapping[str, Any], world_size: int) -> dict[str, Any]:
         """The base ds_config with this candidate's keys written in (a new dict; ``base`` is not changed). The
-        ``autotuning`` block is dropped: the result is a config to train with."""
+        ``autotuning`` block is dropped: the result is a config to train with. ``world_size``: the ranks the
+        global batch splits over (the data-parallel ones: ranks / sequence_parallel_size)."""
         out = copy.deepcopy(dict(base))
         out.pop("autotuning", None)
         out["train_micro_batch_size_per_gpu"] = self.micro_batch

@@ -102,6 +102,12 @@ class TrialSetup:
     train_flops_per_sample: float
     peak_flops_per_device: float | None
     trial_timeout_s: float = 300.0  # how long a collective of a trial may wait (see [Note: failing together])
+    sequence_parallel: int = 1  # ranks per sequence-parallel group (they share their samples)
+
+    @property
+    def data_parallel(self) -> int:
+        """The ranks the global batch splits over."""
+        return self.world_size // self.sequence_parallel
 
 
 def run_trial(setup: TrialSetup, candidate: Candidate) -> TrialResult:
@@ -121,7 +127,7 @@ def run_trial(setup: TrialSetup, candidate: Candidate) -> TrialResult:
             model = setup.model_fn()
             if candidate.activation_checkpointing:
                 checkpoint_blocks(model)
-            config = candidate.to_config(setup.base_config, setup.world_size)
+            config = candidate.to_config(setup.base_config, setup.data_parallel)
             engine, *_ = initialize(
                 model=model, optimizer=setup.optimizer, config=config, device=setup.device, process_group=group
             )
@@ -158,7 +164,7 @@ def run_trial(setup: TrialSetup, candidate: Candidate) -> TrialResult:
     status, peak_all, step_s = _final_agreement(status, peak, times[setup.start_step :] or times)
     result = TrialResult(candidate, status, peak_bytes=peak_all, step_times=times)
     if status == OK and step_s is not None:
-        global_batch = candidate.micro_batch * candidate.accumulation * setup.world_size
+        global_batch = candidate.micro_batch * candidate.accumulation * setup.data_parallel
         result.step_s = step_s
         result.samples_per_s = global_batch / step_s
         result.flops_per_s = setup.train_flops_per_sample * result.samples_per_s

@@ -101,20 +101,25 @@ def autotune(
     world = dist.get_world_size() if dist.is_initialized() else 1
     rank = dist.get_rank() if dist.is_initialized() else 0
     checked = load_config(raw, world_size=world)
+    # A sequence-parallel group of sp ranks trains one data-parallel replica on the same samples: the global
+    # batch splits over the data-parallel ranks (world / sp), and the ranks of one group read the same rows.
+    sp = int(checked.sequence_parallel_size)
+    dp = world // sp
     tuning = checked.autotuning
     space = space or SearchSpace()
     device = torch.device(device) if device is not None else _default_device()
     budget = time_budget_s if time_budget_s is not None else tuning.time_budget_s
 
-    total = int(checked.train_batch_size) if checked.train_batch_size else global_batch(raw, world)
+    total = int(checked.train_batch_size) if checked.train_batch_size else global_batch(raw, dp)
     if tuning.max_train_batch_size is not None and total > tuning.max_train_batch_size:
         raise ValueError(
             f"autotuning.max_train_batch_size is {tuning.max_train_batch_size} but the config's global batch is "
             f"{total}: lower train_batch_size or raise max_train_batch_size"
         )
-    if total % world:
-        raise ValueError(f"the global batch {total} does not split over {world} ranks: make it a multiple of {world}")
-    per_rank = total // world
+    if total % dp:
+        where = f"{dp} data-parallel ranks ({world} ranks / sequence_parallel_size {sp})" if sp > 1 else f"{dp} ranks"
+        raise ValueError(f"the global batch {total} does not split over {where}: make it a multiple of {dp}")
+    per_rank = total // dp
     micros = micro_batch_choices(
         per_rank,
         int(tuning.min_train_micro_batch_size_per_gpu),
@@ -128,7 +133,7 @@ def autotune(
             f"max_train_micro_batch_size_per_gpu={tuning.max_train_micro_batch_size_per_gpu}"
         )
 
-    batch_fn = batch_fn_of(data, rank, world)
+    batch_fn = batch_fn_of(data, rank // sp, dp)  # sequence groups are consecutive ranks (sequence/groups.py)
     loss = loss_fn or default_loss
     precision = _precision(checked)
     profile = profile_model(model_fn, batch_fn, loss, device, dtype=_dtype(precision), two_samples=per_rank >= 2)
@@ -158,6 +163,7 @@ def autotune(
         base_config=raw,
         device=device,
         world_size=world,
+        sequence_parallel=sp,
         start_step=int(tuning.start_profile_step),
         end_step=int(tuning.end_profile_step),
         cap_bytes=cap,
@@ -209,7 +215,7 @@ def autotune(
     ranked = sorted((t for t in ran if t.fits), key=lambda t: -(_score(t, tuning.metric) or 0.0))
     ranked += [t for t in ran if not t.fits] + pruned
     best = ranked[0] if ranked and ranked[0].fits else None
-    configs = {t.candidate.name: t.candidate.to_config(raw, world) for t in ran}
+    configs = {t.candidate.name: t.candidate.to_config(raw, dp) for t in ran}
     result = AutotuneResult(
         trials=ranked,
         best=best,
@@ -353,6 +359,12 @@ def _agreed(profile: ModelProfile, cap: int | None, device: torch.device) -> tup
         forward_flops_per_sample=f,
     )
     return agreed, None if math.isinf(neg_cap) else int(-neg_cap)
+
+
+def sequence_parallel_of(config: Mapping[str, Any] | str | os.PathLike[str] | DeepSpeedConfig) -> int:
+    """The config's ``sequence_parallel_size`` (1 when absent): how many consecutive ranks share samples."""
+    value = _raw_config(config).get("sequence_parallel_size", 1)
+    return int(value) if isinstance(value, int) and value > 0 else 1
 
 
 def _raw_config(config: Mapping[str, Any] | str | os.PathLike[str] | DeepSpeedConfig) -> dict[str, Any]:

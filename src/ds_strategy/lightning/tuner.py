@@ -39,7 +39,7 @@ from torch.optim import Optimizer
 
 from ds_strategy.autotuning.launch import dataset_batches, model_snapshot, optimizer_factory
 from ds_strategy.autotuning.space import SearchSpace
-from ds_strategy.autotuning.tune import autotune
+from ds_strategy.autotuning.tune import autotune, sequence_parallel_of
 
 from .strategy import ZeroStrategy
 
@@ -118,7 +118,7 @@ class ZeroTuner:
             warnings.filterwarnings("ignore", message=_NO_TRAINER_LOG)
             result = autotune(
                 lambda: copy.deepcopy(pristine[0]),
-                dataset_batches(loader.dataset, loader.collate_fn),
+                dataset_batches(loader.dataset, loader.collate_fn, sequence_parallel=sequence_parallel_of(base)),
                 base,
                 loss_fn=training_step_loss,
                 optimizer=optimizer_factory(optimizer),
