@@ -166,7 +166,8 @@ def initialize(
     )
     loader = None
     if training_data is not None:
-        loader = build_dataloader(training_data, engine, collate_fn=collate_fn)
+        # DeepSpeed's pipeline engine reads its data in order (its sampler does not shuffle); the others shuffle.
+        loader = build_dataloader(training_data, engine, collate_fn=collate_fn, shuffle=pipeline is None)
         engine.training_dataloader = loader
     if pipeline is not None:
         pipe = PipelineEngine(pipeline, engine)

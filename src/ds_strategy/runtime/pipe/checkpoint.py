@@ -44,7 +44,7 @@ from ds_strategy.log import get_logger
 
 from ..checkpoint import rng
 from ..checkpoint.format import CheckpointError, atomic_save, check_safe
-from ..checkpoint.load import restore_progress
+from ..checkpoint.load import copy_hyperparameters, restore_progress
 from ..checkpoint.pipe_files import (
     FORMAT,
     PIPE_META,
@@ -258,6 +258,8 @@ def save_pipe_checkpoint(
             "scheduler": inner.lr_scheduler.state_dict() if inner.lr_scheduler is not None else None,
             "loss_scaler": inner.loss_scaler.state_dict(),
             "optimizer_scalars": _scalar_state(engine),
+            # lr, betas, weight decay ...: a scheduler writes the lr only at its next step (as the main format)
+            "hyperparams": _hyperparams(engine),
             "micro_offset": int(module.micro_offset),
             "client_state": state,
             "torch_version": str(torch.__version__),
@@ -394,6 +396,10 @@ def load_pipe_checkpoint(
             target.copy_(value)
     if with_optimizer:
         _ensure_scalars(engine, meta["optimizer_scalars"])
+        saved_groups = meta.get("hyperparams") or []
+        if len(saved_groups) == len(inner.optimizer.param_groups):  # every stage's groups: the same client spec
+            for group, saved in zip(inner.optimizer.param_groups, saved_groups, strict=True):
+                copy_hyperparameters(group, saved)
     if not load_module_only:
         restore_progress(inner, meta, scheduler=load_lr_scheduler_states)
         engine.module.micro_offset = int(meta.get("micro_offset", engine.module.micro_offset))
@@ -402,6 +408,13 @@ def load_pipe_checkpoint(
     inner.stage.publish()
     dist.barrier(group=engine.control)
     return str(plan.tag_dir), dict(meta["client_state"])
+
+
+def _hyperparams(engine: PipelineEngine) -> list[dict[str, Any]]:
+    opt = engine.engine.optimizer
+    if opt is None:
+        return []
+    return [{k: v for k, v in g.items() if k != "params"} for g in opt.state_dict()["param_groups"]]
 
 
 def _ensure_state(engine: PipelineEngine, key: str) -> None:

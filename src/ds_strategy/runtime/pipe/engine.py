@@ -378,11 +378,18 @@ class PipelineEngine:
         tag: Any = None,
         client_state: dict[str, Any] | None = None,
         save_latest: bool = True,
-        **_: Any,
+        exclude_frozen_parameters: bool = False,
     ) -> str:
         """Write ``save_dir/<tag>``: one file per rank with its shards (every rank calls it; no tensor crosses
         ranks), published atomically; ``latest`` is rewritten when ``save_latest``. See checkpoint.py."""
         from .checkpoint import save_pipe_checkpoint
+
+        if exclude_frozen_parameters:
+            raise NotImplementedError(
+                "PipelineEngine.save_checkpoint(exclude_frozen_parameters=True): pipeline checkpoints hold every "
+                "layer's parameters (frozen ones included); save without it, or train with ZeroEngine to leave "
+                "frozen parameters out"
+            )
 
         return str(save_pipe_checkpoint(self, save_dir, tag, client_state, save_latest=save_latest))
 
@@ -390,12 +397,23 @@ class PipelineEngine:
         self,
         load_dir: str | os.PathLike[str],
         tag: Any = None,
+        load_module_strict: bool = True,
         load_optimizer_states: bool = True,
         load_lr_scheduler_states: bool = True,
         load_module_only: bool = False,
+        custom_load_fn: Callable[..., Any] | None = None,
     ) -> tuple[str, dict[str, Any]]:
-        """Load a pipeline checkpoint written at any depth / data-parallel degree; (tag dir, client state)."""
+        """Load a pipeline checkpoint written at any depth / data-parallel degree; (tag dir, client state).
+        DeepSpeed's signature: ``load_module_strict`` is accepted (every layer's entries are checked);
+        ``custom_load_fn`` must be None."""
         from .checkpoint import load_pipe_checkpoint
+
+        if custom_load_fn is not None:
+            raise NotImplementedError(
+                "load_checkpoint(custom_load_fn=...): DeepSpeed's hook for loading a module state itself is not "
+                "supported; load the weights with engine.load_full_state_dict(sd) after load_checkpoint"
+            )
+        del load_module_strict
 
         return load_pipe_checkpoint(
             self,
