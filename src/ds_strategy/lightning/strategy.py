@@ -41,6 +41,7 @@ import lightning.pytorch as pl
 import torch
 from lightning.fabric.plugins import CheckpointIO, ClusterEnvironment
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
+from lightning.fabric.utilities.data import has_len
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
 from lightning.pytorch.plugins.precision import Precision
@@ -76,6 +77,7 @@ from .launcher import ZeroMultiProcessingLauncher
 from .precision import ZeroPrecision, norm_only
 from .process import ProcessLayout
 from .throughput import ThroughputProgress
+from .uneven_eval import EndOfData
 from .uneven_predict import PredictPadding
 
 if TYPE_CHECKING:
@@ -357,7 +359,16 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
         trainer = self.lightning_module.trainer if self.lightning_module is not None else None
         if trainer is not None and trainer.predicting and self.stage == 3 and self.world_size > 1:
             self._predict_padding.count(self.all_gather, dataloader, trainer.limit_predict_batches, self.root_device)
+        evaluating = trainer is not None and (trainer.validating or trainer.testing or trainer.sanity_checking)
+        if evaluating and self.stage == 3 and self.world_size > 1 and not has_len(dataloader):
+            return EndOfData(dataloader, self._end_of_evaluation_data, self.global_rank)  # [Note: uneven evaluation]
         return dataloader
+
+    def _end_of_evaluation_data(self) -> None:
+        engine = self.engine
+        gatherer = getattr(engine.stage, "gatherer", None) if engine is not None else None
+        if gatherer is not None:
+            gatherer.check_agreement()
 
     @override
     def on_predict_start(self) -> None:
