@@ -44,6 +44,8 @@ CHECKED = [
      "stage 3 and NVMe offload are refused with MoE layers only"),
     ("README.md", "not yet words", "the demo model's samples: the refusal word is about the text it writes"),
     ("src/ds_strategy/ops/aio.py", "tmpfs refuses", "the file system refuses O_DIRECT, not ZeRO-Infinity"),
+    ("src/ds_strategy/runtime/checkpoint/torch_optim.py", "MoE expert groups keep their state by other keys",
+     "importing a plain torch optimizer state into expert groups is the refused case; MoE itself is built"),
     ("src/ds_strategy/runtime/zero/leaf.py", "transformers' MoE blocks, absent from most models",
      "about the models a class list matches, not about ds_strategy's MoE"),
     ("docs/finetuning.md", "a ratio is refused with NVMe offload and with `offload_param`",
