@@ -157,3 +157,28 @@ def test_safe_get_and_set_equal_torch_at_every_stage() -> None:
             torch.testing.assert_close(r["set_weight"], r["new_w"], rtol=0, atol=0)
             assert r["local_roundtrip"], case
             assert r["foreign"] is None and r["after_destroy"] is None, case
+
+
+def _bad_state_keys(rank: int, world: int) -> list[str]:
+    import ds_strategy.runtime as rt
+    from ds_strategy.utils import safe_get_full_optimizer_state
+
+    torch.manual_seed(0)
+    model = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Tanh(), torch.nn.Linear(8, 1))
+    cfg = {"train_micro_batch_size_per_gpu": 2, "zero_optimization": {"stage": 2},
+           "optimizer": {"type": "AdamW", "params": {"lr": 1e-2}}}  # fmt: skip
+    engine, *_ = rt.initialize(model=model, config=cfg)
+    engine.backward(engine(torch.randn(2, 4)).square().mean())
+    engine.step()
+    errors = []
+    for key in ("step", "nope"):  # the 1-element bias: only one rank holds a piece of it
+        try:
+            safe_get_full_optimizer_state(model[2].bias, key)
+        except (ValueError, KeyError) as err:
+            errors.append(type(err).__name__)
+    engine.destroy()
+    return errors
+
+
+def test_a_bad_state_key_raises_on_every_rank_not_only_where_the_piece_is() -> None:
+    assert run_distributed(_bad_state_keys, world_size=2, timeout=60) == [["ValueError", "KeyError"]] * 2

@@ -240,6 +240,13 @@ class FullStateAccess:
         if frag is not None:
             b, at, start, n = frag
             out[start : start + n].copy_(self._piece(group, b, kind, key, index, at, n))
+        elif (
+            kind == "optimizer_state"
+            and gs.masters
+            and (self.stage.whole is None or group not in self.stage.whole.groups)
+        ):
+            # no piece here: check the key as the ranks with one do, so that all raise rather than some waiting
+            self._source(group, 0, kind, key, index)
         comm = self.stage.comm_of(group)  # an expert group's own (expert-data-parallel) communicator
         if gs.partitioned and comm.world_size > 1:
             comm.all_reduce(out)
