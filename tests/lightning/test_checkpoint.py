@@ -26,7 +26,7 @@ import torch
 from lightning.pytorch.callbacks import Callback, ModelCheckpoint
 
 import ds_strategy.lightning  # noqa: F401 - registers the strategy names
-from tests.harness import run_distributed
+from tests.harness import DistributedTestError, run_distributed
 from tests.lightning.common import ELASTIC_ENV, LitNet, LrRecorder, make_strategy
 
 pytestmark = pytest.mark.multiprocess
@@ -266,6 +266,18 @@ def test_single_file_checkpoint_loads_weights_only(
         assert start["adam_steps"] == []  # fresh optimizer state
         assert got["global_step"] == (N + 2) * STEPS_PER_EPOCH
     assert any("optimizer state starts fresh" in w for w in runs[0]["warnings"]), runs[0]["warnings"]
+
+
+def test_save_after_fit_onto_a_checkpoint_directory_is_refused(
+    tmp_path: Path, zero2_first: tuple[Path, list[dict[str, Any]]]
+) -> None:
+    """After fit the save is one file; onto a directory written during fit it would land inside it under a
+    temporary name and loading the path would give the old weights: refused, naming the path."""
+    root, _ = zero2_first
+    target = tmp_path / "taken.ckpt"
+    shutil.copytree(root / "epoch3.ckpt", target)
+    with pytest.raises(DistributedTestError, match="is a checkpoint directory from during fit"):
+        _run(2, "zero2", N + 1, {"scheduler": "epoch"}, ckpt_path=str(root / "epoch3.ckpt"), save_after_fit=str(target))
 
 
 @pytest.mark.parametrize("strategy", ["zero1", "zero3"])

@@ -454,6 +454,11 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
         if engine is None:
             # After fit the engine is released (teardown) and the module holds the full trained weights:
             # a plain single-file checkpoint from rank 0, like DDP's (no optimizer state to save).
+            if os.path.isdir(filepath):  # torch.save would land inside it under a temporary name
+                raise FileExistsError(
+                    f"ZeroStrategy: trainer.save_checkpoint({str(filepath)!r}) after fit writes a single file, and "
+                    f"{filepath} is a checkpoint directory from during fit; save to another path (or remove it first)"
+                )
             rank_zero_info(
                 f"ZeroStrategy: no engine (outside fit/validate/test/predict); {filepath} is written as a "
                 "single-file checkpoint with the weights (no optimizer state)"
