@@ -156,3 +156,30 @@ def test_checkpointing_trains_like_no_checkpointing_and_torch(stage: int, precis
             _close(eng.masters, trainable, tol, label + " masters vs torch")
             if stage == 3:
                 assert 0 < r["peak_live"] <= 1500, f"{label}: gathered {r['peak_live']} > stage3_max_live_parameters"
+
+
+def test_policy_on_a_hugging_face_layer_runs_without_its_cache() -> None:
+    """A checkpointed HF decoder layer is recomputed in backward: with the model's cache on (use_cache
+    defaults to True) it would append its keys twice; with a padding mask backward then failed on a shape.
+    The checkpointed call runs without a cache: the gradients equal the plain model's."""
+    import copy
+
+    import transformers
+
+    from ds_strategy.runtime.activation_checkpointing import apply_activation_checkpointing
+    from tests.runtime.common import tiny_llama
+
+    plain = tiny_llama()
+    plain.config._attn_implementation = "eager"
+    checkpointed = copy.deepcopy(plain)
+    apply_activation_checkpointing(checkpointed, {transformers.models.llama.modeling_llama.LlamaDecoderLayer})
+    ids = torch.randint(1, 64, (2, 12), generator=torch.Generator().manual_seed(0))
+    mask = torch.ones_like(ids)
+    mask[0, -3:] = 0  # right padding
+    grads = []
+    for model in (plain, checkpointed):
+        model.train()
+        model(input_ids=ids, attention_mask=mask, labels=ids).loss.backward()
+        grads.append({n: p.grad.clone() for n, p in model.named_parameters()})
+    for name, g in grads[0].items():
+        torch.testing.assert_close(grads[1][name], g, rtol=1e-5, atol=1e-6, msg=name)

@@ -44,6 +44,9 @@ def _decider(policy: Policy) -> Callable[[nn.Module], bool]:
     return lambda m: isinstance(m, classes)
 
 
+_CACHE_KWARGS = ("past_key_values", "past_key_value", "cache", "layer_past")  # HF's names for a layer's cache
+
+
 def _checkpointed_class(cls: type[nn.Module], reentrant: bool) -> type[nn.Module]:
     key = (cls, reentrant)
     if key not in _SUBCLASSES:
@@ -53,6 +56,13 @@ def _checkpointed_class(cls: type[nn.Module], reentrant: bool) -> type[nn.Module
             call = super(sub, self).__call__  # type: ignore[arg-type]  # the whole hooked call (see the note)
             if not self.training or not _grad_wanted():
                 return call(*args, **kwargs)
+            # The recomputation runs the layer again: a key/value cache (Hugging Face layers) would be appended
+            # to twice. Training needs none, so the checkpointed call runs without one (as HF's own does).
+            if kwargs.get("use_cache"):
+                kwargs["use_cache"] = False
+            for name in _CACHE_KWARGS:
+                if kwargs.get(name) is not None:
+                    kwargs[name] = None
             return run(functools.partial(call, **kwargs) if kwargs else call, *args)
 
         def __reduce_ex__(self: nn.Module, protocol: Any) -> Any:
