@@ -19,9 +19,11 @@ weights and the optimizer state and returns the client state, which Lightning re
 
 A single file (a DDP checkpoint, ``ds-zero-to-fp32 --lightning`` output, a ZeroStrategy checkpoint from
 before sharded checkpoints) holds full weights but no partitioned optimizer state: its weights are
-written into the engine's fp32 masters and the optimizer's state starts fresh (a warning says so); its
-param groups' hyperparameters (lr, betas, weight decay) are the file's (``restore_hyperparameters``), so that
-the first step after the resume runs at the saved schedule's lr, not the initial one.
+written into the engine's fp32 masters, and a torch optimizer state it holds (DDP's) is cut into the
+partitions (``engine.load_full_optimizer_state``, [Note: importing an unpartitioned optimizer state]).
+Where there is none, or it does not fit, the optimizer's state starts fresh (a warning says so) and only
+its param groups' hyperparameters (lr, betas, weight decay) are the file's (``restore_hyperparameters``),
+so that the first step after the resume runs at the saved schedule's lr, not the initial one.
 """
 
 from __future__ import annotations

@@ -765,12 +765,9 @@ class ZeroEngine(nn.Module):
         DeepSpeed's signature: ``load_module_strict`` is accepted and the module is always loaded strictly
         (the checkpoint must be of this model: its layouts are checked); ``custom_load_fn`` must be None."""
         from .checkpoint import load_checkpoint
+        from .checkpoint.load import refuse_custom_load_fn
 
-        if custom_load_fn is not None:
-            raise NotImplementedError(
-                "load_checkpoint(custom_load_fn=...): DeepSpeed's hook for loading a module state itself is not "
-                "supported; load the weights with engine.load_full_state_dict(sd) after load_checkpoint"
-            )
+        refuse_custom_load_fn(custom_load_fn)
         del load_module_strict  # every entry is checked against the model's layout (strict by construction)
         self.hybrid.release()
         with self.stage.resident():

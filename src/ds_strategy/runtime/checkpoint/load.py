@@ -36,6 +36,15 @@ log = get_logger("ds_strategy.runtime.checkpoint")
 _IMPLEMENTATION = frozenset({"params", "fused", "foreach", "capturable", "differentiable"})
 
 
+def refuse_custom_load_fn(custom_load_fn: Any) -> None:
+    """DeepSpeed's ``load_checkpoint(custom_load_fn=...)``: accepted only as None (both engines)."""
+    if custom_load_fn is not None:
+        raise NotImplementedError(
+            "load_checkpoint(custom_load_fn=...): DeepSpeed's hook for loading a module state itself is not "
+            "supported; load the weights with engine.load_full_state_dict(sd) after load_checkpoint"
+        )
+
+
 def copy_hyperparameters(group: dict[str, Any], saved: Mapping[str, Any]) -> None:
     """Into a running optimizer's param ``group``, a saved group's values of what it computes (lr, betas,
     weight decay, a scheduler's ``initial_lr`` ...): the keys the group has, not how it runs."""

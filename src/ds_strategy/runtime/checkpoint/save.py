@@ -74,15 +74,17 @@ def _left_out(engine: CheckpointTarget, exclude_frozen: bool) -> set[str]:
     return frozen_names(engine) if exclude_frozen else packed_names(engine)
 
 
+def group_hyperparameters(optimizer: torch.optim.Optimizer) -> list[dict[str, Any]]:
+    """Each param group's hyperparameters (lr, betas, weight decay ...) as a checkpoint saves them: the
+    lr a scheduler wrote there, which the scheduler itself writes again only at its next step."""
+    return [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
+
+
 def _meta(engine: CheckpointTarget, tag: str, client_state: dict[str, Any], exclude_frozen: bool) -> dict[str, Any]:
     _, aliases, keys = module_entries(engine)
     rest = _saved_entries(engine, exclude_frozen)
     optimizer = engine.optimizer
-    hyper = (
-        [{k: v for k, v in g.items() if k != "params"} for g in optimizer.state_dict()["param_groups"]]
-        if optimizer is not None
-        else [None] * len(engine.stage.groups)
-    )
+    hyper = group_hyperparameters(optimizer) if optimizer is not None else [None] * len(engine.stage.groups)
     from ds_strategy._version import __version__
 
     experts = set(expert_group_indices(engine))

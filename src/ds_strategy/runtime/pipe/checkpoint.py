@@ -55,7 +55,7 @@ from ..checkpoint.pipe_files import (
     resolve_pipe,
     tied_key,
 )
-from ..checkpoint.save import _agreed_tag
+from ..checkpoint.save import _agreed_tag, group_hyperparameters
 from ..checkpoint.store import check_tag, write_tag
 from ..checkpoint.sync import agree, gather
 from ..zero.access import find
@@ -259,7 +259,7 @@ def save_pipe_checkpoint(
             "loss_scaler": inner.loss_scaler.state_dict(),
             "optimizer_scalars": _scalar_state(engine),
             # lr, betas, weight decay ...: a scheduler writes the lr only at its next step (as the main format)
-            "hyperparams": _hyperparams(engine),
+            "hyperparams": group_hyperparameters(inner.optimizer) if inner.optimizer is not None else [],
             "micro_offset": int(module.micro_offset),
             "client_state": state,
             "torch_version": str(torch.__version__),
@@ -408,13 +408,6 @@ def load_pipe_checkpoint(
     inner.stage.publish()
     dist.barrier(group=engine.control)
     return str(plan.tag_dir), dict(meta["client_state"])
-
-
-def _hyperparams(engine: PipelineEngine) -> list[dict[str, Any]]:
-    opt = engine.engine.optimizer
-    if opt is None:
-        return []
-    return [{k: v for k, v in g.items() if k != "params"} for g in opt.state_dict()["param_groups"]]
 
 
 def _ensure_state(engine: PipelineEngine, key: str) -> None:

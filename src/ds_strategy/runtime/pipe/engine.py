@@ -406,13 +406,10 @@ class PipelineEngine:
         """Load a pipeline checkpoint written at any depth / data-parallel degree; (tag dir, client state).
         DeepSpeed's signature: ``load_module_strict`` is accepted (every layer's entries are checked);
         ``custom_load_fn`` must be None."""
+        from ..checkpoint.load import refuse_custom_load_fn
         from .checkpoint import load_pipe_checkpoint
 
-        if custom_load_fn is not None:
-            raise NotImplementedError(
-                "load_checkpoint(custom_load_fn=...): DeepSpeed's hook for loading a module state itself is not "
-                "supported; load the weights with engine.load_full_state_dict(sd) after load_checkpoint"
-            )
+        refuse_custom_load_fn(custom_load_fn)
         del load_module_strict
 
         return load_pipe_checkpoint(

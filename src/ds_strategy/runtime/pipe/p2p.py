@@ -194,9 +194,8 @@ class Link:
             self.negotiations += 1
             if dst in self.shm_peers:
                 slots = self.capacity.get(dst, 1) * max(len(tensors), 1)
-                # an empty message (a frozen stage's input gradients) still needs a channel: 1 byte
-                largest = max((t.nbytes for t in tensors), default=1)
-                made = _make_channel(slots, max(largest, 1), f"{key[0]} to rank {dst}")
+                # an empty message (a frozen stage's input gradients) still needs a channel: at least 1 byte
+                made = _make_channel(slots, max([1, *(t.nbytes for t in tensors)]), f"{key[0]} to rank {dst}")
                 if made is not None:
                     self.channels[(key, dst)] = made
                 # Before the header (see the module docstring); "" tells the receiver to use the process group.
