@@ -44,6 +44,7 @@ from lightning.fabric.plugins.collectives.torch_collective import default_pg_tim
 from lightning.fabric.utilities.data import has_len
 from lightning.fabric.utilities.seed import reset_seed
 from lightning.fabric.utilities.types import ReduceOp
+from lightning.pytorch.plugins.layer_sync import LayerSync, TorchSyncBatchNorm
 from lightning.pytorch.plugins.precision import Precision
 from lightning.pytorch.strategies.parallel import ParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
@@ -282,6 +283,9 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
         module = self.lightning_module
         assert module is not None
         fitting = trainer.state.fn == TrainerFn.FITTING
+        if fitting and self._layer_sync is not None:  # Trainer(sync_batchnorm=True), as DDPStrategy
+            _check_layer_sync(self._layer_sync, self.root_device)
+            module = self._layer_sync.apply(module)
         self.model = self.precision_plugin.convert_module(module)
         if self.stage < 3:
             self.model_to_device()
@@ -561,8 +565,22 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
             self._released = self.stage == 3 and clean  # the full weights: assembled when asked for
             engine.destroy(release_params=clean)
             self.engine = None
-        self.model = self.lightning_module
+        module = self.lightning_module
+        if module is not None and module._trainer is not None and self._layer_sync is not None:
+            if module.trainer.state.fn == TrainerFn.FITTING:
+                self._layer_sync.revert(module)  # plain BatchNorm again after fit, as DDPStrategy
+        self.model = module
         super().teardown()
+
+
+def _check_layer_sync(layer_sync: LayerSync, device: torch.device) -> None:
+    """torch's SyncBatchNorm synchronises on accelerators only: on the CPU its first training forward
+    would raise; say so before anything is built."""
+    if isinstance(layer_sync, TorchSyncBatchNorm) and device.type == "cpu":
+        raise MisconfigurationException(
+            "Trainer(sync_batchnorm=True): torch.nn.SyncBatchNorm synchronises batch statistics on GPUs only "
+            "(it raises on CPU tensors, under DDP too); run on accelerator='gpu', or drop sync_batchnorm"
+        )
 
 
 def _check_clipping(trainer: pl.Trainer) -> None:
