@@ -437,3 +437,16 @@ def test_muon_split_gives_embeddings_norms_and_a_hugging_face_head_to_adamw() ->
     assert "model.layers.0.mlp.up_proj.weight" in {
         names[id(p)] for g in again if not g["use_muon"] for p in g["params"]
     }
+
+
+def test_muon_split_finds_the_head_of_a_wrapped_hugging_face_model() -> None:
+    """A LightningModule (or any wrapper) holding the HF model: its lm_head is still AdamW's."""
+    from ds_strategy.runtime.muon import embedding_ids, split_for_muon
+    from tests.sequence.common import tiny_causal_lm
+
+    wrapper = torch.nn.Module()
+    wrapper.model = tiny_causal_lm("Llama", "sdpa")
+    names = {id(p): n for n, p in wrapper.named_parameters()}
+    groups = split_for_muon([{"params": list(wrapper.parameters())}], embedding_ids(wrapper))
+    adam = {names[id(p)] for g in groups if not g["use_muon"] for p in g["params"]}
+    assert "model.lm_head.weight" in adam, adam

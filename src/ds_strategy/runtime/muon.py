@@ -38,13 +38,17 @@ def uses_muon(p: torch.Tensor, embeddings: frozenset[int] = frozenset()) -> bool
 
 
 def embedding_ids(module: nn.Module) -> frozenset[int]:
-    """ids of the parameters of ``module``'s ``nn.Embedding`` layers and of its output head where it names one
-    (Hugging Face's ``get_output_embeddings()``): AdamW's under Muon's rule, as torch.optim.Muon advises."""
-    layers: list[nn.Module] = [m for m in module.modules() if isinstance(m, nn.Embedding)]
-    getter = getattr(module, "get_output_embeddings", None)
-    head = getter() if callable(getter) else None
-    if isinstance(head, nn.Module):
-        layers.append(head)
+    """ids of the parameters of ``module``'s ``nn.Embedding`` layers and of every output head a submodule
+    names (Hugging Face's ``get_output_embeddings()``, also where the model sits inside a LightningModule or
+    a wrapper): AdamW's under Muon's rule, as torch.optim.Muon advises."""
+    layers: list[nn.Module] = []
+    for m in module.modules():
+        if isinstance(m, nn.Embedding):
+            layers.append(m)
+        getter = getattr(m, "get_output_embeddings", None)
+        head = getter() if callable(getter) else None
+        if isinstance(head, nn.Module):
+            layers.append(head)
     return frozenset(id(p) for m in layers for p in m.parameters())
 
 
