@@ -170,3 +170,18 @@ def test_sequence_parallel_size_divides_the_ranks_and_the_batch_counts_data_para
         match=r"sequence_parallel_size: 3 does not divide the 8 ranks \(valid for 8 ranks: \[1, 2, 4, 8\]\)",
     ):
         load_config({"train_micro_batch_size_per_gpu": 2, "sequence_parallel_size": 3}, world_size=8)
+
+
+@pytest.mark.parametrize("offload", [{"device": "none", "ratio": 0.5}, {"ratio": 0.3}])
+def test_a_ratio_without_an_offload_device_warns_that_it_does_nothing(offload: dict[str, Any]) -> None:
+    from ds_strategy.config import ConfigWarning
+
+    config = {"train_micro_batch_size_per_gpu": 1, "zero_optimization": {"stage": 2, "offload_optimizer": offload}}
+    with pytest.warns(ConfigWarning, match=r"offload_optimizer\.ratio .* does nothing: offload_optimizer\.device is"):
+        load_config(config, world_size=1)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        load_config(
+            {**config, "zero_optimization": {"stage": 2, "offload_optimizer": {**offload, "device": "cpu"}}},
+            world_size=1,
+        )

@@ -203,7 +203,18 @@ def advisories(config: dict[str, Any]) -> list[str]:
             f"optimizer (Lightning: configure_optimizers; initialize(optimizer=...)) or use one of "
             f"{', '.join(IMPLEMENTED_OPTIMIZERS)}"
         )
+    offload = _section(_section(config, "zero_optimization"), "offload_optimizer")
+    ratio, device = offload.get("ratio"), offload.get("device", "none")
+    if _is_number(ratio) and ratio != 1 and device not in ("cpu", "nvme"):
+        notes.append(
+            f"zero_optimization.offload_optimizer.ratio {ratio} does nothing: offload_optimizer.device is "
+            f"{format_value(device)}, so nothing is offloaded; set device \"cpu\" for a partial offload, or remove ratio"
+        )
     return notes
+
+
+def _is_number(value: Any) -> TypeGuard[float]:
+    return isinstance(value, (int, float)) and not isinstance(value, bool)
 
 
 def split_ignored(config: dict[str, Any], node: Schema, path: str = "") -> dict[str, tuple[Any, bool]]:
