@@ -133,19 +133,24 @@ class _OutOfMemoryOnRank1(nn.Module):
         import torch.distributed as dist
 
         if x.shape[0] == 4 and dist.get_rank() == 1:
-            raise torch.OutOfMemoryError("simulated: CUDA out of memory. Tried to allocate 2.00 GiB")
+            raise self.error
         return self.net(x)
 
+    error: Exception = torch.OutOfMemoryError("simulated: CUDA out of memory. Tried to allocate 2.00 GiB")
 
-def _failures(rank: int, world: int, tmp: str) -> dict[str, Any]:
+
+class _ErrorOnRank1(_OutOfMemoryOnRank1):
+    error = ValueError("simulated: a shape the model cannot take")
+
+
+def _failures(rank: int, world: int, tmp: str, model: type[nn.Module] = _OutOfMemoryOnRank1) -> dict[str, Any]:
     from ds_strategy.autotuning import SearchSpace, autotune
 
     space = SearchSpace(stages=(2,), offload_optimizer=("none",), activation_checkpointing=(False,))
     data = torch.randn(64, 64, generator=torch.Generator().manual_seed(1))
     result = autotune(
-        _OutOfMemoryOnRank1, data, _config(tmp, num_tuning_micro_batch_sizes=3), space=space, trial_timeout_s=3,
-        verbose=False,
-    )  # fmt: skip
+        model, data, _config(tmp, num_tuning_micro_batch_sizes=3), space=space, trial_timeout_s=3, verbose=False
+    )
     return {t.candidate.micro_batch: t.status for t in result.trials} | {"best": result.best.candidate.micro_batch}
 
 
@@ -154,6 +159,12 @@ def test_an_out_of_memory_on_one_rank_is_agreed_by_every_rank_and_the_search_goe
     assert out[0] == out[1]
     assert out[0][4] == "out of memory", out  # rank 0 timed out in its collective; rank 1's verdict wins
     assert out[0][1] == "ok" and out[0][2] == "ok" and out[0]["best"] in (1, 2)
+
+
+def test_a_trial_records_the_failing_ranks_error_not_its_peers_timeout(tmp_path: Path) -> None:
+    out = run_distributed(_failures, world_size=2, args=(str(tmp_path), _ErrorOnRank1), timeout=300)
+    assert out[0] == out[1]
+    assert out[0][4] == "rank 1: error: ValueError: simulated: a shape the model cannot take", out
 
 
 def _bad_batches(rank: int, world: int, tmp: str) -> list[str]:

@@ -120,6 +120,7 @@ def run_trial(setup: TrialSetup, candidate: Candidate) -> TrialResult:
     base = accelerator.memory_allocated()
     accelerator.reset_peak_memory_stats()
     status, times = OK, []
+    failed_at = float("inf")  # wall clock of this rank's error: the first one is the cause, not a peer's wait
     engine: Any = None
     group = _trial_group(setup.trial_timeout_s)
     try:
@@ -151,7 +152,7 @@ def run_trial(setup: TrialSetup, candidate: Candidate) -> TrialResult:
     except torch.OutOfMemoryError:
         status = OUT_OF_MEMORY
     except Exception as err:  # recorded, agreed and reported: the search goes on (see [Note: failing together])
-        status = f"error: {type(err).__name__}: {err}"
+        status, failed_at = f"error: {type(err).__name__}: {err}", time.time()
         log.warning("autotune: trial %s failed: %s", candidate.name, status)
     finally:
         if engine is not None:
@@ -161,7 +162,7 @@ def run_trial(setup: TrialSetup, candidate: Candidate) -> TrialResult:
             dist.destroy_process_group(group)
         peak = _peak(accelerator, base)
         _release(setup.device)
-    status, peak_all, step_s = _final_agreement(status, peak, times[setup.start_step :] or times)
+    status, peak_all, step_s = _final_agreement(status, peak, times[setup.start_step :] or times, failed_at)
     result = TrialResult(candidate, status, peak_bytes=peak_all, step_times=times)
     if status == OK and step_s is not None:
         global_batch = candidate.micro_batch * candidate.accumulation * setup.data_parallel
@@ -229,21 +230,24 @@ def _agree(flag: bool, device: torch.device) -> bool:
     return all_ranks_max([1.0 if flag else 0.0], device)[0] > 0
 
 
-def _final_agreement(status: str, peak: int, times: list[float]) -> tuple[str, int, float | None]:
-    """Every rank's (status, peak, median step) gathered: the verdict of the most telling failure (out of
-    memory, over the cap, an error, in that order; the lowest rank's among equals), the largest peak and
-    the slowest rank's median step time."""
+def _final_agreement(
+    status: str, peak: int, times: list[float], failed_at: float = float("inf")
+) -> tuple[str, int, float | None]:
+    """Every rank's (status, peak, median step, time of its error) gathered: the verdict of the most telling
+    failure (out of memory, over the cap, an error, in that order; among errors the first raised - its peers
+    raised later, timing out while they waited for it - then the lowest rank's), the largest peak and the
+    slowest rank's median step time."""
     median = statistics.median(times) if times else None
     if not _multi_rank():
         return status, peak, median if status == OK else None
     everyone: list[Any] = [None] * dist.get_world_size()
-    dist.all_gather_object(everyone, (status, peak, median))
-    failures = [(_SEVERITY.get(s, 1), r, s) for r, (s, _, _) in enumerate(everyone) if s != OK]
+    dist.all_gather_object(everyone, (status, peak, median, failed_at))
+    failures = [(_SEVERITY.get(s, 1), -at, -r, s) for r, (s, _, _, at) in enumerate(everyone) if s != OK]
     if failures:
-        _, r, worst = max(failures, key=lambda f: (f[0], -f[1]))
-        verdict = worst if worst in _SEVERITY else f"rank {r}: {worst}"
-        return verdict, max(p for _, p, _ in everyone), None
-    return OK, max(p for _, p, _ in everyone), max(m for _, _, m in everyone if m is not None)
+        _, _, minus_rank, worst = max(failures)
+        verdict = worst if worst in _SEVERITY else f"rank {-minus_rank}: {worst}"
+        return verdict, max(p for _, p, _, _ in everyone), None
+    return OK, max(p for _, p, _, _ in everyone), max(m for _, _, m, _ in everyone if m is not None)
 
 
 _SEVERITY = {OUT_OF_MEMORY: 3, OVER_CAP: 2}  # an error: 1

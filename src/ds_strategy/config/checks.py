@@ -208,7 +208,7 @@ def advisories(config: dict[str, Any]) -> list[str]:
     if _is_number(ratio) and ratio != 1 and device not in ("cpu", "nvme"):
         notes.append(
             f"zero_optimization.offload_optimizer.ratio {ratio} does nothing: offload_optimizer.device is "
-            f"{format_value(device)}, so nothing is offloaded; set device \"cpu\" for a partial offload, or remove ratio"
+            f'{format_value(device)}, so nothing is offloaded; set device "cpu" for a partial offload, or remove ratio'
         )
     return notes
 
