@@ -285,7 +285,7 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
         fitting = trainer.state.fn == TrainerFn.FITTING
         if fitting and self._layer_sync is not None:  # Trainer(sync_batchnorm=True), as DDPStrategy
             _check_layer_sync(self._layer_sync, self.root_device)
-            module = self._layer_sync.apply(module)
+            self._layer_sync.apply(module)  # converts the BatchNorm children in place
         self.model = self.precision_plugin.convert_module(module)
         if self.stage < 3:
             self.model_to_device()
@@ -566,9 +566,9 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
             engine.destroy(release_params=clean)
             self.engine = None
         module = self.lightning_module
-        if module is not None and module._trainer is not None and self._layer_sync is not None:
-            if module.trainer.state.fn == TrainerFn.FITTING:
-                self._layer_sync.revert(module)  # plain BatchNorm again after fit, as DDPStrategy
+        fitted = module is not None and module._trainer is not None and module.trainer.state.fn == TrainerFn.FITTING
+        if fitted and module is not None and self._layer_sync is not None:
+            self._layer_sync.revert(module)  # plain BatchNorm again after fit, as DDPStrategy
         self.model = module
         super().teardown()
 
