@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import json
 from pathlib import Path
-from typing import Any
+from typing import Any, ClassVar
 
 import pytest
 import torch
@@ -209,3 +209,37 @@ def test_sequence_parallel_ranks_share_the_batch(tmp_path: Path) -> None:
     for r in out:
         assert r["statuses"] == ["ok"] and r["batch"] == 4, r
         assert r["splits"] == [(1, 4), (2, 2), (4, 1)], r["splits"]
+
+
+class _SequenceLengths(nn.Module):
+    """A token model that records the sequence length each forward sees (trials run with grad enabled)."""
+
+    seen: ClassVar[list[int]] = []
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.embed = nn.Embedding(32, 16)
+        self.head = nn.Linear(16, 1)
+
+    def forward(self, input_ids: torch.Tensor, **rest: Any) -> torch.Tensor:
+        if torch.is_grad_enabled():
+            type(self).seen.append(int(input_ids.shape[1]))
+        return self.head(self.embed(input_ids)).float().pow(2).mean()
+
+
+def _sequence_shards(rank: int, world: int, tmp: str) -> list[int]:
+    from ds_strategy.autotuning import SearchSpace, autotune
+
+    ids = torch.randint(0, 32, (16, 12), generator=torch.Generator().manual_seed(3))
+    config = {**_config(tmp, num_tuning_micro_batch_sizes=1), "train_batch_size": 2, "sequence_parallel_size": 2}
+    space = SearchSpace(stages=(1,), offload_optimizer=("none",), activation_checkpointing=(False,))
+    _SequenceLengths.seen.clear()
+    autotune(_SequenceLengths, lambda micro, step: {"input_ids": ids[:micro]}, config, space=space, verbose=False)
+    return list(_SequenceLengths.seen)
+
+
+def test_sequence_parallel_trials_feed_each_rank_its_slice_of_the_sequence(tmp_path: Path) -> None:
+    """As in training (ZeroStrategy shards a batch with input_ids), a trial's forward sees 12 / 2 tokens."""
+    for seen in run_distributed(_sequence_shards, world_size=2, args=(str(tmp_path),), timeout=300):
+        trial_forwards = seen[-3:]  # end_profile_step 3, one micro batch each; the profile's come first
+        assert trial_forwards == [6, 6, 6], seen

@@ -47,6 +47,7 @@ from torch import nn
 from ds_strategy.accelerator import get_accelerator
 from ds_strategy.log import get_logger
 from ds_strategy.runtime.host_memory import committed_allocations, trim_heap
+from ds_strategy.sequence.batch import shard_if_sequences
 
 from .data import BatchFn, LossFn, to_device
 from .profile import checkpoint_blocks
@@ -140,8 +141,12 @@ def run_trial(setup: TrialSetup, candidate: Candidate) -> TrialResult:
             for step in range(setup.end_step):
                 began = time.perf_counter()
                 for micro in range(candidate.accumulation):
-                    batch = setup.batch_fn(candidate.micro_batch, step * candidate.accumulation + micro)
-                    loss = setup.loss_fn(engine, to_device(batch, setup.device))
+                    batch = to_device(
+                        setup.batch_fn(candidate.micro_batch, step * candidate.accumulation + micro), setup.device
+                    )
+                    if setup.sequence_parallel > 1:
+                        batch = shard_if_sequences(batch)  # this rank's slice of each sequence, as in training
+                    loss = setup.loss_fn(engine, batch)
                     engine.backward(loss)
                     engine.step()
                 accelerator.synchronize()

@@ -137,6 +137,12 @@ def autotune(
     loss = loss_fn or default_loss
     precision = _precision(checked)
     profile = profile_model(model_fn, batch_fn, loss, device, dtype=_dtype(precision), two_samples=per_rank >= 2)
+    if sp > 1:  # measured on whole sequences; each rank of a sequence group holds 1/sp of every activation
+        profile = replace(
+            profile,
+            activation_bytes_per_sample=profile.activation_bytes_per_sample // sp,
+            checkpointed_activation_bytes_per_sample=profile.checkpointed_activation_bytes_per_sample // sp,
+        )
     # Every rank must prune and pick alike: the largest activation bytes, the smallest cap (free memory differs).
     profile, cap = _agreed(profile, tuning.memory_cap(device), device)
     states = _optimizer_name(raw, optimizer)

@@ -105,11 +105,11 @@ class ZeroCore:
         """With sequence parallelism, a Hugging Face style batch (a mapping with ``input_ids``) becomes this
         rank's slice of each sequence (ds_strategy.sequence.shard_batch, over the engine's active layout);
         any other batch, or no sequence parallelism, is returned as it is."""
-        if self.sequence_parallel_size == 1 or not isinstance(batch, Mapping) or "input_ids" not in batch:
+        if self.sequence_parallel_size == 1:
             return batch
-        from ds_strategy.sequence import shard_batch
+        from ds_strategy.sequence.batch import shard_if_sequences
 
-        return shard_batch(dict(batch))
+        return shard_if_sequences(batch)
 
     def launcher(self, strategy: ProcessLayout, script: Callable[..., Any], fork: Callable[..., Any]) -> Any:
         """The launcher ``strategy`` starts its ranks with: none when this process stands for a rank of a fake

@@ -21,7 +21,7 @@ computes a loss only when ``labels`` is passed, and ``ForCausalLMLoss`` uses ``s
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any
 
 import torch
@@ -151,6 +151,14 @@ def check_right_padded(mask: torch.Tensor, what: str) -> None:
             f"{int((~real[row]).sum())} pads in {real.shape[1]} positions); Ulysses supports padding at the end only "
             "(causal attention keeps real tokens from the pads there): pad on the right"
         )
+
+
+def shard_if_sequences(batch: Any) -> Any:
+    """``shard_batch`` of a Hugging Face style batch (a mapping with ``input_ids``) over the active layout;
+    any other batch as it is (what the Trainer and the autotuner's trials feed a sequence-parallel engine)."""
+    if not isinstance(batch, Mapping) or "input_ids" not in batch:
+        return batch
+    return shard_batch(dict(batch))
 
 
 class ShardedSequenceLoader:
