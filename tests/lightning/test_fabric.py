@@ -253,6 +253,11 @@ def _ckpt_run(rank: int, world: int, path: str, phase: str) -> dict[str, Any]:
         out["load_raw_equal"] = all(
             torch.equal(full[k], v) for k, v in other._forward_module.full_state_dict(rank=0).items()
         )
+        plain = fabric.load(path)  # no state: the plain entries; a sharded one's key says how to load it
+        out["plain"] = {k: v for k, v in plain.items() if k != "scheduler"}
+        with pytest.raises(KeyError) as missing:
+            plain["model"]
+        out["missing"] = str(missing.value)
     fabric.strategy.teardown()
     return out
 
@@ -270,6 +275,7 @@ def test_save_load_resumes_identically_and_reshards(tmp_path: Path) -> None:
     one = run_distributed(_ckpt_run, 1, args=(path, "load1"), **KW)[0]
     mean = [(a + b) / 2 for a, b in zip(two[0]["continued"], two[1]["continued"], strict=True)]
     assert one["step"] == 2 and one["load_raw_equal"]
+    assert one["plain"] == {"step": 2} and "'model' is sharded over the ranks" in one["missing"], one["missing"]
     assert_close_lists(one["resumed"], mean, RTOL, "world size 1 resumed")
 
 

@@ -121,7 +121,7 @@ def load(path: str | os.PathLike[str], state: Mapping[str, Any] | Module | Optim
     meta = torch.load(meta_path, weights_only=True)
     saved: dict[str, Any] = meta["state"]
     if not state:
-        return saved
+        return PlainEntries(saved, str(path), [*meta["models"], *meta["optimizers"]])
     engines, owner = _owners(state)
     for key, engine in engines.items():
         if key not in meta["models"]:
@@ -147,6 +147,24 @@ def load(path: str | os.PathLike[str], state: Mapping[str, Any] | Module | Optim
         else:
             state[key] = saved[key]
     return {k: v for k, v in saved.items() if k not in state}
+
+
+class PlainEntries(dict[str, Any]):
+    """What ``fabric.load(path)`` without a state returns: the checkpoint's plain entries. The sharded models and
+    optimizers are not among them (they load into set-up objects); asking for one says how to load it."""
+
+    def __init__(self, entries: Mapping[str, Any], path: str, sharded: list[str]) -> None:
+        super().__init__(entries)
+        self.path, self.sharded = path, sharded
+
+    def __missing__(self, key: str) -> Any:
+        if key in self.sharded:
+            raise KeyError(
+                f"fabric.load({self.path!r}) without a state returns the plain entries only; {key!r} is sharded "
+                f"over the ranks: pass the set-up objects, fabric.load(path, {{{key!r}: ...}}), or write full "
+                "weights with ds-zero-to-fp32 <path>/<model key> and torch.load them"
+            )
+        raise KeyError(key)
 
 
 def _load_raw(root: Path, engine: ZeroEngine, strict: bool) -> None:
