@@ -243,3 +243,23 @@ def test_deepspeed_signatures(tmp_path: Any) -> None:
     assert out["strict"].endswith("t")
     assert "custom_load_fn=...): DeepSpeed's hook" in out["custom"]
     assert out["keys"] == ["0.weight", "2.bias", "2.weight"]  # the frozen 0.bias left out
+
+
+def _second_boundary_backward(rank: int, world: int, stage: int) -> str:
+    import ds_strategy.runtime as rt
+
+    engine, *_ = rt.initialize(model=make_model(), config=config(stage=stage, micro=2, gas=1))
+    x, y = micro_slice(batches(1, 2 * world)[0], 2, world, 0, rank)
+    engine.backward(engine(x, y))
+    with pytest.raises(RuntimeError) as err:
+        engine.backward(engine(x, y))
+    engine.destroy()
+    return str(err.value)
+
+
+@pytest.mark.parametrize("stage", [0, 1])
+def test_a_second_backward_at_the_boundary_says_how_to_accumulate(stage: int) -> None:
+    """DeepSpeed would reduce the sum twice; the engine refuses and names the ways to accumulate."""
+    for message in run_distributed(_second_boundary_backward, world_size=2, args=(stage,)):
+        assert "arrived after this step's gradients were already reduced" in message
+        assert "gradient_accumulation_steps" in message and "fabric.no_backward_sync(model)" in message, message

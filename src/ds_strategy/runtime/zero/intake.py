@@ -99,7 +99,10 @@ class GradientIntake:
         if reducer.reduced and not self.stage.reduces_every_backward:
             raise RuntimeError(
                 f"a gradient for {groups[g].names[i]!r} arrived after this step's gradients were already "
-                "reduced; call engine.step() after the boundary backward before running another backward"
+                "reduced; call engine.step() after the boundary backward before running another backward. To "
+                "accumulate several backwards into one step, make the earlier ones non-boundary: the config's "
+                "gradient_accumulation_steps (the engine counts them), engine.no_sync(), or under Fabric "
+                "`with fabric.no_backward_sync(model):` around each backward but the last"
             )
         if not reducer.in_backward:
             reducer.unmanaged = True
