@@ -387,7 +387,8 @@ class DivergenceCheck:
         return RuntimeError(
             f"ZeRO-3: ranks diverged at parameter gather #{seq} (this is rank {self.coll.rank}, {where}): "
             f"{by_rank}. The ranks took different code paths; under ZeRO stage 3 every rank must run the same "
-            "modules in the same order (make the control flow agree across ranks)."
+            "modules in the same order (make the control flow agree across ranks; a Hugging Face generate() "
+            "whose ranks stop at different lengths needs synced_gpus=True, as under DeepSpeed ZeRO-3)."
         )
 
     def _doing(self, row: list[int]) -> str:
