@@ -300,6 +300,9 @@ class ZeroFabricStrategy(ZeroFace, ProcessLayout, ParallelStrategy, _Sharded):
         )
 
     # ------------------------------------------------------------------ collectives
+    def live_engines(self) -> list[ZeroEngine]:
+        return list(self.engines)
+
     @override
     def all_reduce(self, tensor: Tensor, group: Any | None = None, reduce_op: ReduceOp | str | None = "mean") -> Tensor:
         return self.reduce_tensor(tensor, group, reduce_op)

@@ -30,6 +30,9 @@ from ._compat import (
     _sync_ddp_if_available,
 )
 
+if TYPE_CHECKING:
+    from ds_strategy.runtime import ZeroEngine
+
 T = TypeVar("T")
 
 
@@ -166,18 +169,36 @@ class ProcessLayout:
         assert self.cluster_environment is not None
         init_process_group(self.cluster_environment, self._process_group_backend, self._timeout)
 
+    def live_engines(self) -> list[ZeroEngine]:
+        """The engines this strategy runs now (ZeroStrategy: its one; ZeroFabricStrategy: every set-up model's)."""
+        return []
+
+    def meet_peers(self, what: str) -> None:
+        """Before each collective below: a rank still inside a stage-3 forward its peers skipped raises with
+        them at once instead of each waiting on another transport (ZeroEngine.meet_peers)."""
+        for engine in self.live_engines():
+            engine.meet_peers(what)
+
     def barrier(self, *args: Any, **kwargs: Any) -> None:
+        self.meet_peers("barrier")
         barrier(self.root_device)
 
     def reduce_tensor(self, tensor: T, group: Any | None = None, reduce_op: Any = "mean") -> T:
         """A tensor reduced over the ranks as Lightning's DDP does it (``self.log(sync_dist=True)``,
         torchmetrics: the Trainer's ``reduce``, Fabric's ``all_reduce``); anything else as it is."""
         if isinstance(tensor, torch.Tensor):
+            self.meet_peers("reduce")
             return cast(T, _sync_ddp_if_available(tensor, group, reduce_op=reduce_op))
         return tensor
 
     def broadcast(self, obj: T, src: int = 0) -> T:
+        self.meet_peers("broadcast")
         return broadcast_object(obj, src)
+
+    def all_gather(self, tensor: Any, group: Any | None = None, sync_grads: bool = False) -> Any:
+        self.meet_peers("all_gather")
+        base: Any = super()
+        return base.all_gather(tensor, group=group, sync_grads=sync_grads)
 
     def reduce_boolean_decision(self, decision: bool, all: bool = True) -> bool:
         if is_fake_group():  # every simulated rank decides as this one does (see [Note: one process for N ranks])

@@ -222,6 +222,9 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
         reset_seed()
         self.start_process_group()
 
+    def live_engines(self) -> list[ZeroEngine]:
+        return [] if self.engine is None else [self.engine]
+
     # ------------------------------------------------------------------ model and engine
     @contextmanager
     @override

@@ -695,6 +695,16 @@ class ZeroEngine(nn.Module):
     def local_rank(self) -> int:
         return int(os.environ.get("LOCAL_RANK", "0"))
 
+    def meet_peers(self, what: str) -> None:
+        """Call before a collective outside the model (``what``: "reduce", "barrier", "broadcast" or
+        "all_gather"; the Lightning strategies do): at stage 3, where the ranks compare the labels of their
+        parameter gathers, a peer still gathering for a forward this rank skipped and this rank both raise
+        at once, naming each other, instead of waiting on different transports until a timeout. Elsewhere
+        nothing (runtime/zero/divergence.py, [Note: meeting before a collective outside the model])."""
+        gatherer = getattr(self.stage, "gatherer", None)
+        if gatherer is not None:
+            gatherer.divergence.meet(what)
+
     def memory_breakdown(self, *, by_device: bool = False) -> dict[str, int]:
         """Bytes this rank holds: params (flat + frozen), gathered_params (stage 3's partitioned buckets gathered
         now), grads, master (separate fp32 copies), optimizer_state. ``by_device``: each kind ``k`` cut into

@@ -83,6 +83,11 @@ def _wrap64(value: int) -> int:
     return (value + (1 << 63)) % (1 << 64) - (1 << 63)
 
 
+# A collective outside the model (Lightning's metric reduction, a barrier, a broadcast) met before it runs: its
+# label's module slot is all ones (no module has that index), its fetch field the operation (see [Note: meeting
+# before a collective outside the model]).
+OUTSIDE_OPS = ("reduce", "barrier", "broadcast", "all_gather")
+_OUTSIDE_SLOT = _MASK
 PATHS_DIFFER = "the ranks called different collectives"  # the shared-memory path's words (csrc/comm)
 _FOLD = 1_000_003  # folds fetches beyond the log's capacity into its last slot (see [Note: the device log])
 SUMMARY_COPY = "stage-3 divergence check: the iteration's summary copied to pinned host memory without waiting"
@@ -233,6 +238,33 @@ class DivergenceCheck:
             self.coll.all_gather(self._closing, mine, tag=tag)
         except RuntimeError as err:
             raise self.gather_failed(err, tag, self._last_mid) from err
+
+    def meet(self, what: str) -> None:
+        """[Note: meeting before a collective outside the model] A rank that runs a forward its peers skip (a
+        sample logged on rank 0 only) waits in a parameter gather on the shared-memory path while the peers go
+        on to Lightning's next collective - a gloo barrier or all-reduce - and each would wait for the other
+        on a different transport until a timeout (30 minutes). So, where labels ride on the gathers, the
+        strategies' own collectives first run one labelled gather of ``world`` elements on the same path
+        (``what``: one of ``OUTSIDE_OPS``): the path compares it with the peer's parameter gather and every
+        rank raises at once, naming what each was doing. Ranks that agree pay one tiny gather."""
+        if not self.tagged or self.coll.world_size == 1:
+            return
+        assert self._closing is not None
+        mine = self._closing[self.coll.rank : self.coll.rank + 1]
+        tag = (OUTSIDE_OPS.index(what) + 1) << INDEX_BITS | _OUTSIDE_SLOT
+        try:
+            self.coll.all_gather(self._closing, mine, tag=tag)
+        except RuntimeError as err:
+            tags = self.coll.peer_tags() if PATHS_DIFFER in str(err) else []
+            if not tags:
+                raise
+            by_rank = ", ".join(f"rank {r} {self._doing([t & _MASK, t >> INDEX_BITS])}" for r, t in enumerate(tags))
+            raise RuntimeError(
+                f"ZeRO-3: ranks diverged before a collective outside the model (this is rank {self.coll.rank}, "
+                f"about to {what}): {by_rank}. A forward (or generate()) ran on some ranks only: under stage 3 "
+                "every forward gathers the partitioned weights from every rank, so run it on every rank and use "
+                "its result where you need it (e.g. log a sample on rank 0 only)."
+            ) from err
 
     # ------------------------------------------------------------------ headers
     @property
@@ -393,6 +425,9 @@ class DivergenceCheck:
 
     def _doing(self, row: list[int]) -> str:
         slot, seq = row
+        if slot == _OUTSIDE_SLOT and 0 < seq <= len(OUTSIDE_OPS):
+            what = OUTSIDE_OPS[seq - 1]
+            return f"is about to {what} outside the model (Lightning: self.log(sync_dist=True), a barrier, a broadcast)"
         if slot == 0 and seq == 0:
             return "is in another collective (not a parameter gather: a gradient reduction, or the user's own)"
         if slot == 0:
