@@ -34,7 +34,7 @@ def test_auto_batch_from_context() -> None:
 
 def test_auto_without_context_stays_unresolved_then_resolves() -> None:
     config = load_config(HF_AUTO)
-    assert not config.batch_resolved and config.gradient_clipping == 0.0
+    assert not config.batch_resolved and config.gradient_clipping == 1.0
     assert not config.fp16_enabled and not config.bf16_enabled
     with pytest.raises(ConfigError, match="batch sizes are not resolved yet"):
         _ = config.batch

@@ -30,7 +30,7 @@ from ds_strategy.config.schema import resolve
 DEEPSPEED_CODE_DEFAULTS: dict[str, Any] = {
     "steps_per_print": None,
     "wall_clock_breakdown": False,
-    "gradient_clipping": 0.0,
+    "gradient_clipping": 1.0,  # DeepSpeed 0.19.8: GRADIENT_CLIPPING_DEFAULT = 1.0
     "prescale_gradients": False,
     "gradient_predivide_factor": 1.0,
     "communication_data_type": None,

@@ -118,5 +118,5 @@ def test_reresolving_keeps_the_original_autos() -> None:
     )
     assert (config.train_batch_size, config.gradient_clipping) == (4, 0.3)
     again = load_config(config, context={"micro_batch_size": 5, "world_size": 1})
-    assert (again.train_batch_size, again.gradient_clipping) == (5, 0.0)
+    assert (again.train_batch_size, again.gradient_clipping) == (5, 1.0)  # the default
     assert load_config(config, world_size=3).train_batch_size == 6  # keeps the earlier context

@@ -140,8 +140,9 @@ def render_markdown() -> str:
         'key only warns or fails when its value asks for something (not its default, not `"enabled": false`). '
         "The classification lives in `src/ds_strategy/config/support.py`.",
         "",
-        "Defaults follow DeepSpeed's code where its documentation differs (`overlap_comm`, `gradient_clipping`, "
-        "`steps_per_print`, `stage3_prefetch_bucket_size`).",
+        "Defaults follow DeepSpeed's code (0.19.8) where its documentation differs (`overlap_comm`, "
+        "`steps_per_print`, `stage3_prefetch_bucket_size`). `gradient_clipping` is 1.0 in both; under Lightning "
+        "and Fabric an absent value means the Trainer's `gradient_clip_val`, else no clipping.",
         "",
         "## A complete example",
         "",

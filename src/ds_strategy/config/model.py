@@ -509,7 +509,7 @@ class DeepSpeedConfig:
     sequence_parallel_size: int = 1
     steps_per_print: int | None = None
     wall_clock_breakdown: bool = False
-    gradient_clipping: float = 0.0
+    gradient_clipping: float = 1.0  # DeepSpeed's default (runtime/constants.py GRADIENT_CLIPPING_DEFAULT)
     prescale_gradients: bool = False
     gradient_predivide_factor: float = 1.0
     gradient_allreduce_op: Literal["mean", "sum"] = "mean"

@@ -114,7 +114,10 @@ SUPPORT: dict[str, Support] = {
     "fp16.fused_mode": _warned("a legacy fp16 optimizer switch; results and memory are the same without it"),
     "bf16": _acted(),
     "bf16.enabled": _acted(),
-    "bf16.immediate_grad_update": _refused("immediate fp32 gradient accumulation during backward is not built"),
+    "bf16.immediate_grad_update": _warned(
+        "each bf16 gradient is added to an fp32 gradient buffer as it arrives during backward whatever this says "
+        "(what true asks for; DeepSpeed's default)"
+    ),
     "bf16.check_grad_overflow": _warned(
         "ds_strategy always checks gradients for inf/nan and skips such a step, in every precision"
     ),

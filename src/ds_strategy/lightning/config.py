@@ -251,11 +251,16 @@ def resolve(
 ) -> DeepSpeedConfig:
     """Validate ``raw`` with the Trainer's values as the context (see the module docstring); ``on_conflict``
     decides a value the config states and the Trainer contradicts (``ConfigContext.on_conflict``)."""
+    # No clip value from the Trainer and none stated in the config: no clipping, as under DDP and Lightning's
+    # DeepSpeedStrategy (``trainer.gradient_clip_val or 0.0``), not DeepSpeed's own default of 1.0.
+    clip = gradient_clip_val
+    if clip is None and raw.get("gradient_clipping", "auto") == "auto":
+        clip = 0.0
     context = ConfigContext(
         world_size=world_size,
         micro_batch_size=micro_batch_size,
         gradient_accumulation_steps=accumulate_grad_batches,
-        gradient_clipping=None if gradient_clip_val is None else float(gradient_clip_val),
+        gradient_clipping=None if clip is None else float(clip),
         precision=precision,
         source="the Trainer",
         on_conflict=on_conflict,
