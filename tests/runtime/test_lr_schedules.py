@@ -93,7 +93,7 @@ def test_one_cycle_lr_momentum_and_decay() -> None:
         cycle_min_mom=0.8,
         cycle_max_mom=0.9,
     )
-    assert opt.param_groups[0]["lr"] == 0.01 and opt.param_groups[0]["betas"] == (0.8, 0.999)
+    assert opt.param_groups[0]["lr"] == 0.01 and opt.param_groups[0]["betas"] == (0.8, 0.99)  # DeepSpeed's beta2
 
     def scale(i: int) -> float:  # position in the triangle after step i (iteration i + 1)
         x = (i + 1) / 10
@@ -106,7 +106,28 @@ def test_one_cycle_lr_momentum_and_decay() -> None:
         moms.append(opt.param_groups[0]["betas"])
     _close(lrs, lambda i: 0.01 + 0.09 * scale(i) if i < 10 else 0.01 / (1 + 0.5 * (i - 9) / 2))
     assert [m[0] for m in moms[:10]] == pytest.approx([0.9 - 0.1 * scale(i) for i in range(10)])
-    assert all(m[1] == 0.999 for m in moms)  # beta2 kept
+    assert all(m[1] == 0.99 for m in moms)  # DeepSpeed's OneCycle writes beta2 = 0.99 with every momentum
+
+
+def test_one_cycle_stairs_per_group_momentum_and_bad_step_sizes() -> None:
+    """cycle_*_stair_count: each half moves in whole stairs (DeepSpeed's trajectory for first step size 4,
+    2 stairs); per-group momentum bounds; a step size of 0 is a clear error, not a ZeroDivisionError."""
+    opt = _opt(groups=2)
+    sched = OneCycle(
+        opt, cycle_min_lr=0.001, cycle_max_lr=0.01, cycle_first_step_size=4, cycle_first_stair_count=2,
+        cycle_min_mom=[0.8, 0.85], cycle_max_mom=[0.9, 0.95],
+    )  # fmt: skip
+    assert [g["betas"] for g in opt.param_groups] == [(0.8, 0.99), (0.85, 0.99)]
+    lrs = _trajectory(sched, opt, 8)
+    _close(lrs, lambda i: [0.001, 0.0055, 0.0055, 0.01, 0.0055, 0.0055, 0.001, 0.001][i])
+    sched = OneCycle(_opt(groups=2), cycle_min_lr=0.001, cycle_max_lr=0.01, cycle_first_step_size=4,
+                     cycle_min_mom=[0.8, 0.85], cycle_max_mom=[0.9, 0.95])  # fmt: skip
+    sched.step()
+    assert [g["betas"][0] for g in sched.optimizer.param_groups] == pytest.approx([0.875, 0.925])
+    with pytest.raises(ValueError, match="cycle_first_step_size must be positive, got 0"):
+        OneCycle(_opt(), cycle_min_lr=0.001, cycle_max_lr=0.01, cycle_first_step_size=0)
+    with pytest.raises(ValueError, match="cycle_min_mom has 3 values but the optimizer has 1 param groups"):
+        OneCycle(_opt(), cycle_min_lr=0.001, cycle_max_lr=0.01, cycle_min_mom=[0.8, 0.8, 0.8])
 
 
 def test_lr_range_test_continuous_and_staircase() -> None:

@@ -203,13 +203,18 @@ class WarmupCosineLR(_Schedule):
 class OneCycle(_Schedule):
     """One triangular cycle of the lr between ``cycle_min_lr`` and ``cycle_max_lr`` (and of beta1 between
     ``cycle_max_mom`` and ``cycle_min_mom``, inversely), then a decay of the lr by
-    ``1 / (1 + decay_lr_rate * k / decay_step_size)`` k steps after the cycle."""
+    ``1 / (1 + decay_lr_rate * k / decay_step_size)`` k steps after the cycle. ``cycle_*_stair_count`` > 0
+    moves each half of the cycle in that many equal stairs instead of linearly. Every lr and momentum bound
+    may be a list with one value per param group. As in DeepSpeed, cycling the momentum writes each group's
+    ``betas`` as ``(beta1, 0.99)``."""
+
+    BETA2 = 0.99  # DeepSpeed's OneCycle writes this second beta with every momentum
 
     def __init__(
         self,
         optimizer: Optimizer,
-        cycle_min_lr: float,
-        cycle_max_lr: float,
+        cycle_min_lr: float | Sequence[float],
+        cycle_max_lr: float | Sequence[float],
         decay_lr_rate: float = 0.0,
         cycle_first_step_size: int = 2000,
         cycle_second_step_size: int | None = None,
@@ -217,20 +222,25 @@ class OneCycle(_Schedule):
         cycle_second_stair_count: int | None = None,
         decay_step_size: int = 0,
         cycle_momentum: bool = True,
-        cycle_min_mom: float = 0.8,
-        cycle_max_mom: float = 0.9,
+        cycle_min_mom: float | Sequence[float] = 0.8,
+        cycle_max_mom: float | Sequence[float] = 0.9,
         decay_mom_rate: float = 0.0,
         last_batch_iteration: int = -1,
     ) -> None:
         super().__init__(optimizer, last_batch_iteration)
         first = float(cycle_first_step_size)
         second = float(cycle_second_step_size) if cycle_second_step_size is not None else first
+        if first <= 0:
+            raise ValueError(f"OneCycle: cycle_first_step_size must be positive, got {cycle_first_step_size}")
+        if second < 0:
+            raise ValueError(f"OneCycle: cycle_second_step_size must be >= 0, got {cycle_second_step_size}")
+        self.first_size, self.second_size = first, second
         self.total_size = first + second
         self.step_ratio = first / self.total_size
         self.first_stair_count = cycle_first_stair_count
-        self.second_stair_count = cycle_second_stair_count
-        if cycle_second_stair_count is None:
-            self.second_stair_count = cycle_first_stair_count
+        self.second_stair_count = (
+            cycle_first_stair_count if cycle_second_stair_count is None else cycle_second_stair_count
+        )
         self.decay_step_size = decay_step_size
         self.min_lrs = _per_group(cycle_min_lr, optimizer, "cycle_min_lr")
         self.max_lrs = _per_group(cycle_max_lr, optimizer, "cycle_max_lr")
@@ -239,19 +249,29 @@ class OneCycle(_Schedule):
         self.cycle_momentum = cycle_momentum and "betas" in optimizer.defaults
         if cycle_momentum and not self.cycle_momentum:
             log.warning("OneCycle: cycle_momentum is off because %s has no betas", type(optimizer).__name__)
-        self.min_mom, self.max_mom = float(cycle_min_mom), float(cycle_max_mom)
+        self.min_moms = _per_group(cycle_min_mom, optimizer, "cycle_min_mom")
+        self.max_moms = _per_group(cycle_max_mom, optimizer, "cycle_max_mom")
         self.decay_mom_rate = float(decay_mom_rate)
         self.skip_mom_decay = math.isclose(decay_step_size, 0) or math.isclose(self.decay_mom_rate, 0)
         if last_batch_iteration == -1:
             self._write(self.min_lrs)
             if self.cycle_momentum:
-                self._write_beta1([self.min_mom] * len(optimizer.param_groups))
+                self._write_beta1(self.min_moms)
 
     def _scale_factor(self) -> float:
         iteration = self.last_batch_iteration + 1
         cycle = math.floor(1 + iteration / self.total_size)
         x = 1.0 + iteration / self.total_size - cycle
-        return x / self.step_ratio if x <= self.step_ratio else (x - 1) / (self.step_ratio - 1)
+        rising = x <= self.step_ratio
+        stairs = self.first_stair_count if rising else self.second_stair_count
+        if stairs > 0:  # the position within the half, rounded down to a whole stair
+            at = iteration % self.total_size
+            if at <= self.first_size:
+                position = at * stairs / self.first_size
+            else:
+                position = (self.total_size - at) * stairs / self.second_size
+            return math.floor(position) / stairs
+        return x / self.step_ratio if rising else (x - 1) / (self.step_ratio - 1)
 
     def get_lr(self) -> list[float]:
         if self.last_batch_iteration < self.total_size:
@@ -265,13 +285,13 @@ class OneCycle(_Schedule):
     def get_mom(self) -> list[float] | None:
         if not self.cycle_momentum:
             return None
-        groups = len(self.optimizer.param_groups)
         if self.last_batch_iteration < self.total_size:
-            return [self.max_mom - (self.max_mom - self.min_mom) * self._scale_factor()] * groups
+            scale = self._scale_factor()
+            return [hi - (hi - lo) * scale for lo, hi in zip(self.min_moms, self.max_moms, strict=True)]
         if self.skip_mom_decay:
-            return [self.max_mom] * groups
+            return list(self.max_moms)
         interval = (self.last_batch_iteration - self.total_size + 1) / self.decay_step_size
-        return [self.max_mom * (1 + self.decay_mom_rate * interval)] * groups
+        return [hi * (1 + self.decay_mom_rate * interval) for hi in self.max_moms]
 
     def step(self, last_batch_iteration: int | None = None) -> None:
         super().step(last_batch_iteration)
@@ -281,7 +301,7 @@ class OneCycle(_Schedule):
 
     def _write_beta1(self, moms: Sequence[float]) -> None:
         for group, mom in zip(self.optimizer.param_groups, moms, strict=True):
-            group["betas"] = (mom, *tuple(group["betas"])[1:])
+            group["betas"] = (mom, self.BETA2)
 
 
 class LRRangeTest(_Schedule):
