@@ -263,3 +263,51 @@ def test_a_second_backward_at_the_boundary_says_how_to_accumulate(stage: int) ->
     for message in run_distributed(_second_boundary_backward, world_size=2, args=(stage,)):
         assert "arrived after this step's gradients were already reduced" in message
         assert "gradient_accumulation_steps" in message and "fabric.no_backward_sync(model)" in message, message
+
+
+class _SparseEmbedding(torch.nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.embed = torch.nn.Embedding(50, 8, sparse=True)
+        self.head = torch.nn.Linear(8, 1)
+
+    def forward(self, ids: torch.Tensor) -> torch.Tensor:
+        return self.head(self.embed(ids)).pow(2).mean()
+
+
+def _sparse_embedding(rank: int, world: int, stage: int) -> dict[str, torch.Tensor]:
+    import ds_strategy
+    import ds_strategy.runtime as rt
+
+    config = {
+        "train_micro_batch_size_per_gpu": 2,
+        "gradient_clipping": 0.0,
+        "optimizer": {"type": "SGD", "params": {"lr": 0.5, "momentum": 0.9}},
+        "zero_optimization": {"stage": stage, "stage3_param_persistence_threshold": 0},
+    }
+    engine, *_ = rt.initialize(model=_SparseEmbedding(), config=config)
+    for step in range(3):
+        ids = torch.randint(0, 50, (2 * world, 3), generator=torch.Generator().manual_seed(step))
+        engine.backward(engine(ids[2 * rank : 2 * rank + 2]))
+        engine.step()
+    with ds_strategy.zero.GatheredParameters(list(engine.module.parameters())):
+        weights = {n: p.detach().clone() for n, p in engine.module.named_parameters()}
+    engine.destroy()
+    return weights
+
+
+@pytest.mark.parametrize("stage", [0, 2, 3])
+def test_a_sparse_embedding_trains_as_its_dense_gradient(stage: int) -> None:
+    """nn.Embedding(sparse=True) (DeepSpeed trains it): the hook densifies its gradient into the flat buffers;
+    the weights equal torch's SGD on the whole batch (it crashed in backward: 'aten::view' on SparseCPU)."""
+    ref = _SparseEmbedding()
+    opt = torch.optim.SGD(ref.parameters(), lr=0.5, momentum=0.9)
+    for step in range(3):
+        ids = torch.randint(0, 50, (4, 3), generator=torch.Generator().manual_seed(step))
+        opt.zero_grad()
+        ((ref(ids[:2]) + ref(ids[2:])) / 2).backward()
+        opt.step()
+    for weights in run_distributed(_sparse_embedding, world_size=2, args=(stage,)):
+        for name, p in ref.named_parameters():
+            assert torch.allclose(weights[name], p.detach(), atol=1e-6), name

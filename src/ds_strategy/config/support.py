@@ -302,7 +302,10 @@ SUPPORT: dict[str, Support] = {
     # ---------------------------------------------------------------- accepted-but-ignored DeepSpeed keys
     "dump_state": _warned("prints DeepSpeed's engine state; nothing else changes"),
     "memory_breakdown": _warned("use engine.memory_breakdown() instead; nothing else changes"),
-    "sparse_gradients": _warned("ds_strategy reduces embedding gradients densely; the averages are the same"),
+    "sparse_gradients": _warned(
+        "ds_strategy reduces embedding gradients densely (an nn.Embedding(sparse=True) trains, its gradient "
+        "densified into the flat buffers); the averages are the same"
+    ),
     "disable_allgather": _warned(_PERF_ONLY),
     "graph_harvesting": _warned(_PERF_ONLY),
     "vocabulary_size": _warned("only an alignment hint for DeepSpeed's kernels"),

@@ -93,6 +93,8 @@ class GradientIntake:
         param.grad = None
         if grad is None:
             return
+        if grad.layout != torch.strided:  # nn.Embedding(sparse=True): the flat buffers hold dense gradients
+            grad = grad.to_dense()
         g, i = self.where[pid]
         groups = self.stage.groups
         reducer = self.reducer
