@@ -26,7 +26,7 @@ pytestmark = pytest.mark.kernels
 class ReferenceLion(torch.optim.Optimizer):
     """Lion stepped by the pure-torch reference (ds_strategy.ops.fallback.lion_step_), one tensor at a time."""
 
-    def __init__(self, params: Any, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.99),
+    def __init__(self, params: Any, lr: float = 1e-4, betas: tuple[float, float] = (0.9, 0.999),
                  weight_decay: float = 0.0) -> None:  # fmt: skip
         super().__init__(params, dict(lr=lr, betas=betas, weight_decay=weight_decay))
 

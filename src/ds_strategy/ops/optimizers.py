@@ -287,7 +287,7 @@ class CPULion(_KernelOptimizer):
         self,
         params: ParamsT,
         lr: float = 1e-4,
-        betas: tuple[float, float] = (0.9, 0.99),
+        betas: tuple[float, float] = (0.9, 0.999),  # DeepSpeedCPULion's default
         weight_decay: float = 0.0,
     ) -> None:
         if lr < 0 or weight_decay < 0 or not all(0.0 <= b < 1.0 for b in betas):

@@ -125,7 +125,7 @@ _DEFAULTS: dict[str, dict[str, Any]] = {
     "Adam": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
     "AdamW": {"lr": 1e-3, "betas": (0.9, 0.999), "eps": 1e-8, "weight_decay": 0.0},
     "Adagrad": {"lr": 1e-2, "eps": 1e-10, "weight_decay": 0.0},
-    "Lion": {"lr": 1e-3, "betas": (0.9, 0.99), "weight_decay": 0.0},
+    "Lion": {"lr": 1e-3, "betas": (0.9, 0.999), "weight_decay": 0.0},  # DeepSpeed's FusedLion / CPULion
     "SGD": {"lr": 1e-3},
 }
 # DeepSpeed-only switches that do not reach torch.optim.
