@@ -587,15 +587,20 @@ class DeepSpeedConfig:
         """The resolved batch triple; raises ``ConfigError`` saying what is missing when unresolved."""
         tb, mb, gas = self.train_batch_size, self.train_micro_batch_size_per_gpu, self.gradient_accumulation_steps
         if tb is None or mb is None or gas is None or self.world_size is None:
-            missing = "the data-parallel world size" if self.world_size is None else "a micro batch size"
+            if self.world_size is None:
+                missing = "the data-parallel world size is needed; pass it with load_config(..., world_size=...)"
+            else:
+                missing = (
+                    "a micro batch size is needed: set train_micro_batch_size_per_gpu (or train_batch_size) in the "
+                    "config, or pass it with load_config(..., context=ConfigContext(micro_batch_size=...))"
+                )
             raise ConfigError(
                 [
                     ConfigProblem(
                         "train_batch_size",
                         f"the batch sizes are not resolved yet (train_batch_size={format_value(tb)}, "
                         f"train_micro_batch_size_per_gpu={format_value(mb)}, gradient_accumulation_steps="
-                        f"{format_value(gas)}): {missing} is needed; pass it with load_config(..., world_size=..., "
-                        "context=ConfigContext(micro_batch_size=...))",
+                        f"{format_value(gas)}): {missing}",
                     )
                 ]
             )
