@@ -87,8 +87,11 @@ class ZeroPrecision(EngineDtypes, Precision):
                 "on every step, because the gradient reduction is a collective"
             )
         max_norm, self._clip_request = self._clip_request, None
-        with clipping_at(engine, max_norm):
-            return engine.step()
+        try:
+            with clipping_at(engine, max_norm):
+                return engine.step()
+        finally:
+            engine.set_gradient_accumulation_boundary(None)  # the override lasts until reset, as DeepSpeed's
 
     @override
     def clip_gradients(

@@ -357,7 +357,6 @@ class ZeroEngine(nn.Module):
         else:
             self._step_applied = False  # DeepSpeed's: no optimizer step was applied by this call
         self.micro_steps += 1
-        self._boundary_override = None
 
     def _take_model_step(self, lr_kwargs: dict[str, Any]) -> None:
         if self.optimizer is None:
@@ -495,7 +494,8 @@ class ZeroEngine(nn.Module):
         return (self.micro_steps + 1) % self.batch.gradient_accumulation_steps == 0
 
     def set_gradient_accumulation_boundary(self, is_boundary: bool | None) -> None:
-        """Override the boundary for the current micro-step (Lightning decides it); None restores counting."""
+        """Override the accumulation boundary until set again, as DeepSpeed's (Lightning decides it this way);
+        None restores counting by ``gradient_accumulation_steps``."""
         self._boundary_override = is_boundary
 
     @contextmanager

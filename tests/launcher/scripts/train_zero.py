@@ -55,6 +55,7 @@ def main() -> None:
     config = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,  # the reference is plain SGD (DeepSpeed's default clips at 1.0)
         "optimizer": {"type": "SGD", "params": {"lr": LR, "momentum": MOMENTUM}},
         "zero_optimization": {"stage": 2, "reduce_bucket_size": 64},
     }
