@@ -61,6 +61,7 @@ def ds_config(stage: int, offload: bool, micro: int) -> dict[str, Any]:
     return {
         "train_micro_batch_size_per_gpu": micro,
         "gradient_accumulation_steps": 1,
+        "gradient_clipping": 0.0,  # both engines' default is 1.0; the torch peers (DDP, FSDP2) do not clip
         "optimizer": {"type": "AdamW", "params": {"lr": 1e-4, "weight_decay": 0.01}},
         "zero_optimization": zero,
         "steps_per_print": 10**9,
