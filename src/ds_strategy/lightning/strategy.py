@@ -332,7 +332,9 @@ class ZeroStrategy(ZeroFace, ProcessLayout, ParallelStrategy):
             raise MisconfigurationException(
                 f"ZeroStrategy trains with one optimizer, but configure_optimizers returned {len(real)} ({names}). "
                 "Use one optimizer with a param group per parameter set (each group can have its own lr and "
-                "weight decay); alternating optimizers (GAN-style) are not supported by the ZeRO engine"
+                "weight decay; note that its step moves every group, so Adam's moments and weight decay also move "
+                "a group that got no gradient, unlike two torch optimizers); alternating optimizers (GAN-style) "
+                "are not supported by ZeroStrategy: under Fabric, ZeroFabricStrategy builds one engine per model"
             )
         return (real[0] if real else None), schedulers
 
