@@ -168,6 +168,7 @@ def _api(rank: int, world: int) -> dict[str, Any]:
         engine.backward(engine(x, y))
         engine.step()
         out["no_step_when_not_boundary"] = engine.global_steps == 0 and engine.micro_steps == 1
+        engine.set_gradient_accumulation_boundary(None)  # the override lasts until reset, as DeepSpeed's
         for _ in range(4):
             engine.backward(engine(x, y))
             engine.step()

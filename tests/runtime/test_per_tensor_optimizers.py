@@ -97,6 +97,7 @@ def _config(stage: int, kind: str, bucket: int) -> dict[str, Any]:
     cfg: dict[str, Any] = {
         "train_micro_batch_size_per_gpu": MICRO,
         "gradient_accumulation_steps": GAS,
+        "gradient_clipping": 0.0,  # the references are unclipped torch optimizers
         "zero_optimization": {
             "stage": stage,
             "reduce_bucket_size": bucket,
